@@ -1,0 +1,360 @@
+"""Throughput decomposition and regression attribution.
+
+tok/s = avg_commit / step_time, so step_ms = 1000 * avg_commit / tok_per_s. A robust line
+step_ms(ctx) = a + b*ctx is fitted to the baseline's points. A point is compared with a reference
+(the baseline curve at the same context, or for baseline points the baseline's shortest context):
+
+    ln(tps_ref / tps) = ln(commit_ref / commit)       acceptance
+                      + ln(step_fit(ctx) / step_fit(ctx_ref))   context scaling (0 at the same ctx)
+                      + ln(step / step_fit(ctx)) - ln(step_ref / step_fit(ctx_ref))   other step cost
+
+and each term's share of the gap is term / ln(tps_ref / tps).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import median, pstdev
+from typing import Any
+
+import numpy as np
+
+ON_PAR = math.log(1.02)  # gaps under 2% are reported as on par
+HUBER_K = 1.345          # the usual 95%-efficiency tuning constant
+
+
+class AnalysisError(ValueError):
+    """Input that cannot be analysed, with a message that says why."""
+
+
+@dataclass
+class Point:
+    label: str
+    prompt_tokens: float
+    tok_per_s: float
+    avg_commit: float | None
+    n: int = 1
+    tok_per_s_sd: float = 0.0
+    avg_commit_sd: float = 0.0
+    step_ms_sd: float = 0.0
+    engine_step_ms: float | None = None
+
+    @property
+    def step_ms(self) -> float | None:
+        return 1000.0 * self.avg_commit / self.tok_per_s if self.avg_commit else None
+
+
+@dataclass
+class Fit:
+    a_ms: float
+    b_ms_per_token: float
+    r2: float | None
+    n_points: int
+
+    def step_ms(self, ctx: float) -> float:
+        return self.a_ms + self.b_ms_per_token * ctx
+
+    def tok_per_s(self, ctx: float, commit: float) -> float:
+        """The prediction tok/s(ctx, commit) = commit / step(ctx)."""
+        return 1000.0 * commit / self.step_ms(ctx)
+
+
+def robust_fit(x: list[float], y: list[float], iterations: int = 50) -> Fit:
+    """Huber IRLS line fit (resists a stray slow request) with the ordinary R^2 of the final line."""
+    xs, ys = np.asarray(x, float), np.asarray(y, float)
+    if len(xs) == 0:
+        raise AnalysisError("no points to fit")
+    if len(np.unique(xs)) < 2:  # one context: a flat line through the median
+        return Fit(float(np.median(ys)), 0.0, None, len(xs))
+    design = np.column_stack([np.ones_like(xs), xs])
+    weights = np.ones_like(xs)
+    coef = np.zeros(2)
+    for _ in range(iterations):
+        sw = np.sqrt(weights)
+        new, *_ = np.linalg.lstsq(design * sw[:, None], ys * sw, rcond=None)
+        converged = np.allclose(new, coef, rtol=1e-10, atol=1e-12)
+        coef = new
+        resid = ys - design @ coef
+        scale = 1.4826 * np.median(np.abs(resid - np.median(resid)))
+        if converged or scale <= 1e-12 * max(1.0, float(np.abs(ys).max())):
+            break
+        cut = HUBER_K * scale
+        weights = np.minimum(1.0, cut / np.maximum(np.abs(resid), 1e-300))
+    resid = ys - design @ coef
+    ss_tot = float(((ys - ys.mean()) ** 2).sum())
+    r2 = 1.0 - float((resid ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
+    return Fit(float(coef[0]), float(coef[1]), r2, len(xs))
+
+
+# ---- input -------------------------------------------------------------------------------------
+
+def _aggregate(rows: list[dict[str, Any]]) -> list[Point]:
+    """Median over repeats of each (label, context) group; spread as the population sd."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["label"], row["context"]), []).append(row)
+    points = []
+    for (label, _), grp in groups.items():
+        commits = [r["avg_commit"] for r in grp if r.get("avg_commit")]
+        steps = [1000.0 * r["avg_commit"] / r["tok_per_s"] for r in grp if r.get("avg_commit")]
+        engine = [r["engine_step_ms"] for r in grp if r.get("engine_step_ms")]
+        tps = [r["tok_per_s"] for r in grp]
+        points.append(Point(
+            label=label, prompt_tokens=median(r["prompt_tokens"] for r in grp), tok_per_s=median(tps),
+            avg_commit=median(commits) if len(commits) == len(grp) else None, n=len(grp),
+            tok_per_s_sd=pstdev(tps), avg_commit_sd=pstdev(commits) if commits else 0.0,
+            step_ms_sd=pstdev(steps) if steps else 0.0, engine_step_ms=median(engine) if engine else None))
+    return sorted(points, key=lambda p: (p.label, p.prompt_tokens))
+
+
+def _num(value: Any, what: str, where: str) -> float | None:
+    if value in (None, ""):
+        return None
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise AnalysisError(f"{where}: {what} {value!r} is not a number") from None
+    if not math.isfinite(out) or out < 0:
+        raise AnalysisError(f"{where}: {what} {value!r} must be a finite number >= 0")
+    return out
+
+
+def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any] | None:
+    """A measured row with numeric fields, or None for rows that recorded an error."""
+    if raw.get("error"):
+        return None
+    row = {"label": str(raw.get("label") or default_label), "context": raw.get("context")}
+    for key in ("prompt_tokens", "tok_per_s", "avg_commit", "engine_step_ms"):
+        row[key] = _num(raw.get(key), key, where)
+    if not row["prompt_tokens"] or not row["tok_per_s"]:
+        raise AnalysisError(f"{where}: prompt_tokens and tok_per_s must both be > 0")
+    if row["context"] in (None, ""):
+        row["context"] = row["prompt_tokens"]
+    row["commits"] = raw.get("commits")
+    return row
+
+
+def load_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Measured rows and metadata from a results.json or a CSV with columns
+    prompt_tokens,tok_per_s,avg_commit[,label]."""
+    if not path.is_file():
+        raise AnalysisError(f"file not found: {path}")
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise AnalysisError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
+            raise AnalysisError(f"{path} is not a ddscope bench results.json (no 'records' list)")
+        raw_rows = doc["records"]
+        meta = {k: doc.get(k) for k in ("backend", "acceptance_source", "status")}
+    else:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            missing = {"prompt_tokens", "tok_per_s", "avg_commit"} - set(reader.fieldnames or [])
+            if missing:
+                raise AnalysisError(f"{path} lacks CSV column(s) {', '.join(sorted(missing))}")
+            raw_rows = list(reader)
+        meta = {}
+    rows = [r for i, raw in enumerate(raw_rows, 1) if (r := _clean(raw, f"{path}:{i}", path.stem))]
+    return rows, meta
+
+
+def parse_point(spec: str, index: int) -> dict[str, Any]:
+    """`CTX:TPS:COMMIT[:LABEL]`, e.g. "4000:45:3.1" for 45 tok/s at 4000 tokens with avg_commit 3.1."""
+    parts = spec.split(":")
+    if len(parts) not in (3, 4):
+        raise AnalysisError(f"--point {spec!r}: expected CTX:TPS:COMMIT[:LABEL]")
+    raw = dict(zip(("prompt_tokens", "tok_per_s", "avg_commit"), parts[:3]))
+    raw["label"] = parts[3] if len(parts) == 4 else f"point{index}"
+    row = _clean(raw, f"--point {spec}", raw["label"])
+    if not row or not row["avg_commit"]:
+        raise AnalysisError(f"--point {spec!r}: avg_commit must be > 0")
+    return row
+
+
+# ---- attribution -------------------------------------------------------------------------------
+
+@dataclass
+class Attribution:
+    label: str
+    prompt_tokens: float
+    tok_per_s: float
+    avg_commit: float
+    step_ms: float
+    reference: str
+    ref_prompt_tokens: float
+    ref_tok_per_s: float
+    ref_avg_commit: float
+    ref_step_ms: float
+    gap_log: float
+    acceptance_log: float
+    context_log: float
+    residual_log: float
+    acceptance_share: float | None
+    step_share: float | None
+    context_share: float | None
+    residual_share: float | None
+    step_vs_curve_pct: float
+    verdict: str = ""
+
+
+def _share(term: float, gap: float) -> float | None:
+    return term / gap if abs(gap) > 1e-12 else None
+
+
+def attribute(p: Point, fit: Fit, ref_ctx: float, ref_commit: float, ref_step: float,
+              reference: str) -> Attribution:
+    step = p.step_ms
+    assert p.avg_commit and step
+    curve, ref_curve = fit.step_ms(p.prompt_tokens), fit.step_ms(ref_ctx)
+    acc = math.log(ref_commit / p.avg_commit)
+    ctx = math.log(curve / ref_curve)
+    resid = math.log(step / curve) - math.log(ref_step / ref_curve)
+    gap = acc + ctx + resid
+    a = Attribution(
+        label=p.label, prompt_tokens=p.prompt_tokens, tok_per_s=p.tok_per_s, avg_commit=p.avg_commit,
+        step_ms=step, reference=reference, ref_prompt_tokens=ref_ctx,
+        ref_tok_per_s=1000.0 * ref_commit / ref_step, ref_avg_commit=ref_commit, ref_step_ms=ref_step,
+        gap_log=gap, acceptance_log=acc, context_log=ctx, residual_log=resid,
+        acceptance_share=_share(acc, gap), step_share=_share(ctx + resid, gap),
+        context_share=_share(ctx, gap), residual_share=_share(resid, gap),
+        step_vs_curve_pct=100.0 * (step / curve - 1.0))
+    a.verdict = verdict(a)
+    return a
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100.0 * x:.0f}%"
+
+
+def verdict(a: Attribution) -> str:
+    """Plain words, e.g. "82% of the gap is acceptance (3.1 vs 6.0 tokens/step); step time is 9%
+    above the baseline curve"."""
+    change = 100.0 * (a.tok_per_s / a.ref_tok_per_s - 1.0)
+    head = (f"{a.tok_per_s:.1f} vs {a.ref_tok_per_s:.1f} tok/s ({change:+.0f}%) at "
+            f"{a.prompt_tokens:.0f} tokens, against {a.reference}")
+    if abs(a.gap_log) < ON_PAR:
+        return f"on par: {head}"
+    terms = {"acceptance": a.acceptance_log, "context scaling": a.context_log, "other step cost": a.residual_log}
+    cause = max(terms, key=lambda k: terms[k] * math.copysign(1.0, a.gap_log))
+    parts = [f"{_pct(a.acceptance_share)} of the gap is acceptance "
+             f"({a.avg_commit:.2f} vs {a.ref_avg_commit:.2f} tokens/step)"]
+    if a.context_log:
+        parts.append(f"{_pct(a.context_share)} is context scaling (fitted step "
+                     f"{math.exp(a.context_log):.2f}x from {a.ref_prompt_tokens:.0f} tokens)")
+        parts.append(f"{_pct(a.residual_share)} is other step cost")
+    parts.append(f"step time is {abs(a.step_vs_curve_pct):.0f}% "
+                 f"{'above' if a.step_vs_curve_pct >= 0 else 'below'} the baseline curve")
+    direction = "slower" if a.gap_log > 0 else "faster"
+    return f"{direction}, mostly {cause}: " + "; ".join(parts) + f" [{head}]"
+
+
+# ---- acceptance against generated position ------------------------------------------------------
+
+def acceptance_windows(commit_lists: list[list[int]], window: int) -> list[dict[str, float]]:
+    """avg_commit per window of generated positions, pooled over requests: a step belongs to the
+    window its first token falls in."""
+    if window < 1:
+        raise AnalysisError("the acceptance window must be at least 1 token")
+    tokens: dict[int, int] = {}
+    steps: dict[int, int] = {}
+    for commits in commit_lists:
+        pos = 0
+        for c in commits:
+            w = pos // window
+            tokens[w] = tokens.get(w, 0) + c
+            steps[w] = steps.get(w, 0) + 1
+            pos += c
+    return [{"start": w * window, "end": (w + 1) * window, "avg_commit": tokens[w] / steps[w],
+             "steps": steps[w]} for w in sorted(steps)]
+
+
+# ---- the whole analysis ------------------------------------------------------------------------
+
+@dataclass
+class Analysis:
+    baseline: str
+    fit: Fit | None
+    points: list[Point]
+    attributions: list[Attribution]
+    acceptance_by_position: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def attribution_of(self, p: Point) -> Attribution | None:
+        return next((a for a in self.attributions if a.label == p.label and a.prompt_tokens == p.prompt_tokens),
+                    None)
+
+    def to_dict(self) -> dict[str, Any]:
+        def point(p: Point) -> dict[str, Any]:
+            a = self.attribution_of(p)
+            if a is not None:
+                return {**asdict(p), **asdict(a)}
+            why = "no acceptance data: tok/s only" if not p.avg_commit else "the baseline reference point"
+            return {**asdict(p), "step_ms": p.step_ms, "acceptance_share": None, "step_share": None,
+                    "verdict": why}
+
+        return {
+            "baseline": self.baseline,
+            "fit": asdict(self.fit) if self.fit else None,
+            "points": [point(p) for p in self.points],
+            "acceptance_by_position": self.acceptance_by_position,
+            "notes": self.notes,
+        }
+
+
+def _interp_commit(base: list[Point], ctx: float) -> float:
+    xs = [p.prompt_tokens for p in base]
+    return float(np.interp(ctx, xs, [p.avg_commit for p in base]))
+
+
+def _position_report(rows: list[dict[str, Any]], window: int) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, Any], list[list[int]]] = {}
+    for r in rows:
+        if r.get("commits"):
+            groups.setdefault((r["label"], r["context"]), []).append(r["commits"])
+    out = []
+    for (label, ctx), lists in sorted(groups.items(), key=lambda kv: (kv[0][0], float(kv[0][1]))):
+        wins = acceptance_windows(lists, window)
+        decay = wins[-1]["avg_commit"] / wins[0]["avg_commit"] if len(wins) > 1 else 1.0
+        out.append({"label": label, "context": ctx, "windows": wins, "last_over_first": decay})
+    return out
+
+
+def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int = 64) -> Analysis:
+    """Fit the baseline's step curve and attribute every other point's gap to it."""
+    if not rows:
+        raise AnalysisError("no measured points (every request failed or the file is empty)")
+    points = _aggregate(rows)
+    labels = sorted({p.label for p in points})
+    if baseline is None:
+        baseline = "padding" if "padding" in labels else labels[0]
+    elif baseline not in labels:
+        raise AnalysisError(f"baseline {baseline!r} is not among the labels: {', '.join(labels)}")
+    notes = []
+    base = sorted((p for p in points if p.label == baseline and p.avg_commit), key=lambda p: p.prompt_tokens)
+    if not base:
+        notes.append(f"baseline {baseline!r} has no acceptance data: tok/s only, no decomposition")
+        return Analysis(baseline, None, points, [], _position_report(rows, window), notes)
+    fit = robust_fit([p.prompt_tokens for p in base], [p.step_ms for p in base])
+    if fit.r2 is None:
+        notes.append("the baseline has one context: the step curve is flat, context scaling is not measured")
+    ref = base[0]
+    attributions = []
+    for p in points:
+        if not p.avg_commit:
+            notes.append(f"{p.label} at {p.prompt_tokens:.0f} tokens has no acceptance data: tok/s only")
+        elif p.label == baseline and p is not ref:
+            attributions.append(attribute(p, fit, ref.prompt_tokens, ref.avg_commit, ref.step_ms,
+                                          f"{baseline} at {ref.prompt_tokens:.0f} tokens"))
+        elif p.label != baseline:
+            lo, hi = base[0].prompt_tokens, base[-1].prompt_tokens
+            if not lo <= p.prompt_tokens <= hi:
+                notes.append(f"{p.label} at {p.prompt_tokens:.0f} tokens lies outside the baseline's "
+                             f"contexts ({lo:.0f}-{hi:.0f}): the curve is extrapolated")
+            attributions.append(attribute(p, fit, p.prompt_tokens, _interp_commit(base, p.prompt_tokens),
+                                          fit.step_ms(p.prompt_tokens), f"the {baseline} curve"))
+    return Analysis(baseline, fit, points, attributions, _position_report(rows, window), notes)

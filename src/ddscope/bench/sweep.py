@@ -1,0 +1,304 @@
+"""The context sweep: fixed output length, prompts of exact lengths, timed non-streaming requests.
+
+Every measured request becomes one record in results.json / results.csv, rewritten after each
+request through a temp file and `os.replace`, so a crash or Ctrl-C leaves valid files behind.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ddscope.bench.backends import REQUEST_EXTRAS, AcceptanceReader, Server, engine_step_ms, \
+    server_prefill_s, step_commits
+from ddscope.bench.workloads import Tokenizer, Workload, fit_ids, fit_text, load_workload
+
+SCHEMA = "ddscope.bench.results/1"
+CSV_FIELDS = ("label", "context", "repeat", "prompt_tokens", "completion_tokens", "latency_s", "prefill_s",
+              "tok_per_s", "e2e_tok_per_s", "avg_commit", "verify_steps", "step_ms", "engine_step_ms", "error")
+PROBE_TOKENS = 8
+
+
+class RequestFailed(RuntimeError):
+    """A request that produced no usable response; the message is recorded and the sweep goes on."""
+
+
+@dataclass
+class SweepConfig:
+    contexts: list[int]
+    max_tokens: int
+    repeats: int = 3
+    warmup: int = 1
+    workload: str = "padding"
+    api: str = "completions"
+    temperature: float = 0.0
+    stream: bool = False
+    model: str | None = None
+    backend: str = "auto"
+    timeout_s: float = 600.0
+    extra_body: dict[str, Any] = field(default_factory=dict)  # fixed fields for every request
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder, then rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def environment() -> dict[str, Any]:
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "packages": {p: version(p) for p in ("ddscope", "torch", "transformers", "httpx")},
+    }
+
+
+class ResultsWriter:
+    """Keeps results.json and results.csv valid after every record."""
+
+    def __init__(self, out_dir: Path, header: dict[str, Any]):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self.doc: dict[str, Any] = {"schema": SCHEMA, "status": "running", **header, "records": [], "errors": {}}
+        self.flush()
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return self.doc["records"]
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if record.get("error"):
+            errors = self.doc["errors"]
+            errors[record["error"]] = errors.get(record["error"], 0) + 1
+        self.flush()
+
+    def update(self, **fields: Any) -> None:
+        self.doc.update(fields)
+        self.flush()
+
+    def flush(self) -> None:
+        atomic_write(self.out_dir / "results.json", json.dumps(self.doc, indent=1))
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(self.records)
+        atomic_write(self.out_dir / "results.csv", buf.getvalue())
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """OpenAI-shape `{"error": {"message"}}`, the flat variant, or the raw text."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+    err = body.get("error") if isinstance(body, dict) else None
+    message = err.get("message") if isinstance(err, dict) else err or (body.get("message") if isinstance(body, dict) else None)
+    return f"HTTP {resp.status_code}: {message or str(body)[:200]}"
+
+
+def _merge_chunk(body: dict[str, Any], chunk: dict[str, Any]) -> None:
+    # Telemetry rides the last chunks (usage, extensions); keep the latest non-null value per key.
+    for key, value in chunk.items():
+        if value is not None:
+            body[key] = value
+
+
+def post(client: httpx.Client, url: str, payload: dict[str, Any], stream: bool,
+         timeout_s: float) -> tuple[dict[str, Any], float, float | None]:
+    """Send one request: (response body, latency s, time to first token s or None)."""
+    t0 = time.perf_counter()
+    try:
+        if not stream:
+            resp = client.post(url, json=payload, timeout=timeout_s)
+            latency = time.perf_counter() - t0
+            if resp.status_code != 200:
+                raise RequestFailed(_error_message(resp))
+            return resp.json(), latency, None
+        body: dict[str, Any] = {}
+        ttft = None
+        with client.stream("POST", url, json=payload, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise RequestFailed(_error_message(resp))
+            for line in resp.iter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+                _merge_chunk(body, chunk)
+        return body, time.perf_counter() - t0, ttft
+    except httpx.TimeoutException as e:
+        raise RequestFailed(f"timed out after {timeout_s:g} s") from e
+    except httpx.HTTPError as e:
+        raise RequestFailed(f"{type(e).__name__}: {e}") from e
+    except ValueError as e:  # JSON decoding
+        raise RequestFailed(f"unreadable response: {e}") from e
+
+
+class Sweep:
+    """One sweep against one server: probe, then warmup and timed repeats per context."""
+
+    def __init__(self, cfg: SweepConfig, base_url: str, client: httpx.Client,
+                 tokenizer: Tokenizer | None = None, workload: Workload | None = None):
+        self.cfg = cfg
+        self.client = client
+        self.server = Server(base_url, client)
+        self.tokenizer = tokenizer
+        self.workload = workload or load_workload(cfg.workload)
+        self.backend = cfg.backend if cfg.backend != "auto" else self.server.detect()
+        info = self.server.models()
+        self.model = cfg.model or info.get("id")
+        self.max_model_len = info.get("max_model_len")
+        self.reader = AcceptanceReader(self.backend, self.server)
+        self.extras: dict[str, Any] = {}
+        self.chars_per_token = 4.0  # replaced by the probe when prompts are text
+
+    @property
+    def url(self) -> str:
+        return self.server.base_url + ("/v1/chat/completions" if self.cfg.api == "chat" else "/v1/completions")
+
+    def prompt(self, context: int, index: int) -> list[int] | str:
+        """Token ids where possible (exact length); text for chat or without a tokenizer."""
+        if self.tokenizer is None:
+            return fit_text(self.workload, index, context, self.chars_per_token)
+        ids = fit_ids(self.workload, index, context, self.tokenizer)
+        return ids if self.cfg.api == "completions" else self.tokenizer.decode(ids)
+
+    def payload(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": self.cfg.temperature,
+                                "ignore_eos": True, "stream": self.cfg.stream,
+                                **self.cfg.extra_body, **self.extras}
+        if self.model:
+            body["model"] = self.model
+        if self.cfg.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.cfg.api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+    def probe(self) -> None:
+        """A short request that picks the request extras the server accepts, the acceptance
+        source, and (for text prompts) the characters per token."""
+        prompt = self.prompt(64, 0) if self.tokenizer else fit_text(self.workload, 0, 64, 4.0)
+        last_error = "no request sent"
+        for extras in REQUEST_EXTRAS.get(self.backend, [{}]):
+            self.extras = extras
+            before = self.server.metrics()
+            try:
+                body, _, _ = post(self.client, self.url, self.payload(prompt, PROBE_TOKENS), self.cfg.stream,
+                                  self.cfg.timeout_s)
+            except RequestFailed as e:
+                last_error = str(e)
+                continue
+            usage = body.get("usage") or {}
+            self.reader.choose(body, int(usage.get("completion_tokens") or 0), before, self.server.metrics())
+            if isinstance(prompt, str) and usage.get("prompt_tokens"):
+                self.chars_per_token = len(prompt) / float(usage["prompt_tokens"])
+            return
+        raise RequestFailed(f"the probe request failed: {last_error}")
+
+    def measure(self, context: int, repeat: int, index: int) -> dict[str, Any]:
+        """One timed request -> one record (with `error` set when it failed)."""
+        record: dict[str, Any] = {"label": self.workload.label, "context": context, "repeat": repeat,
+                                  "error": None}
+        if self.max_model_len and context + self.cfg.max_tokens > int(self.max_model_len):
+            record["error"] = f"context + max_tokens exceeds the server's max_model_len {self.max_model_len}"
+            return record
+        payload = self.payload(self.prompt(context, index), self.cfg.max_tokens)
+        before = self.reader.snapshot()
+        try:
+            body, latency, ttft = post(self.client, self.url, payload, self.cfg.stream, self.cfg.timeout_s)
+        except RequestFailed as e:
+            record["error"] = str(e)
+            return record
+        usage = body.get("usage") or {}
+        completion = usage.get("completion_tokens")
+        if not completion:
+            record["error"] = "the response has no usage.completion_tokens"
+            return record
+        prefill = server_prefill_s(self.backend, body)
+        prefill = prefill if prefill is not None else ttft
+        decode = latency - prefill if prefill is not None and prefill < latency else latency
+        acc = self.reader.read(body, int(completion), before)
+        tps = completion / decode
+        record.update(
+            prompt_tokens=usage.get("prompt_tokens"), completion_tokens=completion,
+            latency_s=round(latency, 6), prefill_s=None if prefill is None else round(prefill, 6),
+            tok_per_s=tps, e2e_tok_per_s=completion / latency,
+            avg_commit=acc.avg_commit if acc else None,
+            verify_steps=acc.verify_steps if acc else None,
+            step_ms=1000.0 * acc.avg_commit / tps if acc else None,
+            engine_step_ms=engine_step_ms(self.backend, body),
+            commits=step_commits(self.backend, body),
+        )
+        return record
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.cfg),
+            "environment": environment(),
+            "backend": {"name": self.backend, "url": self.server.base_url, "model": self.model,
+                        "max_model_len": self.max_model_len, "request_extras": self.extras,
+                        "prompt_format": "token_ids" if self.tokenizer and self.cfg.api == "completions"
+                        else "text"},
+            "acceptance_source": self.reader.source.to_dict(),
+            "tok_per_s_definition": "completion_tokens / (client latency - prefill), prefill as the server "
+                                    "reports it (ddscope prefill_ms, llama.cpp timings.prompt_ms) or the "
+                                    "streamed time to first token; else the whole latency",
+        }
+
+    def run(self, writer_dir: Path, progress: Any | None = None) -> ResultsWriter:
+        """Probe, then per context `warmup` unrecorded and `repeats` recorded requests."""
+        self.probe()
+        writer = ResultsWriter(writer_dir, self.header())
+        status = "complete"
+        try:
+            for ci, context in enumerate(self.cfg.contexts):
+                for w in range(self.cfg.warmup):
+                    self.measure(context, -1 - w, ci * self.cfg.repeats)
+                    _advance(progress, context, None)
+                for r in range(self.cfg.repeats):
+                    record = self.measure(context, r, ci * self.cfg.repeats + r)
+                    writer.add(record)
+                    _advance(progress, context, record)
+        except KeyboardInterrupt:
+            status = "interrupted"
+        writer.update(status=status, finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        return writer
+
+
+def _advance(progress: Any | None, context: int, record: dict[str, Any] | None) -> None:
+    if progress is None:
+        return
+    if record is None:
+        note = f"ctx {context}: warmup"
+    elif record.get("error"):
+        note = f"ctx {context}: error"
+    else:
+        note = f"ctx {record['prompt_tokens']}: {record['tok_per_s']:.1f} tok/s"
+    progress.advance(note)

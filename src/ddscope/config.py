@@ -1,0 +1,138 @@
+"""Model configs read from HF-layout `config.json` files (target) and z-lab DFlash configs (drafter)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded, with a message that says why."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"missing {path.name} in {path.parent}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def rope_theta_of(raw: dict[str, Any]) -> float:
+    """`rope_theta` moved into `rope_parameters` in transformers 5.x; accept both."""
+    params = raw.get("rope_parameters") or {}
+    theta = raw.get("rope_theta", params.get("rope_theta"))
+    rope_type = params.get("rope_type", (raw.get("rope_scaling") or {}).get("rope_type", "default"))
+    if rope_type not in (None, "default"):
+        raise CheckpointError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
+    return float(theta if theta is not None else 10000.0)
+
+
+@dataclass(frozen=True)
+class DecoderGeometry:
+    """What one Qwen3/Llama decoder stack needs, shared by target and drafter."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    qk_norm: bool
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any], qk_norm: bool) -> "DecoderGeometry":
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            return cls(
+                hidden_size=hidden,
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                intermediate_size=int(raw["intermediate_size"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta_of(raw),
+                qk_norm=qk_norm,
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from e
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    arch: str
+    geometry: DecoderGeometry
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, directory: Path) -> "TargetConfig":
+        raw = read_json(directory / "config.json")
+        archs = raw.get("architectures") or []
+        arch = next((SUPPORTED_TARGETS[a] for a in archs if a in SUPPORTED_TARGETS), None)
+        if arch is None:
+            raise CheckpointError(
+                f"{directory}: architectures {archs} not supported; expected one of {sorted(SUPPORTED_TARGETS)}")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            arch=arch,
+            geometry=DecoderGeometry.from_raw(raw, qk_norm=arch == "qwen3"),
+            vocab_size=int(raw["vocab_size"]),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+        )
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's fallback spread of target layers when `target_layer_ids` is absent."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    geometry: DecoderGeometry
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, directory: Path) -> "DrafterConfig":
+        return cls.from_dict(read_json(directory / "config.json"), str(directory))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], directory: str = "drafter config") -> "DrafterConfig":
+        archs = raw.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise CheckpointError(f"{directory}: expected architectures ['DFlashDraftModel'], got {archs}")
+        dflash = raw.get("dflash_config") or {}
+        block_size = raw.get("block_size", dflash.get("block_size"))
+        mask_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        if block_size is None or int(block_size) < 2:
+            raise CheckpointError(f"{directory}: block_size missing or < 2 (top level or dflash_config)")
+        if mask_id is None:
+            raise CheckpointError(f"{directory}: dflash_config.mask_token_id missing")
+        geometry = DecoderGeometry.from_raw(raw, qk_norm=True)
+        layer_ids = dflash.get("target_layer_ids")
+        if layer_ids is None:
+            n_target = raw.get("num_target_layers")
+            if n_target is None:
+                raise CheckpointError(f"{directory}: needs dflash_config.target_layer_ids or num_target_layers")
+            layer_ids = default_target_layer_ids(int(n_target), geometry.num_layers)
+        return cls(geometry, int(block_size), int(mask_id), tuple(int(i) for i in layer_ids))

@@ -1,0 +1,97 @@
+"""One generation's decoding state and its round: draft -> tree -> verify -> commit.
+
+Invariant between rounds: the target cache holds K/V for every committed token but the last one
+(the root of the next tree), and the drafter has been given target features up to the same point.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ddscope.drafter import Drafter
+from ddscope.model import KVCache, Target
+from ddscope.proposers import Proposer
+from ddscope.sampling import SamplingParams
+from ddscope.stats import RoundStats
+
+
+class Clock:
+    """perf_counter in ms, synchronising first on CUDA so phases are not smeared."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() * 1000
+
+
+class Decoder:
+    def __init__(self, target: Target, drafter: Drafter | None, proposer: Proposer, cache: KVCache,
+                 draft_cache: KVCache | None, sampling: SamplingParams, generator: torch.Generator | None,
+                 eos_ids: tuple[int, ...] = (), min_tokens: int = 0):
+        self.target, self.drafter, self.proposer = target, drafter, proposer
+        self.cache, self.draft_cache = cache, draft_cache
+        self.sampling, self.generator = sampling, generator
+        self.eos_ids, self.min_tokens = list(eos_ids), min_tokens
+        self.capture = drafter.cfg.target_layer_ids if proposer.uses_drafter else ()
+        self.device = target.lm_head.weight.device
+        self.clock = Clock(self.device)
+        self.tokens: list[int] = []
+        self.prompt_len = 0
+        self.pending: torch.Tensor | None = None  # target features not yet given to the drafter
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Cache the prompt minus its last token, which becomes the first root. Returns ms."""
+        t0 = self.clock()
+        self.cache.length = 0
+        if self.draft_cache is not None:
+            self.draft_cache.length = 0
+        self.tokens, self.prompt_len = list(prompt), len(prompt)
+        ids = torch.tensor(prompt[:-1], dtype=torch.long, device=self.device)
+        if len(ids):
+            self.pending = self.target(ids, torch.arange(len(ids), device=self.device), self.cache,
+                                       capture=self.capture).features
+        elif self.capture:
+            width = len(self.capture) * self.target.cfg.geometry.hidden_size
+            self.pending = torch.zeros(0, width, device=self.device, dtype=self.target.lm_head.weight.dtype)
+        return self.clock() - t0
+
+    def step(self) -> tuple[list[int], RoundStats]:
+        start, root = self.cache.length, self.tokens[-1]
+        t0 = self.clock()
+        draft_logits = None
+        if self.proposer.uses_drafter:
+            draft_logits = self.drafter.draft(self.target, root, start, self.pending, self.draft_cache)
+        t1 = self.clock()
+        tree = self.proposer.tree(root, draft_logits, self.sampling, start)
+        tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
+        positions = torch.tensor(tree.depths, dtype=torch.long, device=self.device) + start
+        mask = None
+        if tree.size:
+            mask = torch.ones(len(tree.tokens), start + len(tree.tokens), dtype=torch.bool, device=self.device)
+            mask[:, start:] = tree.visibility().to(self.device)
+        t2 = self.clock()
+        out = self.target(tokens, positions, self.cache, mask, capture=self.capture)
+        choices = self.sampling.choose(self._suppress_early_eos(out.logits, positions - start), self.generator)
+        t3 = self.clock()
+        path = tree.walk(choices)
+        self.cache.keep(start, torch.tensor(path, device=self.device))
+        if self.capture:
+            self.pending = out.features[path]
+        new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
+        self.tokens += new
+        t4 = self.clock()
+        return new, RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+
+    def _suppress_early_eos(self, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """`min_tokens`: EOS is impossible for generated indices below it (part of the target law)."""
+        generated = len(self.tokens) - self.prompt_len
+        if generated >= self.min_tokens or not self.eos_ids:
+            return logits
+        early = (depths + generated) < self.min_tokens
+        logits = logits.clone()
+        logits[early.nonzero().squeeze(-1)[:, None], torch.tensor(self.eos_ids, device=logits.device)] = float("-inf")
+        return logits

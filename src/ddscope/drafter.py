@@ -1,0 +1,114 @@
+"""DFlash block-diffusion drafter (z-lab checkpoint layout), sharing the target's embeddings and head.
+
+One forward drafts a whole block: queries come from `[last token, MASK x (B-1)]`, keys/values from
+the cached context features plus the block itself, with no mask (bidirectional, sees all context).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddscope.config import CheckpointError, DrafterConfig
+from ddscope.model import DecoderLayer, KVCache, RMSNorm, Target, rope
+from ddscope.weights import load_into, read_state_dict
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        g = cfg.geometry
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * g.hidden_size, g.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(g) for _ in range(g.num_layers))
+        self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @classmethod
+    def load(cls, directory: Path, target: Target) -> "Drafter":
+        cfg = DrafterConfig.load(directory)
+        check_compatible(cfg, target, directory)
+        state = {k.removeprefix("model."): v for k, v in read_state_dict(directory).items()}
+        # Some exports carry the shared embedding/head; the target's copies are the ones used.
+        state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+        p = target.lm_head.weight
+        with torch.device("meta"):
+            drafter = cls(cfg)
+        drafter.to_empty(device=p.device)
+        load_into(drafter, state, directory)
+        return drafter.to(p.dtype).eval()
+
+    def new_cache(self, capacity: int) -> KVCache:
+        p = self.fc.weight
+        return KVCache(self.cfg.geometry, capacity, p.device, p.dtype)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Project concatenated target hidden states to the drafter's context stream."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward_block(self, block: torch.Tensor, start: int, ctx: torch.Tensor,
+                      cache: KVCache) -> torch.Tensor:
+        """Hidden states of one block at positions `[start, start+B)` (inference).
+
+        `ctx` are projected context features for positions `[cache.length, start)`; they are
+        appended to the cache, which afterwards holds context K/V only.
+        """
+        cached = cache.length
+        if cached + ctx.shape[0] != start:
+            raise ValueError(f"drafter context holds {cached} + {ctx.shape[0]} positions, block starts at {start}")
+        dev = block.device
+        h = self.run(block, torch.arange(start, start + block.shape[0], device=dev), ctx,
+                     torch.arange(cached, start, device=dev), cache=cache)
+        cache.length = start
+        return h
+
+    def run(self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
+            mask: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """The decoder stack: queries from `block`, keys/values from `[ctx (+cached), block]`.
+
+        Training passes many anchor blocks at once with a boolean `mask` [n_block, n_ctx + n_block].
+        """
+        g = self.cfg.geometry
+        cos_c, sin_c = rope(ctx_pos, g.head_dim, g.rope_theta, block.dtype)
+        cos_b, sin_b = rope(block_pos, g.head_dim, g.rope_theta, block.dtype)
+        h = block
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
+            if cache is not None:
+                k_ctx, v_ctx = cache.write(i, cache.length, k_ctx, v_ctx)
+            x = layer.input_layernorm(h)
+            k_blk, v_blk = attn.key_value(x, cos_b, sin_b)
+            k, v = torch.cat([k_ctx, k_blk], dim=1), torch.cat([v_ctx, v_blk], dim=1)
+            h = h + attn.attend(attn.query(x, cos_b, sin_b), k, v, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def draft(self, target: Target, last_token: int, start: int, features: torch.Tensor,
+              cache: KVCache) -> torch.Tensor:
+        """Logits [B-1, vocab] for positions `start+1 .. start+B-1` given new context `features`."""
+        dev = self.fc.weight.device
+        block = torch.full((self.block_size,), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[0] = last_token
+        h = self.forward_block(target.embed(block), start, self.context(features), cache)
+        return target.logits(h[1:])
+
+
+def check_compatible(cfg: DrafterConfig, target: Target, directory: Path) -> None:
+    tg, dg = target.cfg.geometry, cfg.geometry
+    if dg.hidden_size != tg.hidden_size:
+        raise CheckpointError(
+            f"{directory}: drafter hidden_size {dg.hidden_size} != target hidden_size {tg.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < tg.num_layers]
+    if bad:
+        raise CheckpointError(
+            f"{directory}: target_layer_ids {bad} out of range for a {tg.num_layers}-layer target")
+    if not 0 <= cfg.mask_token_id < target.cfg.vocab_size:
+        raise CheckpointError(
+            f"{directory}: mask_token_id {cfg.mask_token_id} outside the target vocab ({target.cfg.vocab_size})")

@@ -1,0 +1,168 @@
+"""The public engine: load a target (and drafter), then generate with `ar`, `dflash` or `ddtree`."""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from ddscope.config import CheckpointError
+from ddscope.decoding import Decoder
+from ddscope.drafter import Drafter
+from ddscope.model import Target
+from ddscope.proposers import AR, DDTree, DFlash, Proposer
+from ddscope.sampling import SamplingParams
+from ddscope.stats import GenerationStats, RoundStats
+
+DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+METHODS = ("ar", "dflash", "ddtree")
+MAX_BUDGET = 512
+
+
+@dataclass
+class Step:
+    token_ids: list[int]
+    text: str
+    round: RoundStats
+    stats: GenerationStats  # running totals of this generation, final on the last step
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    stats: GenerationStats
+
+
+class Engine:
+    """Batch-1 engine; one generation at a time (the server serialises requests)."""
+
+    def __init__(self, target: Target, drafter: Drafter | None, tokenizer, name: str, max_model_len: int,
+                 default_budget: int = 32):
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.model_name, self.max_model_len, self.default_budget = name, max_model_len, default_budget
+        self.device = target.lm_head.weight.device
+        self.cache = target.new_cache(max_model_len + MAX_BUDGET + 1)
+        self.draft_cache = drafter.new_cache(max_model_len + 1) if drafter is not None else None
+        eos = set(target.cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos))
+
+    @classmethod
+    def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
+             dtype: str = "float32", max_model_len: int | None = None) -> "Engine":
+        if target is None:
+            target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
+        target_dir = Path(target)
+        if not target_dir.is_dir():
+            raise CheckpointError(f"target checkpoint directory not found: {target_dir}")
+        model = Target.load(target_dir, torch.device(device), getattr(torch, dtype))
+        draft = Drafter.load(Path(drafter), model) if drafter is not None else None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{target_dir}: no usable tokenizer ({e})") from e
+        limit = model.cfg.max_position_embeddings
+        if max_model_len is not None and not 1 < max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
+        return cls(model, draft, tokenizer, target_dir.name, max_model_len or limit)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return METHODS if self.drafter is not None else ("ar",)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.cfg.vocab_size
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def proposer(self, method: str, budget: int | None) -> Proposer:
+        if method not in self.methods:
+            raise ValueError(f"unknown or unavailable method {method!r}; available: {', '.join(self.methods)}")
+        if method == "ar":
+            return AR()
+        if method == "dflash":
+            return DFlash()
+        budget = self.default_budget if budget is None else budget
+        if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET:
+            raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}")
+        return DDTree(budget)
+
+    def stream(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
+               budget: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
+               stop: list[str] | None = None) -> Iterator[Step]:
+        """Validate now, then yield one Step per verify round (prefill runs at the first `next`).
+
+        Closing the iterator cancels generation at the next round.
+        """
+        ids = self.encode(prompt)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if len(ids) + max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], got {min_tokens!r}")
+        sampling = SamplingParams(temperature, top_p, top_k, seed)
+        proposer = self.proposer(method, budget)
+        generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
+        decoder = Decoder(self.target, self.drafter, proposer, self.cache, self.draft_cache, sampling, generator,
+                          () if ignore_eos else self.eos_ids, min_tokens)
+        stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
+        return self._rounds(decoder, ids, stats, max_new_tokens, () if ignore_eos else self.eos_ids, stop or [])
+
+    def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats, max_new: int,
+                eos: tuple[int, ...], stop: list[str]) -> Iterator[Step]:
+        stats.prefill_ms = decoder.prefill(prompt)
+        out: list[int] = []
+        text = ""
+        while True:
+            new, rnd = decoder.step()
+            kept, reason = [], None
+            for tok in new:
+                kept.append(tok)
+                if tok in eos and len(out) + len(kept) > decoder.min_tokens:
+                    reason = "stop"
+                elif len(out) + len(kept) == max_new:
+                    reason = "length"
+                if reason:
+                    break
+            out += kept
+            full = self.tokenizer.decode(out, skip_special_tokens=True)
+            hit = min((i for s in stop if (i := full.find(s, max(0, len(text) - len(s)))) >= 0), default=-1)
+            if hit >= 0:
+                full, reason = full[:hit], "stop"
+            elif reason is None and full.endswith("\ufffd"):
+                full = text  # hold back a partial UTF-8 character until it completes
+            rnd.committed = len(kept)
+            stats.rounds.append(rnd)
+            delta, text = full[len(text):], full
+            yield Step(kept, delta, rnd, stats, reason)
+            if reason:
+                return
+
+    def generate(self, prompt: str | list[int], **kwargs) -> Generation:
+        steps = list(self.stream(prompt, **kwargs))
+        ids = [t for s in steps for t in s.token_ids]
+        text = "".join(s.text for s in steps)
+        last = steps[-1]
+        return Generation(text, ids, last.finish_reason, last.stats.prompt_tokens, last.stats)

@@ -1,0 +1,224 @@
+"""The single engine thread: a bounded FIFO of jobs, run one at a time (batch 1).
+
+The event loop never touches the engine. A handler submits a Job and awaits its events; the
+worker pushes each committed step to the job's asyncio queue with call_soon_threadsafe. A job
+is cancelled by setting a flag, which the worker checks between verify steps and then closes
+the engine's stream, so a disconnect or timeout costs at most one more step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddscope.server.metrics import PHASES, ModelMetrics
+
+log = logging.getLogger("ddscope.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass
+class Done:
+    """Last event of a finished generation."""
+    finish_reason: str
+    stats: dict[str, Any]  # GenerationStats.to_dict() plus the server's queue_ms and ttft_ms
+
+
+@dataclass
+class Failed:
+    """Last event of a generation that did not finish: status is error, cancelled or timeout."""
+    status: str
+    error: BaseException | None = None
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt: list[int]
+    params: dict[str, Any]  # Engine.stream keyword arguments
+    deadline: float  # time.monotonic() after which the job times out
+    return_rounds: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel_reason: str | None = None  # "cancelled" | "timeout", set once by whoever cancels first
+    _cancel_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        with self._cancel_lock:
+            self.cancel_reason = self.cancel_reason or reason
+
+    def emit(self, event: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop has closed (server stopped); nobody is listening
+            pass
+
+
+class DecodeWindow:
+    """Counts steps and tokens, and logs a windowed decode line every `interval` seconds of activity."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.start, self.steps, self.tokens = now, 0, 0
+
+    def record(self, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+
+    def maybe_log(self, running: bool, waiting: int) -> None:
+        now = time.monotonic()
+        elapsed = now - self.start
+        if elapsed < self.interval:
+            return
+        if self.steps:
+            log.info("decode window_s=%.1f steps=%d avg_commit=%.3f gen_tok_s=%.1f running=%d waiting=%d",
+                     elapsed, self.steps, self.tokens / self.steps, self.tokens / elapsed, running, waiting)
+        self._reset(now)
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, metrics: ModelMetrics, *, max_queue: int, log_interval: float):
+        self.engine = engine
+        self.metrics = metrics
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._window = DecodeWindow(log_interval)
+        self._closing = False
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._loop, name="ddscope-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        if self._closing:
+            raise ShuttingDown("server is shutting down")
+        self.metrics.waiting.inc()  # before the put, so the worker's dec can never run first
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.metrics.waiting.dec()
+            raise QueueFull(f"the queue is full ({self._queue.maxsize} waiting requests)") from None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, cancel the running one and those waiting, stop the thread."""
+        self._closing = True
+        current = self._current
+        if current is not None:
+            current.cancel()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self.metrics.waiting.dec()
+                job.cancel()
+                self._finish(job, Failed("cancelled", ShuttingDown("server is shutting down")))
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                job = self._queue.get(timeout=self._window.interval)
+            except queue.Empty:
+                self._window.maybe_log(self._current is not None, self.waiting)
+                continue
+            if job is None:
+                return
+            self.metrics.waiting.dec()
+            self._run(job)
+
+    def _run(self, job: Job) -> None:
+        if time.monotonic() > job.deadline:
+            job.cancel("timeout")
+        if job.cancel_reason:  # given up on while it waited
+            self._finish(job, Failed(job.cancel_reason))
+            return
+        start = time.monotonic()
+        self._current = job
+        self.metrics.running.inc()
+        try:
+            outcome = self._generate(job, start)
+        finally:  # update the gauges before the client can see the answer
+            self._current = None
+            self.metrics.running.dec()
+        self._finish(job, outcome)
+
+    def _generate(self, job: Job, start: float) -> Done | Failed:
+        try:
+            steps = self.engine.stream(job.prompt, **job.params)
+        except ValueError as e:  # invalid input the app did not catch: still the client's fault
+            return Failed("error", e)
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        first_at: float | None = None
+        last = None
+        try:
+            for last in steps:
+                now = time.monotonic()
+                if first_at is None:
+                    first_at = now
+                    self.metrics.ttft.observe(now - job.arrival)
+                self._record_step(last)
+                job.emit(last)
+                if last.finish_reason:
+                    break
+                if now > job.deadline:
+                    job.cancel("timeout")
+                if job.cancel_reason:
+                    return Failed(job.cancel_reason)
+        except Exception as e:  # an engine bug must not kill the worker
+            log.exception("engine failed on request %s", job.request_id)
+            return Failed("error", e)
+        finally:
+            steps.close()
+            self._window.maybe_log(self._current is not None, self.waiting)
+        stats = last.stats.to_dict(rounds=job.return_rounds)
+        stats["queue_ms"] = 1000 * (start - job.arrival)
+        stats["ttft_ms"] = 1000 * (first_at - job.arrival)
+        return Done(last.finish_reason, stats)
+
+    def _record_step(self, step: Any) -> None:
+        n, rnd = len(step.token_ids), step.round
+        self.metrics.verify_steps.inc()
+        self.metrics.committed_tokens.inc(n)
+        self.metrics.generation_tokens.inc(n)
+        self.metrics.draft_nodes.inc(rnd.nodes)
+        self.metrics.commit_length.observe(n)
+        for phase in PHASES:
+            self.metrics.step_phase[phase].observe(getattr(rnd, f"{phase}_ms") / 1000)
+        self._window.record(n)
+
+    def _finish(self, job: Job, outcome: Done | Failed) -> None:
+        now = time.monotonic()
+        status = outcome.status if isinstance(outcome, Failed) else "finished"
+        self.metrics.requests[status].inc()
+        fields = f"request id={job.request_id} status={status} prompt_tokens={len(job.prompt)}"
+        if isinstance(outcome, Done):
+            self.metrics.e2e.observe(now - job.arrival)
+            s = outcome.stats
+            fields += (f" completion_tokens={s['completion_tokens']} method={s['method']} budget={s['budget']}"
+                       f" verify_steps={s['verify_steps']} avg_commit={s['avg_commit']:.3f}"
+                       f" tok_s={s['decode_tok_per_s']:.1f} queue_ms={s['queue_ms']:.1f} ttft_ms={s['ttft_ms']:.1f}"
+                       f" finish_reason={outcome.finish_reason}")
+        elif outcome.error is not None:
+            fields += f" error={type(outcome.error).__name__}"
+        log.info("%s e2e_ms=%.1f", fields, 1000 * (now - job.arrival))
+        job.emit(outcome)

@@ -1,0 +1,98 @@
+"""Tiny random checkpoints on disk, for tests and smoke runs (no hub, seconds to build)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from ddscope.config import DrafterConfig
+from ddscope.drafter import Drafter
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog. ",
+           "Distributed systems require careful reasoning about consistency and failure. ",
+           "for i in range(10):\n    print(i * i)\n", "Hello, how are you today? I am fine, thanks!"]
+
+
+def save_tiny_tokenizer(directory: Path, vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+def make_target(directory: Path, arch: str = "qwen3", seed: int = 0, hidden: int = 64, layers: int = 4,
+                vocab_size: int | None = None, max_len: int = 2048, init_std: float = 0.2) -> Path:
+    """A random Qwen3 or Llama checkpoint in HF layout, with a tokenizer beside it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = save_tiny_tokenizer(directory)
+    geometry = dict(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                    max_position_embeddings=max_len, initializer_range=init_std, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+                    tie_word_embeddings=arch == "qwen3")
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**geometry, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**geometry, rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def drafter_config(hidden: int, layers: int, vocab_size: int, mask_token_id: int, block_size: int,
+                   target_layer_ids: list[int], num_target_layers: int, nested_block_size: bool = False) -> dict:
+    """A z-lab DFlash config.json (Qwen3 geometry plus `dflash_config`)."""
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e4, "vocab_size": vocab_size, "num_target_layers": num_target_layers,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids},
+    }
+    if nested_block_size:
+        cfg["dflash_config"]["block_size"] = block_size
+    else:
+        cfg["block_size"] = block_size
+    return cfg
+
+
+def save_drafter(directory: Path, config: dict, state: dict[str, torch.Tensor], prefix: str = "") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({prefix + k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def make_drafter(directory: Path, target_dir: Path, seed: int = 1, layers: int = 1, block_size: int = 8,
+                 nested_block_size: bool = False, prefix: str = "") -> Path:
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    mask_id = PreTrainedTokenizerFast.from_pretrained(str(target_dir)).convert_tokens_to_ids("<|mask|>")
+    n_target = tcfg["num_hidden_layers"]
+    ids = [n_target // 2] if layers == 1 else [round(1 + i * (n_target - 2) / (layers - 1)) for i in range(layers)]
+    cfg = drafter_config(tcfg["hidden_size"], layers, tcfg["vocab_size"], mask_id, block_size, ids, n_target,
+                         nested_block_size)
+    torch.manual_seed(seed)
+    model = Drafter(DrafterConfig.from_dict(cfg))
+    return save_drafter(directory, cfg, model.state_dict(), prefix)
+
+
+def make_tiny_pair(directory: Path, arch: str = "qwen3", block_size: int = 8) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir) of a tiny random pair, for tests of every layer above the engine."""
+    directory = Path(directory)
+    target = make_target(directory / f"{arch}-target", arch)
+    return target, make_drafter(directory / f"{arch}-drafter", target, block_size=block_size)

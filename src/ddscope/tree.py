@@ -1,0 +1,75 @@
+"""Draft trees: best-first DDTree construction, the chain and root-only special cases, and the walk.
+
+Node 0 is the root (the previous bonus token, already committed); every parent index is smaller
+than its children's, so masks and walks can go in index order.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]   # [root, n1..nB]
+    parents: list[int]  # parents[0] == -1
+    depths: list[int]   # depths[0] == 0
+
+    @property
+    def size(self) -> int:
+        """Draft nodes, the root excluded."""
+        return len(self.tokens) - 1
+
+    def visibility(self) -> torch.Tensor:
+        """Boolean [n, n]: row i is True exactly on i's ancestors and i itself."""
+        n = len(self.tokens)
+        parents = torch.tensor([max(p, 0) for p in self.parents])
+        vis = torch.zeros(n, n, dtype=torch.bool)
+        rows, node = torch.arange(n), torch.arange(n)
+        for _ in range(max(self.depths) + 1):  # climb one level per pass, all nodes at once
+            vis[rows, node] = True
+            node = parents[node]
+        return vis
+
+    def walk(self, choices: list[int]) -> list[int]:
+        """Node indices of the accepted path: follow the child matching the target's choice."""
+        children = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i}
+        path = [0]
+        while (nxt := children.get((path[-1], choices[path[-1]]))) is not None:
+            path.append(nxt)
+        return path
+
+
+def root_only(root: int) -> DraftTree:
+    return DraftTree([root], [-1], [0])
+
+
+def chain(root: int, tokens: list[int]) -> DraftTree:
+    n = len(tokens)
+    return DraftTree([root, *tokens], list(range(-1, n)), list(range(n + 1)))
+
+
+def best_first(root: int, logprobs: torch.Tensor, budget: int) -> DraftTree:
+    """The `budget` highest-scoring prefixes, score = sum of per-depth log-probs.
+
+    Depths are treated as independent, so a pop of (depth d, rank r) can only be followed by its
+    next sibling (d, r+1) or its first child (d+1, 0): the heap never holds more than B+1 items.
+    """
+    depth_max = logprobs.shape[0]
+    k = min(budget, logprobs.shape[1])
+    vals, idx = (t.tolist() for t in torch.topk(logprobs.float(), k, dim=-1))
+    tree = root_only(root)
+    heap = [(-vals[0][0], 1, 0, 0, 0.0)]  # (-score, depth, rank, parent, parent score)
+    while heap and tree.size < budget:
+        neg, depth, rank, parent, parent_score = heapq.heappop(heap)
+        node = len(tree.tokens)
+        tree.tokens.append(idx[depth - 1][rank])
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        if rank + 1 < k:
+            heapq.heappush(heap, (-(parent_score + vals[depth - 1][rank + 1]), depth, rank + 1, parent, parent_score))
+        if depth < depth_max:
+            heapq.heappush(heap, (neg - vals[depth][0], depth + 1, 0, node, -neg))
+    return tree
