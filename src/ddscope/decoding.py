@@ -14,6 +14,7 @@ from ddscope.model import KVCache, Target
 from ddscope.proposers import Proposer
 from ddscope.sampling import SamplingParams
 from ddscope.stats import RoundStats
+from ddscope.tree import DraftTree
 
 
 class Clock:
@@ -75,9 +76,8 @@ class Decoder:
             mask[:, start:] = tree.visibility().to(self.device)
         t2 = self.clock()
         out = self.target(tokens, positions, self.cache, mask, capture=self.capture)
-        choices = self.sampling.choose(self._suppress_early_eos(out.logits, positions - start), self.generator)
+        path, choices = self.accept(tree, self._suppress_early_eos(out.logits, positions - start))
         t3 = self.clock()
-        path = tree.walk(choices)
         self.cache.keep(start, torch.tensor(path, device=self.device))
         if self.capture:
             self.pending = out.features[path]
@@ -85,6 +85,11 @@ class Decoder:
         self.tokens += new
         t4 = self.clock()
         return new, RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""
+        choices = self.sampling.choose(logits, self.generator)
+        return tree.walk(choices), choices
 
     def _suppress_early_eos(self, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """`min_tokens`: EOS is impossible for generated indices below it (part of the target law)."""

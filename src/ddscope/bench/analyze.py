@@ -78,7 +78,7 @@ def robust_fit(x: list[float], y: list[float], iterations: int = 50) -> Fit:
         converged = np.allclose(new, coef, rtol=1e-10, atol=1e-12)
         coef = new
         resid = ys - design @ coef
-        scale = 1.4826 * np.median(np.abs(resid - np.median(resid)))
+        scale = 1.4826 * np.median(np.abs(resid))  # MAD about zero: a shifted line still has spread
         if converged or scale <= 1e-12 * max(1.0, float(np.abs(ys).max())):
             break
         cut = HUBER_K * scale
@@ -150,7 +150,7 @@ def load_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
             raise AnalysisError(f"{path} is not a ddscope bench results.json (no 'records' list)")
         raw_rows = doc["records"]
-        meta = {k: doc.get(k) for k in ("backend", "acceptance_source", "status")}
+        meta = {k: doc.get(k) for k in ("backend", "acceptance_source", "status", "errors")}
     else:
         with path.open(newline="") as f:
             reader = csv.DictReader(f)

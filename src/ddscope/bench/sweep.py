@@ -174,6 +174,7 @@ class Sweep:
         self.max_model_len = info.get("max_model_len")
         self.reader = AcceptanceReader(self.backend, self.server)
         self.extras: dict[str, Any] = {}
+        self.token_ids = cfg.api == "completions" and tokenizer is not None  # exact lengths
         self.chars_per_token = 4.0  # replaced by the probe when prompts are text
 
     @property
@@ -185,7 +186,7 @@ class Sweep:
         if self.tokenizer is None:
             return fit_text(self.workload, index, context, self.chars_per_token)
         ids = fit_ids(self.workload, index, context, self.tokenizer)
-        return ids if self.cfg.api == "completions" else self.tokenizer.decode(ids)
+        return ids if self.token_ids else self.tokenizer.decode(ids)
 
     def payload(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": self.cfg.temperature,
@@ -202,24 +203,27 @@ class Sweep:
         return body
 
     def probe(self) -> None:
-        """A short request that picks the request extras the server accepts, the acceptance
-        source, and (for text prompts) the characters per token."""
-        prompt = self.prompt(64, 0) if self.tokenizer else fit_text(self.workload, 0, 64, 4.0)
+        """A short request that picks the request extras the server accepts, token-id or text
+        prompts, the acceptance source, and (for text prompts) the characters per token."""
         last_error = "no request sent"
-        for extras in REQUEST_EXTRAS.get(self.backend, [{}]):
-            self.extras = extras
-            before = self.server.metrics()
-            try:
-                body, _, _ = post(self.client, self.url, self.payload(prompt, PROBE_TOKENS), self.cfg.stream,
-                                  self.cfg.timeout_s)
-            except RequestFailed as e:
-                last_error = str(e)
-                continue
-            usage = body.get("usage") or {}
-            self.reader.choose(body, int(usage.get("completion_tokens") or 0), before, self.server.metrics())
-            if isinstance(prompt, str) and usage.get("prompt_tokens"):
-                self.chars_per_token = len(prompt) / float(usage["prompt_tokens"])
-            return
+        for token_ids in dict.fromkeys((self.token_ids, False)):
+            self.token_ids = token_ids
+            size = min(64, *self.cfg.contexts)  # short, yet long enough to calibrate chars per token
+            prompt = self.prompt(size, 0) if self.tokenizer else fit_text(self.workload, 0, size, 4.0)
+            for extras in REQUEST_EXTRAS.get(self.backend, [{}]):
+                self.extras = extras
+                before = self.server.metrics()
+                try:
+                    body, _, _ = post(self.client, self.url, self.payload(prompt, PROBE_TOKENS), self.cfg.stream,
+                                      self.cfg.timeout_s)
+                except RequestFailed as e:
+                    last_error = str(e)
+                    continue
+                usage = body.get("usage") or {}
+                self.reader.choose(body, int(usage.get("completion_tokens") or 0), before, self.server.metrics())
+                if isinstance(prompt, str) and usage.get("prompt_tokens"):
+                    self.chars_per_token = len(prompt) / float(usage["prompt_tokens"])
+                return
         raise RequestFailed(f"the probe request failed: {last_error}")
 
     def measure(self, context: int, repeat: int, index: int) -> dict[str, Any]:
@@ -264,8 +268,7 @@ class Sweep:
             "environment": environment(),
             "backend": {"name": self.backend, "url": self.server.base_url, "model": self.model,
                         "max_model_len": self.max_model_len, "request_extras": self.extras,
-                        "prompt_format": "token_ids" if self.tokenizer and self.cfg.api == "completions"
-                        else "text"},
+                        "prompt_format": "token_ids" if self.token_ids else "text"},
             "acceptance_source": self.reader.source.to_dict(),
             "tok_per_s_definition": "completion_tokens / (client latency - prefill), prefill as the server "
                                     "reports it (ddscope prefill_ms, llama.cpp timings.prompt_ms) or the "

@@ -5,8 +5,15 @@ names are exactly those in docs/server.md. The `_created` series are switched of
 """
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 disable_created_metrics()
 
@@ -48,7 +55,7 @@ class ServerMetrics:
         self.running = Gauge("ddscope:num_requests_running", "Requests on the engine (0 or 1).", m, registry=r)
         self.waiting = Gauge("ddscope:num_requests_waiting", "Requests waiting in the FIFO queue.", m, registry=r)
 
-    def bind(self, model_name: str) -> "ModelMetrics":
+    def bind(self, model_name: str) -> ModelMetrics:
         return ModelMetrics(self, model_name)
 
     def render(self) -> bytes:

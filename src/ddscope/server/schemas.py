@@ -44,7 +44,8 @@ def validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     loc = [str(part) for part in err["loc"]]
     where = ".".join(loc)
-    message = f"{where}: {err['msg']}" if where else err["msg"]
+    msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators
+    message = f"{where}: {msg}" if where else msg
     return APIError(400, message, param=loc[0] if loc else None, code="invalid_parameter")
 
 
@@ -118,7 +119,7 @@ class SamplingRequest(BaseModel):
         return budget
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SamplingRequest":
+    def _consistent(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

@@ -13,9 +13,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from ddscope.server.metrics import PHASES, ModelMetrics
+
+if TYPE_CHECKING:
+    from ddscope.engine import Engine, Step
 
 log = logging.getLogger("ddscope.server")
 
@@ -42,6 +45,9 @@ class Failed:
     error: BaseException | None = None
 
 
+Event = Union["Step", Done, Failed]  # what a job's queue carries: steps, then one Done or Failed
+
+
 @dataclass
 class Job:
     request_id: str
@@ -51,7 +57,7 @@ class Job:
     return_rounds: bool = False
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel_reason: str | None = None  # "cancelled" | "timeout", set once by whoever cancels first
     _cancel_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -59,7 +65,7 @@ class Job:
         with self._cancel_lock:
             self.cancel_reason = self.cancel_reason or reason
 
-    def emit(self, event: Any) -> None:
+    def emit(self, event: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop has closed (server stopped); nobody is listening
@@ -92,7 +98,7 @@ class DecodeWindow:
 
 
 class EngineWorker:
-    def __init__(self, engine: Any, metrics: ModelMetrics, *, max_queue: int, log_interval: float):
+    def __init__(self, engine: Engine, metrics: ModelMetrics, *, max_queue: int, log_interval: float):
         self.engine = engine
         self.metrics = metrics
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
@@ -195,7 +201,7 @@ class EngineWorker:
         stats["ttft_ms"] = 1000 * (first_at - job.arrival)
         return Done(last.finish_reason, stats)
 
-    def _record_step(self, step: Any) -> None:
+    def _record_step(self, step: Step) -> None:
         n, rnd = len(step.token_ids), step.round
         self.metrics.verify_steps.inc()
         self.metrics.committed_tokens.inc(n)

@@ -1,14 +1,14 @@
 """Pretrain the demo pair's target: a small Qwen3ForCausalLM on the offline corpus, on CPU.
 
     python -m ddscope.training.pretrain --tokenizer runs/demo/tokenizer --run-dir runs/demo \\
-        --time-budget-min 45 [--resume]
+        --time-budget-min 60 --bf16 [--resume]
 
 Pipeline: tokenize every domain/split once into uint16 memmaps (runs/demo/data/), sample
 fixed-length windows from the packed streams with the domain mixture, train with AdamW +
 warmup/cosine, finish with a long-sequence phase so the model stays sane up to ~6k context,
 then evaluate held-out loss (per domain and per position bucket) and save an HF checkpoint.
-The schedule is fixed from a throughput measurement at start and stored in the checkpoint, so
-``--resume`` continues the same run.
+The schedule is a function of elapsed training time (see Plan) and is stored in the checkpoint,
+so ``--resume`` continues the same run, squeezed or stretched to the new budget.
 """
 
 from __future__ import annotations
@@ -36,24 +36,27 @@ EVAL_RESERVE_S = 180  # final eval + save; subtracted from the time budget up fr
 
 @dataclass
 class Plan:
-    """The step schedule; fixed at the first start and restored on --resume."""
+    """Batch shapes and the wall-clock schedule; restored on --resume.
 
-    short_steps: int
-    long_steps: int
+    The schedule runs on *training time*, not steps: the CPU is shared, so throughput is not
+    predictable, and a time-based schedule always ends (cosine at its floor, long phase done)
+    exactly when the budget runs out.
+    """
+
     short_len: int
     short_batch: int
     long_len: int
     long_batch: int
+    long_frac: float
     warmup_steps: int
-    sec_per_long_step: float
+    train_s: float  # total training seconds; rescaled on resume to fit the new budget
 
-    @property
-    def total_steps(self) -> int:
-        return self.short_steps + self.long_steps
+    def progress(self, train_done_s: float) -> float:
+        return min(1.0, train_done_s / self.train_s)
 
-    def shape(self, step: int) -> tuple[int, int]:
-        """(batch, seq_len) at a given step: the long phase is the final steps."""
-        if step < self.short_steps:
+    def shape(self, progress: float) -> tuple[int, int]:
+        """(batch, seq_len): the long-sequence phase is the final long_frac of training time."""
+        if progress < 1 - self.long_frac:
             return self.short_batch, self.short_len
         return self.long_batch, self.long_len
 
@@ -143,41 +146,10 @@ def token_losses(model: PreTrainedModel, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().transpose(1, 2), batch[:, 1:], reduction="none")
 
 
-def lr_lambda(plan: Plan, min_ratio: float = 0.1):
-    def f(step: int) -> float:
-        if step < plan.warmup_steps:
-            return (step + 1) / plan.warmup_steps
-        progress = min(1.0, (step - plan.warmup_steps) / max(1, plan.total_steps - plan.warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
-
-
-def time_step(model: PreTrainedModel, batcher: Batcher, batch: int, seq_len: int) -> float:
-    """Seconds for one forward+backward at this shape (gradients discarded, RNG restored)."""
-    state = batcher.rng.bit_generator.state
-    x = batcher.sample(batch, seq_len)
-    batcher.rng.bit_generator.state = state
-    start = time.time()
-    token_losses(model, x).mean().backward()
-    model.zero_grad(set_to_none=True)
-    return time.time() - start
-
-
-def make_plan(args: argparse.Namespace, model: PreTrainedModel, batcher: Batcher, train_s: float) -> Plan:
-    """Split the remaining wall time: (1 - long_frac) short steps, long_frac long steps."""
-    short_batch = max(1, args.batch_tokens // args.seq_len)
-    long_batch = max(1, args.batch_tokens // args.long_seq_len)
-    time_step(model, batcher, short_batch, args.seq_len)  # warm-up (allocator, kernels)
-    t_short = time_step(model, batcher, short_batch, args.seq_len) * 1.05  # + optimizer step
-    t_long = time_step(model, batcher, long_batch, args.long_seq_len) * 1.05
-    short_steps = max(1, int(train_s * (1 - args.long_frac) / t_short))
-    long_steps = max(1, int(train_s * args.long_frac / t_long))
-    print(f"plan: short {short_batch}x{args.seq_len} {t_short:.2f}s/step "
-          f"({short_batch * args.seq_len / t_short:.0f} tok/s) x {short_steps}; "
-          f"long {long_batch}x{args.long_seq_len} {t_long:.2f}s/step "
-          f"({long_batch * args.long_seq_len / t_long:.0f} tok/s) x {long_steps}", flush=True)
-    return Plan(short_steps, long_steps, args.seq_len, short_batch, args.long_seq_len, long_batch,
-                warmup_steps=min(200, max(1, short_steps // 20)), sec_per_long_step=t_long)
+def learning_rate(peak: float, plan: Plan, step: int, progress: float, min_ratio: float = 0.1) -> float:
+    """Linear warmup over the first steps, then cosine decay over training time."""
+    warm = min(1.0, (step + 1) / plan.warmup_steps)
+    return peak * warm * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # --- evaluation -------------------------------------------------------------------------------
@@ -229,12 +201,19 @@ def position_bucket_losses(model: PreTrainedModel, streams: dict, mix: dict[str,
 
 # --- checkpointing ----------------------------------------------------------------------------
 
-def save_checkpoint(path: Path, model, optimizer, scheduler, plan: Plan, step: int,
-                    tokens: int, batcher: Batcher) -> None:
+@dataclass
+class Progress:
+    step: int = 0
+    tokens: int = 0
+    train_done_s: float = 0.0  # wall seconds spent in training steps, summed over resumes
+
+
+def save_checkpoint(path: Path, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
+                    plan: Plan, prog: Progress, batcher: Batcher) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({
         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "plan": asdict(plan), "step": step, "tokens": tokens,
+        "plan": asdict(plan), "progress": asdict(prog),
         "numpy_rng": batcher.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
     }, tmp)
     os.replace(tmp, path)  # never leave a half-written checkpoint behind
@@ -246,6 +225,20 @@ def save_hf(model: PreTrainedModel, tokenizer_dir: Path, out: Path) -> None:
 
 
 # --- main loop --------------------------------------------------------------------------------
+
+def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
+               lr: float, grad_clip: float, bf16: bool) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # bf16 autocast only speeds up the matmuls; master weights and optimizer state stay fp32.
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = token_losses(model, batch).mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
 
 def train(args: argparse.Namespace) -> None:
     t0 = time.time()
@@ -265,79 +258,65 @@ def train(args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M params ({model.config.num_hidden_layers}L "
           f"h{model.config.hidden_size} ffn{model.config.intermediate_size})", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
-    ckpt = torch.load(ckpt_path, weights_only=False) if args.resume and ckpt_path.exists() else None
-    if ckpt:
-        plan = Plan(**ckpt["plan"])
-    else:
-        if log_path.exists():
-            log_path.unlink()  # a fresh run starts a fresh curve
-        plan = make_plan(args, model, batcher, deadline - time.time())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1, fused=False)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(plan))
-    step, tokens = 0, 0
-    if ckpt:
+    prog = Progress()
+    if args.resume and ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        step, tokens = ckpt["step"], ckpt["tokens"]
         batcher.rng.bit_generator.state = ckpt["numpy_rng"]
         torch.set_rng_state(ckpt["torch_rng"])
-        print(f"resume: step {step}/{plan.total_steps}, {tokens / 1e6:.1f}M tokens seen", flush=True)
+        plan, prog = Plan(**ckpt["plan"]), Progress(**ckpt["progress"])
+        # Stretch or squeeze the rest of the schedule to fit this process's budget.
+        plan.train_s = prog.train_done_s + max(0.0, deadline - time.time())
+        print(f"resume: step {prog.step}, {prog.tokens / 1e6:.2f}M tokens, "
+              f"{prog.train_done_s / 60:.1f} of {plan.train_s / 60:.1f} training min", flush=True)
+    else:
+        log_path.unlink(missing_ok=True)  # a fresh run starts a fresh curve
+        plan = Plan(args.seq_len, max(1, args.batch_tokens // args.seq_len), args.long_seq_len,
+                    max(1, args.batch_tokens // args.long_seq_len), args.long_frac,
+                    args.warmup_steps, train_s=max(1.0, deadline - time.time()))
+    print(f"plan: {plan}", flush=True)
 
-    def checkpoint() -> None:
-        save_checkpoint(ckpt_path, model, optimizer, scheduler, plan, step, tokens, batcher)
-
-    last_ckpt = last_log = time.time()
-    interval_loss, interval_n, interval_tokens = 0.0, 0, 0
+    last_ckpt = time.time()
+    window = {"loss": 0.0, "steps": 0, "tokens": 0, "seconds": 0.0}
     with log_path.open("a") as log:
-        while step < plan.total_steps:
-            now = time.time()
-            if now > deadline:
-                print(f"time budget reached at step {step}/{plan.total_steps}", flush=True)
-                break
-            # Behind schedule: cut the short phase so the long-context phase still happens.
-            long_needed = (plan.total_steps - max(step, plan.short_steps)) * plan.sec_per_long_step
-            if step < plan.short_steps and now > deadline - long_needed:
-                print(f"behind schedule: skipping to the long phase at step {step}", flush=True)
-                step = plan.short_steps
-                scheduler.last_epoch = step - 1
-                scheduler.step()
-            batch, seq_len = plan.shape(step)
-            loss = token_losses(model, batcher.sample(batch, seq_len)).mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens += batch * seq_len
-            interval_loss, interval_n, interval_tokens = interval_loss + loss.item(), interval_n + 1, interval_tokens + batch * seq_len
+        while prog.train_done_s < plan.train_s:
+            start = time.time()
+            progress = plan.progress(prog.train_done_s)
+            batch, seq_len = plan.shape(progress)
+            lr = learning_rate(args.lr, plan, prog.step, progress)
+            loss = train_step(model, optimizer, batcher.sample(batch, seq_len), lr, args.grad_clip, args.bf16)
+            elapsed = time.time() - start
+            prog.step, prog.tokens = prog.step + 1, prog.tokens + batch * seq_len
+            prog.train_done_s += elapsed
+            window = {"loss": window["loss"] + loss, "steps": window["steps"] + 1,
+                      "tokens": window["tokens"] + batch * seq_len, "seconds": window["seconds"] + elapsed}
 
-            if step % args.log_every == 0 or step == plan.total_steps:
-                now = time.time()
-                rate = interval_tokens / (now - last_log)
-                eta = (plan.total_steps - step) * (now - last_log) / interval_n
-                row = {"step": step, "tokens": tokens, "seq_len": seq_len, "loss": interval_loss / interval_n,
-                       "lr": scheduler.get_last_lr()[0], "tok_per_s": rate, "elapsed_s": now - t0}
+            if prog.step % args.log_every == 0 or prog.train_done_s >= plan.train_s:
+                row = {"step": prog.step, "tokens": prog.tokens, "seq_len": seq_len, "lr": lr,
+                       "loss": window["loss"] / window["steps"], "progress": plan.progress(prog.train_done_s),
+                       "tok_per_s": window["tokens"] / window["seconds"], "elapsed_s": time.time() - t0}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
-                print(f"step {step}/{plan.total_steps} len {seq_len} loss {row['loss']:.3f} "
-                      f"lr {row['lr']:.2e} {rate:.0f} tok/s eta {eta / 60:.1f} min", flush=True)
-                last_log, interval_loss, interval_n, interval_tokens = now, 0.0, 0, 0
+                print(f"step {prog.step} len {seq_len} loss {row['loss']:.3f} lr {lr:.2e} "
+                      f"{row['tok_per_s']:.0f} tok/s {prog.tokens / 1e6:.2f}M tok "
+                      f"{100 * row['progress']:.0f}% eta {(plan.train_s - prog.train_done_s) / 60:.1f} min",
+                      flush=True)
+                window = dict.fromkeys(window, 0)
             if time.time() - last_ckpt > args.ckpt_every_min * 60:
                 held = heldout_loss(model, streams, DEFAULT_MIX, eos_id, n=8, seq_len=plan.short_len)
-                log.write(json.dumps({"step": step, "tokens": tokens, "heldout": held}) + "\n")
-                checkpoint()
-                print(f"checkpoint at step {step}; held-out {held['overall']:.3f}", flush=True)
-                last_ckpt = last_log = time.time()
-        checkpoint()
+                log.write(json.dumps({"step": prog.step, "tokens": prog.tokens, "heldout": held}) + "\n")
+                save_checkpoint(ckpt_path, model, optimizer, plan, prog, batcher)
+                print(f"checkpoint at step {prog.step}; held-out loss {held['overall']:.3f}", flush=True)
+                last_ckpt = time.time()
+                prog.train_done_s += last_ckpt - start - elapsed  # keep the schedule on wall time
+        save_checkpoint(ckpt_path, model, optimizer, plan, prog, batcher)
 
     start_eval = time.time()
     report = {
-        "step": step, "planned_steps": plan.total_steps, "tokens": tokens, "params": n_params,
-        "plan": asdict(plan), "train_wall_s": start_eval - t0,
+        **asdict(prog), "params": n_params, "plan": asdict(plan), "wall_s_to_eval": start_eval - t0,
         "heldout_512": heldout_loss(model, streams, DEFAULT_MIX, eos_id, n=args.eval_windows, seq_len=plan.short_len),
         "position_buckets": position_bucket_losses(model, streams, DEFAULT_MIX, eos_id,
                                                    n=args.eval_long_windows, seq_len=plan.long_len),
@@ -374,10 +353,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=1.5e-3, help="peak AdamW learning rate")
     g.add_argument("--grad-clip", type=float, default=1.0)
-    g.add_argument("--batch-tokens", type=int, default=16384, help="tokens per optimizer step")
+    g.add_argument("--batch-tokens", type=int, default=8192, help="tokens per optimizer step")
     g.add_argument("--seq-len", type=int, default=512, help="sequence length of the main phase")
     g.add_argument("--long-seq-len", type=int, default=6144, help="sequence length of the final phase")
     g.add_argument("--long-frac", type=float, default=0.15, help="share of training time in the long phase")
+    g.add_argument("--warmup-steps", type=int, default=30, help="linear learning-rate warmup")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 autocast for the matmuls (fp32 weights/optimizer; ~1.3x faster on AVX512-BF16)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     g = p.add_argument_group("logging and evaluation")

@@ -1,0 +1,302 @@
+"""`ddscope bench sweep|analyze|diagnose`. Heavy imports stay inside the handlers."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+# The issue's experiment, used against a --url server.
+URL_CONTEXTS = "13,1663,3333,5553"
+URL_MAX_TOKENS = 600
+# The embedded demo pair on a 2-core CPU: the same shape, scaled so the main job ends in minutes.
+EMBEDDED_CONTEXTS = "13,1024,2048,4096"
+EMBEDDED_MAX_TOKENS = 128
+BACKEND_CHOICES = ("auto", "ddscope", "sglang", "vllm", "llamacpp", "openai")
+
+
+class BenchError(Exception):
+    """A bad flag or unusable input: printed as one line, exit code 2."""
+
+
+def _contexts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--contexts wants comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--contexts wants integers >= 1, got {text!r}")
+    return values
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 2:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2], got {text}")
+    return value
+
+
+def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--url", help="an OpenAI-compatible server (ddscope, SGLang, vLLM, llama.cpp); without it an "
+                                 "embedded ddscope server is started on 127.0.0.1")
+    g.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    g.add_argument("--api", choices=("completions", "chat"), default="completions")
+    g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="skip auto-detection")
+    g.add_argument("--tokenizer", type=Path, help="HF tokenizer dir, for exact token-id prompts against a --url "
+                                                  "server (embedded: the served target's tokenizer)")
+    g.add_argument("--target", type=Path, help="embedded server: target dir (default: bundled demo pair)")
+    g.add_argument("--drafter", type=Path, help="embedded server: drafter dir")
+    g.add_argument("--method", default="ddtree", help="embedded server: ddtree|dflash|ar")
+    g.add_argument("--budget", type=_at_least(1), default=32, help="embedded server: tree budget")
+    s = p.add_argument_group("sweep")
+    s.add_argument("--contexts", type=_contexts,
+                   help=f"prompt lengths in tokens (default {URL_CONTEXTS} with --url; {EMBEDDED_CONTEXTS} on the "
+                        "embedded demo pair, sized to finish in minutes on a 2-core CPU)")
+    s.add_argument("--max-tokens", type=_at_least(1),
+                   help=f"fixed output length, ignore_eos (default {URL_MAX_TOKENS} with --url; "
+                        f"{EMBEDDED_MAX_TOKENS} embedded)")
+    s.add_argument("--repeats", type=_at_least(1), default=3, help="timed requests per context")
+    s.add_argument("--warmup", type=_at_least(0), default=1, help="untimed requests per context")
+    s.add_argument("--workload", default=workload_default, help="padding|code|math|chat|file:PATH")
+    s.add_argument("--temperature", type=_temperature, default=0.0)
+    s.add_argument("--stream", action="store_true", help="stream (SSE) instead of one non-streaming response")
+    s.add_argument("--timeout", type=_positive_float, default=600.0, help="per-request timeout in seconds")
+    s.add_argument("--window", type=_at_least(1), default=32,
+                   help="generated tokens per window for acceptance against position")
+
+
+def register(subparsers: Any) -> None:
+    """Add `bench` with `sweep`, `analyze` and `diagnose` to the top-level ddscope parser."""
+    bench = subparsers.add_parser("bench", help="context sweep, throughput decomposition and attribution")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    sweep = sub.add_parser("sweep", help="sweep prompt length at a fixed output length",
+                           description="Sweep prompt length at a fixed output length and decompose "
+                                       "tok/s = avg_commit / step_time. Writes results.json, results.csv, "
+                                       "sweep.png and report.md to --out.")
+    _add_sweep_flags(sweep, "padding")
+    sweep.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder")
+    sweep.set_defaults(func=cmd_sweep)
+
+    analyze = sub.add_parser("analyze", help="fit, predict and attribute from results.json or CSV files")
+    analyze.add_argument("files", nargs="*", type=Path, metavar="FILE",
+                         help="results.json, or CSV with prompt_tokens,tok_per_s,avg_commit[,label]")
+    analyze.add_argument("--baseline", help="label of the baseline curve (default: padding, else the first)")
+    analyze.add_argument("--point", action="append", default=[], metavar="CTX:TPS:COMMIT[:LABEL]",
+                         help='an observed point, e.g. 4000:45:3.1 for "45 tok/s at 4000 tokens, avg_commit 3.1"')
+    analyze.add_argument("--window", type=_at_least(1), default=32,
+                         help="generated tokens per window for acceptance against position")
+    analyze.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    analyze.add_argument("--out", type=Path, help="also write sweep.png and report.md here")
+    analyze.set_defaults(func=cmd_analyze)
+
+    diagnose = sub.add_parser("diagnose", help="padding sweep + workload sweep, then the attribution report",
+                              description="Run the padding sweep and a workload sweep on the same server "
+                                          "(or --load two results files) and attribute the workload's gap "
+                                          "to acceptance, context scaling or other step cost.")
+    _add_sweep_flags(diagnose, "code")
+    diagnose.add_argument("--load", nargs=2, type=Path, metavar=("PADDING_RESULTS", "WORKLOAD_RESULTS"),
+                          help="analyse two earlier results files instead of sweeping")
+    diagnose.add_argument("--out", type=Path, default=Path("bench-out"),
+                          help="output folder (sweeps go to OUT/padding and OUT/<workload>)")
+    diagnose.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    diagnose.set_defaults(func=cmd_diagnose)
+
+
+# ---- handlers ------------------------------------------------------------------------------------
+
+def _check_sweep_args(args: argparse.Namespace) -> None:
+    from ddscope.bench.workloads import load_workload
+
+    if args.url and (args.target or args.drafter):
+        raise BenchError("--target/--drafter start an embedded server; they cannot be combined with --url")
+    if args.drafter and not args.target:
+        raise BenchError("--drafter needs --target (without both, the bundled demo pair is served)")
+    for flag, path in (("--tokenizer", args.tokenizer), ("--target", args.target), ("--drafter", args.drafter)):
+        if path is not None and not path.is_dir():
+            raise BenchError(f"{flag}: no such directory: {path}")
+    load_workload(args.workload)  # fail now, with its message, rather than after the server starts
+    embedded = not args.url
+    if args.contexts is None:
+        args.contexts = _contexts(EMBEDDED_CONTEXTS if embedded else URL_CONTEXTS)
+    if args.max_tokens is None:
+        args.max_tokens = EMBEDDED_MAX_TOKENS if embedded else URL_MAX_TOKENS
+
+
+def _load_tokenizer(args: argparse.Namespace) -> Any:
+    """--tokenizer, else the embedded server's target (the demo pair's when none is given)."""
+    directory = args.tokenizer
+    if directory is None and not args.url:
+        import ddscope
+
+        directory = args.target or Path(ddscope.__file__).parent / "assets" / "demo" / "target"
+    if directory is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as e:
+        raise BenchError(f"cannot load a tokenizer from {directory}: {e}") from e
+
+
+class _Progress:
+    """A rich progress bar on stderr; `advance(note)` after each request."""
+
+    def __init__(self, total: int, title: str):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.description}"), console=Console(stderr=True))
+        self.task = self.bar.add_task("", total=total)
+
+    def __enter__(self) -> "_Progress":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.stop()
+
+    def advance(self, note: str) -> None:
+        self.bar.update(self.task, advance=1, description=note)
+
+
+def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]) -> list[Path]:
+    """Run one sweep per workload on one server (embedded or --url); returns the results.json paths."""
+    import contextlib
+
+    import httpx
+
+    from ddscope.bench.sweep import RequestFailed, Sweep, SweepConfig
+
+    tokenizer = _load_tokenizer(args)
+    if args.url:
+        server = contextlib.nullcontext(args.url)
+    else:
+        from ddscope.server.launch import serve_in_background
+
+        server = serve_in_background(target=args.target, drafter=args.drafter, method=args.method,
+                                     budget=args.budget, host="127.0.0.1", port=0)
+    paths = []
+    with server as base_url, httpx.Client() as client:
+        for workload, out in zip(workloads, dirs):
+            cfg = SweepConfig(contexts=args.contexts, max_tokens=args.max_tokens, repeats=args.repeats,
+                              warmup=args.warmup, workload=workload, api=args.api, temperature=args.temperature,
+                              stream=args.stream, model=args.model, backend=args.backend, timeout_s=args.timeout)
+            sweep = Sweep(cfg, base_url, client, tokenizer)
+            total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)
+            try:
+                with _Progress(total, f"{sweep.workload.label} on {sweep.backend}") as bar:
+                    sweep.run(out, bar)
+            except RequestFailed as e:
+                raise BenchError(f"{base_url}: {e}") from e
+            paths.append(out / "results.json")
+    return paths
+
+
+def _report(paths: list[Path], out: Path | None, baseline: str | None, window: int, as_json: bool,
+            points: list[str] = ()) -> int:
+    """Analyse results files (plus --point rows), print, and write outputs to `out`."""
+    from rich.console import Console
+
+    from ddscope.bench.analyze import AnalysisError, analyze, load_rows, parse_point
+    from ddscope.bench.report import print_report, write_outputs
+
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    errors: dict[str, int] = {}
+    for path in paths:
+        file_rows, file_meta = load_rows(path)
+        rows += file_rows
+        for msg, count in (file_meta.pop("errors", None) or {}).items():
+            errors[msg] = errors.get(msg, 0) + count
+        for key, value in file_meta.items():  # the first file (the baseline's) describes the setup
+            meta.setdefault(key, value)
+    meta["errors"] = errors
+    rows += [parse_point(spec, i) for i, spec in enumerate(points, 1)]
+    if not rows:
+        details = "; ".join(f"{n} x {msg}" for msg, n in errors.items())
+        raise AnalysisError("no point could be measured" + (f": {details}" if details else ""))
+    analysis = analyze(rows, baseline=baseline, window=window)
+    if as_json:
+        print(json.dumps(analysis.to_dict(), indent=1))
+    else:
+        print_report(analysis, Console(), errors, meta.get("acceptance_source"))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_outputs(analysis, meta, out)
+    return 0
+
+
+def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn expected failures into one clear line and exit code 2 (1: nothing measured)."""
+    def run(args: argparse.Namespace) -> int:
+        from ddscope.bench.analyze import AnalysisError
+        from ddscope.bench.workloads import WorkloadError
+
+        try:
+            return handler(args)
+        except (BenchError, WorkloadError) as e:
+            print(f"ddscope bench: error: {e}", file=sys.stderr)
+            return 2
+        except AnalysisError as e:
+            print(f"ddscope bench: {e}", file=sys.stderr)
+            return 1
+    run.__doc__ = handler.__doc__
+    return run
+
+
+@_guard
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Sweep, then the table, sweep.png and report.md; exit 1 only when no point was measured."""
+    _check_sweep_args(args)
+    [path] = _run_sweeps(args, [args.workload], [args.out])
+    return _report([path], args.out, None, args.window, as_json=False)
+
+
+@_guard
+def cmd_analyze(args: argparse.Namespace) -> int:
+    if not args.files and not args.point:
+        raise BenchError("give at least one FILE or --point")
+    return _report(args.files, args.out, args.baseline, args.window, args.json, args.point)
+
+
+@_guard
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    if args.load:
+        paths = list(args.load)
+    else:
+        _check_sweep_args(args)
+        if args.workload == "padding":
+            raise BenchError("diagnose compares a workload with padding: pick --workload code|math|chat|file:PATH")
+        label = args.workload.split(":", 1)[0]
+        paths = _run_sweeps(args, ["padding", args.workload], [args.out / "padding", args.out / label])
+    return _report(paths, args.out, "padding", args.window, args.json)

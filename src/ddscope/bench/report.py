@@ -1,0 +1,157 @@
+"""Terminal table, sweep.png and report.md from an `Analysis`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ddscope.bench.analyze import Analysis, Point
+from ddscope.bench.sweep import atomic_write
+
+
+def _pm(value: float | None, sd: float, digits: int) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f} ±{sd:.{digits}f}" if sd else f"{value:.{digits}f}"
+
+
+def _row(p: Point) -> list[str]:
+    engine = f"{p.engine_step_ms:.2f}" if p.engine_step_ms else "-"
+    return [p.label, f"{p.prompt_tokens:.0f}", _pm(p.tok_per_s, p.tok_per_s_sd, 1),
+            _pm(p.avg_commit, p.avg_commit_sd, 2), _pm(p.step_ms, p.step_ms_sd, 2), engine, str(p.n)]
+
+
+HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine step_ms", "n"]
+
+
+def fit_line(a: Analysis) -> str:
+    if a.fit is None:
+        return "no step-time fit (the baseline has no acceptance data)"
+    r2 = "n/a" if a.fit.r2 is None else f"{a.fit.r2:.3f}"
+    return (f"step_ms(ctx) = {a.fit.a_ms:.3f} + {a.fit.b_ms_per_token * 1000:.4f} ms per 1k tokens x ctx "
+            f"(robust fit on {a.baseline}, {a.fit.n_points} points, R^2 = {r2})")
+
+
+def print_report(a: Analysis, console: Console, errors: dict[str, int] | None = None,
+                 source: dict[str, Any] | None = None) -> None:
+    """The terminal table (median ±sd over repeats), the fit, verdicts and notes."""
+    table = Table(title="ddscope bench: tok/s = avg_commit / step_time")
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h == "workload" else "right")
+    for p in a.points:
+        table.add_row(*_row(p))
+    console.print(table)
+    if source:
+        approx = " (approximate)" if source.get("approximate") else ""
+        console.print(f"acceptance: {source['name']} [{source['kind']}]{approx}: {source['definition']}")
+    console.print(fit_line(a))
+    for att in a.attributions:
+        console.print(f"- {att.label} @ {att.prompt_tokens:.0f}: {att.verdict}", highlight=False)
+    for pos in a.acceptance_by_position:
+        wins = pos["windows"]
+        if len(wins) > 1:
+            console.print(f"- acceptance over the generation, {pos['label']} @ {pos['context']}: "
+                          f"{wins[0]['avg_commit']:.2f} (tokens {wins[0]['start']}-{wins[0]['end']}) -> "
+                          f"{wins[-1]['avg_commit']:.2f} (tokens {wins[-1]['start']}-{wins[-1]['end']})")
+    for note in a.notes:
+        console.print(f"note: {note}", highlight=False)
+    for message, count in (errors or {}).items():
+        console.print(f"[red]errors[/red]: {count} x {message}", highlight=False)
+
+
+def plot(a: Analysis, path: Path) -> None:
+    """tok/s and avg_commit against context on twin axes; step_ms against context with the fit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    twin = left.twinx()
+    labels = sorted({p.label for p in a.points}, key=lambda lbl: (lbl != a.baseline, lbl))
+    for i, label in enumerate(labels):
+        pts = [p for p in a.points if p.label == label]
+        x = [p.prompt_tokens for p in pts]
+        color = f"C{i}"
+        left.errorbar(x, [p.tok_per_s for p in pts], yerr=[p.tok_per_s_sd for p in pts], marker="o",
+                      color=color, label=f"{label} tok/s")
+        acc = [(p.prompt_tokens, p.avg_commit) for p in pts if p.avg_commit]
+        if acc:
+            twin.plot(*zip(*acc), marker="s", linestyle="--", color=color, alpha=0.7,
+                      label=f"{label} avg_commit")
+            steps = [(p.prompt_tokens, p.step_ms) for p in pts if p.step_ms]
+            right.errorbar(*zip(*steps), yerr=[p.step_ms_sd for p in pts if p.step_ms], marker="o",
+                           linestyle="none", color=color, label=f"{label} step_ms")
+    if a.fit is not None:
+        xs = [p.prompt_tokens for p in a.points]
+        lo, hi = min(xs), max(xs)
+        right.plot([lo, hi], [a.fit.step_ms(lo), a.fit.step_ms(hi)], color="black", linewidth=1,
+                   label=f"fit: {a.fit.a_ms:.2f} + {a.fit.b_ms_per_token * 1000:.3f}/1k tok"
+                         + ("" if a.fit.r2 is None else f" (R²={a.fit.r2:.3f})"))
+    left.set_xlabel("prompt tokens")
+    left.set_ylabel("tok/s")
+    twin.set_ylabel("avg_commit (tokens / verify step)")
+    left.set_ylim(bottom=0)
+    twin.set_ylim(bottom=0)
+    handles = left.get_legend_handles_labels()
+    twin_handles = twin.get_legend_handles_labels()
+    left.legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1], fontsize=8, loc="lower left")
+    left.set_title("throughput and acceptance vs context")
+    right.set_xlabel("prompt tokens")
+    right.set_ylabel("step_ms = 1000 * avg_commit / tok/s")
+    right.set_ylim(bottom=0)
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=8)
+    right.set_title("verify step time vs context")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
+    """report.md: setup, table, plot, fit and verdict."""
+    backend = meta.get("backend") or {}
+    source = meta.get("acceptance_source") or {}
+    lines = ["# ddscope bench report", ""]
+    if backend:
+        lines.append(f"- backend: {backend.get('name')} at {backend.get('url')}, model `{backend.get('model')}`")
+    if source:
+        approx = ", approximate" if source.get("approximate") else ""
+        lines.append(f"- acceptance source: `{source.get('name')}` ({source.get('kind')}{approx}): "
+                     f"{source.get('definition')}")
+    if meta.get("status"):
+        lines.append(f"- status: {meta['status']}")
+    lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(_row(p)) + " |" for p in a.points]
+    lines += ["", "Values are medians over repeats, ± the standard deviation."]
+    if plot_name:
+        lines += ["", f"![sweep]({plot_name})"]
+    lines += ["", "## Fit", "", fit_line(a), "", "## Verdict", ""]
+    lines += [f"- **{att.label} @ {att.prompt_tokens:.0f}**: {att.verdict}" for att in a.attributions] or \
+        ["- nothing to compare (one point, or no acceptance data)"]
+    if a.acceptance_by_position:
+        lines += ["", "## Acceptance over the generation", "",
+                  "| workload | context | first window | last window | last/first |", "|---|---|---|---|---|"]
+        for pos in a.acceptance_by_position:
+            first, last = pos["windows"][0], pos["windows"][-1]
+            lines.append(f"| {pos['label']} | {pos['context']} | {first['avg_commit']:.2f} "
+                         f"({first['start']}-{first['end']}) | {last['avg_commit']:.2f} "
+                         f"({last['start']}-{last['end']}) | {pos['last_over_first']:.2f} |")
+    errors = meta.get("errors") or {}
+    if errors or a.notes:
+        lines += ["", "## Notes", ""]
+        lines += [f"- error, {count} request(s): {msg}" for msg, count in errors.items()]
+        lines += [f"- {note}" for note in a.notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(a: Analysis, meta: dict[str, Any], out_dir: Path) -> None:
+    """sweep.png and report.md next to results.json."""
+    has_points = bool(a.points)
+    if has_points:
+        plot(a, out_dir / "sweep.png")
+    atomic_write(out_dir / "report.md", markdown(a, meta, "sweep.png" if has_points else None))

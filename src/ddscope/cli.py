@@ -1,0 +1,99 @@
+"""The `ddscope` command: generate, serve, bench, train-drafter, eval-acceptance."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ddscope.config import CheckpointError
+
+
+def budget_arg(value: str) -> int | str:
+    """A DDTree node budget: an integer >= 1, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        budget = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be an integer >= 1 or 'auto', got {value!r}") from None
+    if budget < 1:
+        raise argparse.ArgumentTypeError(f"budget must be >= 1, got {budget}")
+    return budget
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--target/--drafter/--device/--dtype, shared by every command that loads an engine."""
+    p.add_argument("--target", help="target checkpoint directory (HF layout; default: the bundled demo target)")
+    p.add_argument("--drafter", help="DFlash drafter directory (z-lab layout; default: the demo drafter with the "
+                                     "demo target, none with --target, which allows only --method ar)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="torch dtype (default: %(default)s)")
+
+
+def load_engine(args: argparse.Namespace, **kw):
+    from ddscope.engine import Engine
+    return Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype, **kw)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    engine = load_engine(args)
+    out = engine.generate(args.prompt, max_new_tokens=args.max_tokens, method=args.method, budget=args.budget,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          ignore_eos=args.ignore_eos)
+    stats = out.stats.to_dict(rounds=args.json)
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "stats": stats}, indent=2))
+        return 0
+    print(args.prompt + out.text)
+    print(f"\n[{stats['method']} budget={stats['budget']}] {stats['completion_tokens']} tokens in "
+          f"{stats['verify_steps']} steps, avg_commit {stats['avg_commit']:.2f}, "
+          f"{stats['mean_step_ms']:.2f} ms/step, {stats['decode_tok_per_s']:.1f} tok/s, "
+          f"prefill {stats['prefill_ms']:.1f} ms, finish={out.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def _register_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt and print stats",
+                       description="Generate with ar, dflash or ddtree and print the text and a one-line stats "
+                                   "summary (or everything as JSON).")
+    p.add_argument("prompt", help="prompt text")
+    add_model_args(p)
+    p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree")
+    p.add_argument("--budget", type=budget_arg, default=None, help="DDTree node budget or 'auto' (default: 32)")
+    p.add_argument("--max-tokens", type=int, default=200, help="new tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--json", action="store_true", help="print text, ids and full stats (with rounds) as JSON")
+    p.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ddscope.bench.cli import register as register_bench
+    from ddscope.server.cli import register as register_serve
+
+    parser = argparse.ArgumentParser(prog="ddscope", description="DDTree speculative decoding you can see into.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _register_generate(sub)
+    register_serve(sub)
+    register_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (CheckpointError, ValueError) as e:
+        print(f"ddscope: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ddscope: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""The FastAPI app: OpenAI-compatible completions and chat over one engine worker.
+
+The app starts without an engine (/health answers 503 "loading") and serves once
+`attach_engine` is called, so the CLI can listen before a large checkpoint has loaded.
+Handlers only validate, tokenize (on a private tokenizer thread) and wait for events;
+the engine itself runs on the EngineWorker thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ddscope.server.metrics import ServerMetrics
+from ddscope.server.responses import Reply, sse
+from ddscope.server.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    error_body,
+    reject_unsupported,
+    validation_error,
+)
+from ddscope.server.worker import Done, EngineWorker, Event, Failed, Job, QueueFull, ShuttingDown
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ddscope.engine import Engine
+
+T = TypeVar("T")
+R = TypeVar("R", bound=SamplingRequest)
+
+DEFAULT_MAX_TOKENS = 16  # /v1/completions, as in the OpenAI API; chat defaults to the rest of the context
+
+
+@dataclass
+class ServerConfig:
+    method: str = "ddtree"  # default for requests that do not name one
+    budget: int | str | None = None  # None: the engine's default_budget
+    max_queue: int = 64
+    request_timeout: float = 600.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    log_interval: float = 10.0
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.engine: Engine | None = None
+        self.worker: EngineWorker | None = None
+        self.load_error: str | None = None
+        # Tokenization stays off both the event loop and the engine thread: a private copy of the
+        # tokenizer on one thread, since HF fast tokenizers are not safe to share across threads.
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self._tok_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddscope-tokenize")
+
+    def attach(self, engine: Engine) -> None:
+        if self.config.method not in engine.methods:
+            raise ValueError(f"default method {self.config.method!r} is not available for this checkpoint "
+                             f"(available: {', '.join(engine.methods)}); pass a drafter or --method ar")
+        engine.proposer(self.config.method, self.config.budget)  # fail at startup on a bad default budget
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.worker = EngineWorker(engine, self.metrics.bind(engine.model_name), max_queue=self.config.max_queue,
+                                   log_interval=self.config.log_interval)
+        self.engine = engine  # last: /health turns 200 only when everything is in place
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        self._tok_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tok_thread, fn, *args)
+
+
+def create_app(config: ServerConfig | None = None, engine: Engine | None = None) -> FastAPI:
+    state = ServerState(config or ServerConfig())
+    if engine is not None:
+        state.attach(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(state.close)  # off the loop, so the worker's last events still land
+
+    app = FastAPI(title="ddscope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ddscope = state
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine is not None:
+            return JSONResponse({"status": "ok"})
+        if state.load_error is not None:
+            return JSONResponse({"status": "error", "message": state.load_error}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(_engine(state))]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        _check_model(_engine(state), model)
+        return _model_card(state.engine)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, state, CompletionRequest)
+        engine = _engine(state)
+        ids = await state.tokenize(_prompt_ids, state.tokenizer, engine.vocab_size, req.prompt)
+        return await _generate(request, state, req, ids, Reply(chat=False, model=engine.model_name,
+                                                                include_usage=req.include_usage), arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, state, ChatCompletionRequest)
+        engine = _engine(state)
+        ids = await state.tokenize(_chat_ids, state.tokenizer, [m.template_dict() for m in req.messages])
+        return await _generate(request, state, req, ids, Reply(chat=True, model=engine.model_name,
+                                                                include_usage=req.include_usage), arrival)
+
+    return app
+
+
+def attach_engine(app: FastAPI, engine: Engine) -> None:
+    """Make a loading app ready: from here on /health is 200 and requests are served."""
+    app.state.ddscope.attach(engine)
+
+
+def mark_load_failed(app: FastAPI, message: str) -> None:
+    app.state.ddscope.load_error = message
+
+
+# --- request handling -------------------------------------------------------------------------
+
+def _engine(state: ServerState) -> Engine:
+    if state.engine is None:
+        raise APIError(503, "the model is still loading" if state.load_error is None
+                       else f"the model failed to load: {state.load_error}", code="model_not_ready",
+                       headers={"Retry-After": "5"})
+    return state.engine
+
+
+def _model_card(engine: Engine) -> dict[str, Any]:
+    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "ddscope",
+            "max_model_len": engine.max_model_len}
+
+
+def _check_model(engine: Engine, model: str | None) -> None:
+    if model is not None and model != engine.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {engine.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():  # also catches chunked bodies that lie about their size
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+async def _parse(request: Request, state: ServerState, model: type[R]) -> R:
+    data = await _read_json(request, state.config.max_body_bytes)
+    reject_unsupported(data)
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    _check_model(_engine(state), req.model)
+    return req
+
+
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param="prompt",
+                           code="invalid_token_id")
+        return prompt
+    return _encode_text(tokenizer, prompt, "prompt")
+
+
+def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str) -> list[int]:
+    # Exactly as Engine.encode. A chat template spells out its own special tokens, so none are added.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise APIError(400, f"the {param} tokenizes to nothing", param=param, code="empty_prompt")
+    return ids
+
+
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    if not tokenizer.chat_template:
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                       param="messages", code="no_chat_template")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError, TypeError) as e:  # a template's raise_exception, or a bad conversation
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages",
+                       code="invalid_messages") from None
+    return _encode_text(tokenizer, text, "messages")
+
+
+def _engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) -> dict[str, Any]:
+    engine = state.engine
+    method = req.method or state.config.method
+    budget = req.budget if req.budget is not None else state.config.budget
+    try:
+        engine.proposer(method, budget)  # the engine's own checks of method and budget
+    except ValueError as e:
+        raise APIError(400, str(e), param="method" if method not in engine.methods else "budget",
+                       code="invalid_parameter") from None
+    room = engine.max_model_len - prompt_len
+    max_tokens = req.requested_max_tokens()
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else room
+    if max_tokens > room or room < 1:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                            f"({engine.max_model_len})", param="max_tokens" if room >= 1 else "prompt",
+                       code="context_length_exceeded")
+    if req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
+                       param="min_tokens", code="invalid_parameter")
+    return {"max_new_tokens": max_tokens, "method": method, "budget": budget, "temperature": req.temperature,
+            "top_p": req.top_p, "top_k": max(req.top_k, 0), "seed": req.seed, "ignore_eos": req.ignore_eos,
+            "min_tokens": req.min_tokens, "stop": req.stop}
+
+
+def _failure(event: Failed, timeout: float) -> APIError:
+    if event.status == "timeout":
+        return APIError(408, f"the request timed out after {timeout:g} s", code="timeout")
+    if isinstance(event.error, ShuttingDown):
+        return APIError(503, str(event.error), code="shutting_down")
+    if event.status == "cancelled":
+        return APIError(499, "the request was cancelled", code="cancelled")  # nobody is left to read it
+    if isinstance(event.error, ValueError):  # invalid input only the engine caught
+        return APIError(400, str(event.error), code="invalid_parameter")
+    return APIError(500, "the engine failed on this request; see the server log", code="engine_error")
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job as soon as the client goes away (the body is read, so only disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel("cancelled")
+    job.events.put_nowait(Failed("cancelled"))  # wake a handler still waiting on a queued job
+
+
+async def _next_event(job: Job) -> Event:
+    if not job.events.empty():  # never time out with an event in hand
+        return job.events.get_nowait()
+    try:
+        return await asyncio.wait_for(job.events.get(), timeout=max(job.deadline - time.monotonic(), 0.0))
+    except TimeoutError:  # the worker enforces the deadline between steps; this covers queued jobs
+        job.cancel("timeout")
+        return Failed("timeout")
+
+
+async def _generate(request: Request, state: ServerState, req: SamplingRequest, ids: list[int], reply: Reply,
+                    arrival: float) -> Response:
+    params = _engine_params(state, req, len(ids))
+    timeout = state.config.request_timeout
+    job = Job(reply.id, ids, params, deadline=arrival + timeout, return_rounds=req.return_rounds, arrival=arrival)
+    try:
+        state.worker.submit(job)
+    except QueueFull as e:
+        raise APIError(503, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
+    except ShuttingDown as e:
+        raise APIError(503, str(e), code="shutting_down") from None
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        # Wait for the first event before answering, so that a failure is still a proper status code.
+        event = await _next_event(job)
+        if isinstance(event, Failed):
+            raise _failure(event, timeout)
+        if req.stream:
+            stream = _stream(job, reply, event, watcher, timeout)
+            watcher = None  # owned by the stream from here on
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text: list[str] = []
+        while not isinstance(event, (Done, Failed)):
+            text.append(event.text)
+            event = await _next_event(job)
+        if isinstance(event, Failed):
+            raise _failure(event, timeout)
+        return JSONResponse(reply.response("".join(text), event.finish_reason, event.stats))
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            job.cancel()  # no-op once the job is done; stops it on any early exit
+
+
+async def _stream(job: Job, reply: Reply, event: Event, watcher: asyncio.Task, timeout: float) -> AsyncIterator[str]:
+    try:
+        if reply.chat:
+            yield sse(reply.chunk("", role=True))
+        while not isinstance(event, (Done, Failed)):
+            if event.text:  # a step may hold back a partial UTF-8 character: nothing to send yet
+                yield sse(reply.chunk(event.text))
+            event = await _next_event(job)
+        if isinstance(event, Done):
+            for chunk in reply.final_chunks(event.finish_reason, event.stats):
+                yield sse(chunk)
+        else:  # headers are sent: report in the stream, as OpenAI-compatible servers do
+            yield sse(_failure(event, timeout).body())
+        yield sse("[DONE]")
+    finally:  # runs on normal end, on client disconnect (task cancelled) and on shutdown
+        watcher.cancel()
+        job.cancel()
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in err.get("loc", ())]
+        return JSONResponse(error_body(400, f"{'.'.join(loc)}: {err.get('msg')}", param=loc[-1] if loc else None,
+                                       code="invalid_parameter"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(500, "internal server error; see the server log", code="internal_error"),
+                            status_code=500)

@@ -1,0 +1,65 @@
+"""`ddscope serve`: registered on the top-level parser; the heavy imports happen in the handler."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def _budget(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        budget = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be an integer >= 1 or 'auto', got {value!r}") from None
+    if budget < 1:
+        raise argparse.ArgumentTypeError(f"budget must be >= 1, got {budget}")
+    return budget
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible server with acceptance telemetry and Prometheus metrics",
+        description="Serve a target/drafter pair (default: the bundled demo pair) over an OpenAI-compatible "
+                    "HTTP API. See docs/server.md.")
+    p.add_argument("--target", help="target checkpoint directory (default: the bundled demo target)")
+    p.add_argument("--drafter", help="drafter checkpoint directory (default: the demo drafter with the demo "
+                                     "target; none with --target, which allows only --method ar)")
+    p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree",
+                   help="default decoding method; requests may override it (default: %(default)s)")
+    p.add_argument("--budget", type=_budget, default=32,
+                   help="default DDTree node budget; requests may override it (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="torch dtype name (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens (default: the model's)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests allowed to wait; beyond it the server answers 503 (default: %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from arrival until a request is cancelled with 408 (default: %(default)s)")
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between decode log lines (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown (default: %(default)s)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ddscope.server.launch import serve
+
+    if args.max_queue < 1 or args.request_timeout <= 0 or args.log_interval <= 0:
+        raise SystemExit("ddscope serve: --max-queue, --request-timeout and --log-interval must be positive")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(args.target, args.drafter, method=args.method, budget=args.budget, host=args.host, port=args.port,
+              max_queue=args.max_queue, request_timeout=args.request_timeout, log_interval=args.log_interval,
+              shutdown_timeout=args.shutdown_timeout, device=args.device, dtype=args.dtype,
+              max_model_len=args.max_model_len)
+    except (OSError, ValueError) as e:  # CheckpointError is a ValueError
+        logging.getLogger("ddscope.server").error("cannot serve: %s", e)
+        return 1
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once its graceful shutdown is done
+        pass
+    return 0

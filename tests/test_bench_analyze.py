@@ -1,0 +1,193 @@
+"""Known-answer tests for `ddscope bench analyze`: fit, decomposition and attribution."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ddscope.bench.analyze import AnalysisError, acceptance_windows, analyze, robust_fit
+from ddscope.bench.cli import register
+
+A_MS, B_MS = 20.0, 0.004  # the true step curve: 20 ms + 4 ms per 1k tokens
+CONTEXTS = (13, 1663, 3333, 5553)
+
+
+def step(ctx: float) -> float:
+    return A_MS + B_MS * ctx
+
+
+def row(label: str, ctx: float, commit: float, step_ms: float) -> dict:
+    """A measured point whose step time is exactly `step_ms`: tok/s = 1000 * commit / step_ms."""
+    return {"label": label, "context": ctx, "prompt_tokens": ctx, "tok_per_s": 1000.0 * commit / step_ms,
+            "avg_commit": commit, "engine_step_ms": None, "commits": None}
+
+
+def baseline(commit: float = 6.0) -> list[dict]:
+    return [row("padding", c, commit, step(c)) for c in CONTEXTS]
+
+
+def only(analysis, label: str, ctx: float):
+    [att] = [a for a in analysis.attributions if a.label == label and a.prompt_tokens == ctx]
+    return att
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="ddscope")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_fit_recovers_the_line_and_resists_an_outlier():
+    xs = [0, 1000, 2000, 3000, 4000, 5000, 6000]
+    ys = [step(x) for x in xs]
+    clean = robust_fit(xs, ys)
+    assert clean.a_ms == pytest.approx(A_MS) and clean.b_ms_per_token == pytest.approx(B_MS)
+    assert clean.r2 == pytest.approx(1.0)
+    ys[3] *= 3  # one stray slow point
+    robust = robust_fit(xs, ys)
+    assert robust.b_ms_per_token == pytest.approx(B_MS, rel=0.05)
+    assert robust.a_ms == pytest.approx(A_MS, rel=0.05)
+    assert robust.r2 < 0.9  # R^2 is the honest one for the final line
+    assert robust.tok_per_s(4000, 3.0) == pytest.approx(3000.0 / robust.step_ms(4000))
+
+
+def test_pure_context_scaling():
+    """Acceptance flat, step grows on the line: the whole drop along the sweep is context scaling."""
+    a = analyze(baseline())
+    assert a.fit.a_ms == pytest.approx(A_MS) and a.fit.b_ms_per_token == pytest.approx(B_MS)
+    att = only(a, "padding", 5553)
+    assert att.acceptance_share == pytest.approx(0.0, abs=1e-9)
+    assert att.step_share == pytest.approx(1.0)
+    assert att.context_share == pytest.approx(1.0)
+    assert att.residual_share == pytest.approx(0.0, abs=1e-9)
+    assert att.gap_log == pytest.approx(math.log(step(5553) / step(13)))
+    assert "mostly context scaling" in att.verdict
+
+
+def test_pure_acceptance():
+    """Same step curve, half the tokens per step: the gap is all acceptance."""
+    rows = baseline(6.0) + [row("code", 3333, 3.0, step(3333))]
+    att = only(analyze(rows), "code", 3333)
+    assert att.acceptance_share == pytest.approx(1.0)
+    assert att.step_share == pytest.approx(0.0, abs=1e-9)
+    assert att.gap_log == pytest.approx(math.log(2.0))
+    assert att.verdict.startswith("slower, mostly acceptance: 100% of the gap is acceptance (3.00 vs 6.00")
+    assert "step time is 0% above the baseline curve" in att.verdict
+
+
+def test_mixed_acceptance_and_step_cost():
+    rows = baseline(6.0) + [row("code", 1663, 3.0, 1.5 * step(1663))]
+    att = only(analyze(rows), "code", 1663)
+    gap = math.log(2.0) + math.log(1.5)
+    assert att.acceptance_share == pytest.approx(math.log(2.0) / gap)
+    assert att.step_share == pytest.approx(math.log(1.5) / gap)
+    assert att.acceptance_share + att.step_share == pytest.approx(1.0)
+    assert "step time is 50% above the baseline curve" in att.verdict
+
+
+def test_residual_extra_step_cost():
+    """Acceptance as the baseline, step 30% above the curve at the same context: not context, not acceptance."""
+    rows = baseline(6.0) + [row("chat", 4000, 6.0, 1.3 * step(4000))]
+    att = only(analyze(rows), "chat", 4000)
+    assert att.acceptance_share == pytest.approx(0.0, abs=1e-9)
+    assert att.context_share == pytest.approx(0.0, abs=1e-9)
+    assert att.residual_share == pytest.approx(1.0)
+    assert att.step_vs_curve_pct == pytest.approx(30.0)
+    assert "mostly other step cost" in att.verdict
+    # baseline commit is interpolated between contexts (flat here), the reference tok/s is the curve's
+    assert att.ref_tok_per_s == pytest.approx(6000.0 / step(4000))
+
+
+def test_single_observed_point_and_on_par():
+    rows = baseline(6.0)
+    a = analyze(rows + [row("same", 2000, 6.0, step(2000))])
+    assert only(a, "same", 2000).verdict.startswith("on par")
+
+
+def test_acceptance_windows_show_decay():
+    wins = acceptance_windows([[4, 4, 4, 4, 2, 2, 1, 1], [4, 4, 4, 4, 2, 2, 1, 1]], window=8)
+    # steps start at positions 0, 4, 8, 12, 16, 18, 20, 21
+    assert [w["avg_commit"] for w in wins] == [4.0, 4.0, 1.5]
+    assert sum(w["steps"] for w in wins) == 16
+    with pytest.raises(AnalysisError):
+        acceptance_windows([[1]], 0)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    lines = ["prompt_tokens,tok_per_s,avg_commit,label"]
+    lines += [f"{r['prompt_tokens']},{r['tok_per_s']},{r['avg_commit']},{r['label']}" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_cli_csv_json_fields(tmp_path, capsys):
+    csv_path = tmp_path / "numbers.csv"
+    write_csv(csv_path, baseline(6.0) + [row("code", 3333, 3.1, 1.09 * step(3333))])
+    code, out, _ = run_cli(["bench", "analyze", str(csv_path), "--json", "--point", "4000:45:3.1"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["baseline"] == "padding"
+    assert doc["fit"]["a_ms"] == pytest.approx(A_MS, rel=1e-6)
+    assert doc["fit"]["b_ms_per_token"] == pytest.approx(B_MS, rel=1e-6)
+    assert doc["fit"]["r2"] == pytest.approx(1.0)
+    assert all({"acceptance_share", "step_share", "verdict"} <= set(p) for p in doc["points"])
+    [code_pt] = [p for p in doc["points"] if p["label"] == "code"]
+    gap = math.log(6.0 / 3.1) + math.log(1.09)
+    assert code_pt["acceptance_share"] == pytest.approx(math.log(6.0 / 3.1) / gap)
+    assert "of the gap is acceptance (3.10 vs 6.00 tokens/step); step time is 9% above" in code_pt["verdict"]
+    [obs] = [p for p in doc["points"] if p["label"] == "point1"]
+    assert obs["tok_per_s"] == 45 and obs["avg_commit"] == 3.1 and obs["verdict"]
+
+
+def test_cli_writes_report_from_csv(tmp_path, capsys):
+    csv_path = tmp_path / "numbers.csv"
+    write_csv(csv_path, baseline(5.0))
+    code, out, _ = run_cli(["bench", "analyze", str(csv_path), "--out", str(tmp_path / "rep")], capsys)
+    assert code == 0 and "step_ms(ctx)" in out
+    assert (tmp_path / "rep" / "sweep.png").stat().st_size > 1000
+    assert "## Verdict" in (tmp_path / "rep" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "analyze", "missing.csv"], "file not found"),
+    (["bench", "analyze", "--point", "4000:fast:3"], "not a number"),
+    (["bench", "analyze", "--point", "4000:45"], "CTX:TPS:COMMIT"),
+])
+def test_cli_bad_input(argv, message, capsys):
+    code, _, err = run_cli(argv, capsys)
+    assert code != 0 and message in err
+
+
+def test_cli_bad_baseline_and_columns(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("ctx,tps\n1,2\n")
+    code, _, err = run_cli(["bench", "analyze", str(bad)], capsys)
+    assert code != 0 and "lacks CSV column" in err
+    good = tmp_path / "good.csv"
+    write_csv(good, baseline())
+    code, _, err = run_cli(["bench", "analyze", str(good), "--baseline", "nope"], capsys)
+    assert code != 0 and "not among the labels" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "sweep", "--contexts", "13,abc"], "comma-separated integers"),
+    (["bench", "sweep", "--repeats", "0"], "must be >= 1"),
+    (["bench", "sweep", "--max-tokens", "x"], "expected an integer"),
+])
+def test_sweep_flag_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli(argv, capsys)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workload, message", [
+    ("poetry", "unknown workload"), ("file:/nonexistent/prompts.jsonl", "workload file not found"),
+])
+def test_sweep_workload_errors(workload, message, capsys):
+    code, _, err = run_cli(["bench", "sweep", "--url", "http://127.0.0.1:9", "--workload", workload], capsys)
+    assert code == 2 and message in err

@@ -1,0 +1,101 @@
+"""End to end: `ddscope bench sweep` with no --url starts the embedded server on a tiny model."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+from statistics import median
+
+import pytest
+
+from ddscope.bench.cli import register
+from ddscope.testing import make_drafter, make_target, make_tiny_pair
+
+CONTEXTS, MAX_TOKENS, REPEATS = (8, 64, 128), 24, 2
+
+
+def bench(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="ddscope")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+def sweep(target: Path, drafter: Path, out: Path) -> dict:
+    code = bench("sweep", "--target", str(target), "--drafter", str(drafter), "--contexts",
+                 ",".join(map(str, CONTEXTS)), "--max-tokens", str(MAX_TOKENS), "--repeats", str(REPEATS),
+                 "--warmup", "0", "--out", str(out))
+    assert code == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_sweep_embedded_tiny_pair_writes_consistent_outputs(tmp_path, capsys):
+    target, drafter = make_tiny_pair(tmp_path / "pair")
+    out = tmp_path / "out"
+    doc = sweep(target, drafter, out)
+    assert doc["status"] == "complete" and doc["errors"] == {}
+    assert doc["backend"]["name"] == "ddscope" and doc["backend"]["prompt_format"] == "token_ids"
+    assert doc["acceptance_source"]["name"] == "ddscope.response"
+    assert doc["environment"]["python"] and doc["config"]["max_tokens"] == MAX_TOKENS
+    records = doc["records"]
+    assert [r["context"] for r in records] == [c for c in CONTEXTS for _ in range(REPEATS)]
+    for r in records:
+        assert r["prompt_tokens"] == r["context"]  # token-id prompts: exact lengths, usage agrees
+        assert r["completion_tokens"] == MAX_TOKENS
+        assert r["avg_commit"] * r["verify_steps"] == pytest.approx(MAX_TOKENS)
+        assert r["step_ms"] == pytest.approx(1000 * r["avg_commit"] / r["tok_per_s"])
+        assert sum(r["commits"]) == MAX_TOKENS and len(r["commits"]) == r["verify_steps"]
+        assert r["tok_per_s"] >= r["e2e_tok_per_s"] > 0
+
+    with (out / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(records)
+    for row, r in zip(rows, records):
+        assert int(row["prompt_tokens"]) == r["prompt_tokens"]
+        assert float(row["tok_per_s"]) == pytest.approx(r["tok_per_s"])
+        assert float(row["avg_commit"]) == pytest.approx(r["avg_commit"])
+
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    assert "![sweep](sweep.png)" in report and "## Fit" in report and "ddscope.response" in report
+    for ctx in CONTEXTS:
+        tps = median(r["tok_per_s"] for r in records if r["context"] == ctx)
+        assert f"| padding | {ctx} | {tps:.1f}" in report
+    printed = capsys.readouterr().out
+    assert "prompt_tok" in printed and "step_ms(ctx)" in printed
+
+    # the CSV is valid analyze input on its own
+    assert bench("analyze", str(out / "results.csv"), "--json") == 0
+    analysis = json.loads(capsys.readouterr().out)
+    assert {"a_ms", "b_ms_per_token", "r2"} <= set(analysis["fit"])
+
+
+def test_step_ms_agrees_with_the_engine(tmp_path):
+    """The decomposition's step_ms is client-timed (latency - prefill) / steps; the engine times its
+    phases. Server overhead per step is about a millisecond, so the target is sized for steps of tens
+    of ms, as with real models, rather than make_tiny_pair's few ms."""
+    target = make_target(tmp_path / "target", hidden=384, layers=8)
+    drafter = make_drafter(tmp_path / "drafter", target)
+    doc = sweep(target, drafter, tmp_path / "out")
+    for ctx in CONTEXTS:
+        recs = [r for r in doc["records"] if r["context"] == ctx]
+        ratio = median(r["step_ms"] for r in recs) / median(r["engine_step_ms"] for r in recs)
+        assert 0.9 <= ratio <= 1.1, (ctx, ratio)
+
+
+def test_diagnose_runs_both_sweeps_and_attributes(tmp_path, capsys):
+    target, drafter = make_tiny_pair(tmp_path / "pair")
+    out = tmp_path / "diag"
+    code = bench("diagnose", "--target", str(target), "--drafter", str(drafter), "--workload", "code",
+                 "--contexts", "16,64", "--max-tokens", "12", "--repeats", "1", "--warmup", "0",
+                 "--out", str(out), "--json")
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["baseline"] == "padding"
+    code_points = [p for p in doc["points"] if p["label"] == "code"]
+    assert [p["prompt_tokens"] for p in code_points] == [16, 64]
+    assert all(p["verdict"] and "acceptance_share" in p for p in code_points)
+    for sub in ("padding", "code"):
+        assert json.loads((out / sub / "results.json").read_text())["status"] == "complete"
+    assert (out / "report.md").is_file() and (out / "sweep.png").is_file()

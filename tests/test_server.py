@@ -1,0 +1,469 @@
+"""`ddscope serve` against live servers on 127.0.0.1 with a tiny random pair: the OpenAI client,
+telemetry, /metrics, cancellation, back-pressure, timeouts, shutdown, logs and the CLI."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from ddscope.engine import Engine
+from ddscope.server import cli
+from ddscope.server.app import attach_engine, create_app
+from ddscope.server.launch import serve_in_background
+
+COUNTERS = ("verify_steps", "committed_tokens", "draft_nodes_verified", "prompt_tokens", "generation_tokens")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine):
+    with serve_in_background(engine=tiny_engine, log_interval=0.2) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
+
+
+class PacedEngine:
+    """The real engine, slowed to `delay` seconds per verify step, counting the steps it ran."""
+
+    def __init__(self, engine: Engine, delay: float):
+        self.engine, self.delay, self.steps = engine, delay, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, prompt, **kw):
+        return self._paced(self.engine.stream(prompt, **kw))  # the engine validates eagerly
+
+    def _paced(self, steps):
+        try:
+            for step in steps:
+                time.sleep(self.delay)
+                self.steps += 1
+                yield step
+        finally:
+            steps.close()
+
+
+@pytest.fixture(scope="module")
+def paced(tiny_pair):
+    """A paced engine behind a server with a 2-slot queue and a 3 s request timeout."""
+    engine = PacedEngine(Engine.load(*tiny_pair), delay=0.02)
+    with serve_in_background(engine=engine, max_queue=2, request_timeout=3.0, shutdown_timeout=0.5) as url:
+        yield engine, url
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    return scrape_text(httpx.get(f"{url}/metrics").text)
+
+
+def scrape_text(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, labels but model_name): value}"""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def moved(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def check_extension(ext: dict, usage: dict) -> None:
+    assert ext["committed_tokens"] == usage["completion_tokens"] == ext["completion_tokens"]
+    assert ext["prompt_tokens"] == usage["prompt_tokens"]
+    assert ext["verify_steps"] >= 1
+    assert ext["avg_commit"] == pytest.approx(ext["committed_tokens"] / ext["verify_steps"])
+    hist = {int(k): v for k, v in ext["commit_histogram"].items()}
+    assert sum(hist.values()) == ext["verify_steps"]
+    assert sum(k * v for k, v in hist.items()) == ext["committed_tokens"]
+    assert set(ext["phase_ms"]) == {"draft", "tree", "verify", "commit"}
+    assert ext["mean_step_ms"] == pytest.approx(1000 * ext["decode_s"] / ext["verify_steps"])
+    for key in ("prefill_ms", "decode_s", "decode_tok_per_s", "queue_ms", "ttft_ms", "nodes_verified"):
+        assert ext[key] >= 0
+    assert "rounds" not in ext
+
+
+# --- the OpenAI client, unchanged ---------------------------------------------------------------
+
+def test_openai_completion(oai, model):
+    r = oai.completions.create(model=model, prompt="Hello, how are", max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.model == model
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert isinstance(r.choices[0].text, str)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    ext = r.model_extra["ddscope"]
+    check_extension(ext, r.usage.model_dump())
+    assert ext["method"] == "ddtree" and ext["budget"] == 32
+
+
+def test_openai_chat(oai, model):
+    r = oai.chat.completions.create(model=model, messages=[{"role": "system", "content": "Be brief."},
+                                                           {"role": "user", "content": "hi"}],
+                                    max_tokens=8, temperature=0, extra_body={"method": "dflash"})
+    assert r.choices[0].message.role == "assistant"
+    assert isinstance(r.choices[0].message.content, str)
+    ext = r.model_extra["ddscope"]
+    check_extension(ext, r.usage.model_dump())
+    assert ext["method"] == "dflash"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_openai_streaming_with_usage_matches_non_streaming(oai, model, chat):
+    kw = {"model": model, "max_tokens": 20, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    if chat:
+        create, kw["messages"] = oai.chat.completions.create, [{"role": "user", "content": "Tell me a story"}]
+    else:
+        create, kw["prompt"] = oai.completions.create, "The quick brown fox"
+    chunks = list(create(stream=True, stream_options={"include_usage": True}, **kw))
+    whole = create(**kw)
+
+    texts = [(c.choices[0].delta.content or "") if chat else c.choices[0].text for c in chunks if c.choices]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    full = whole.choices[0].message.content if chat else whole.choices[0].text
+    assert "".join(texts) == full
+    assert finishes == ["length"]
+    last = chunks[-1]  # the usage chunk: no choices, usage and the extension
+    assert last.choices == [] and last.usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+    assert all("ddscope" not in (c.model_extra or {}) for c in chunks[:-1])
+    check_extension(last.model_extra["ddscope"], last.usage.model_dump())
+    assert last.model_extra["ddscope"]["committed_tokens"] == whole.model_extra["ddscope"]["committed_tokens"]
+
+
+def test_stream_without_usage_puts_extension_on_finish_chunk(server):
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=30,
+                      json={"prompt": "Hi", "max_tokens": 6, "stream": True, "ignore_eos": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    final = json.loads(lines[-2].removeprefix("data: "))
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["ddscope"]["completion_tokens"] == 6 and "usage" not in final
+
+
+# --- telemetry ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_extension_is_consistent_for_every_method(server, method):
+    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 24, "temperature": 0.8, "seed": 1, "method": method,
+            "budget": 8, "ignore_eos": True, "return_rounds": True}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()
+    ext = r["ddscope"]
+    rounds = ext.pop("rounds")
+    check_extension(ext, r["usage"])
+    assert ext["method"] == method and r["usage"]["prompt_tokens"] == 5
+    assert len(rounds) == ext["verify_steps"]
+    assert sum(x["committed"] for x in rounds) == ext["committed_tokens"]
+    assert sum(x["nodes"] for x in rounds) == ext["nodes_verified"]
+    if method == "ar":
+        assert ext["avg_commit"] == 1.0 and ext["nodes_verified"] == 0
+    if method == "ddtree":
+        assert all(x["nodes"] <= 8 for x in rounds)
+
+
+def test_metrics_move_by_exactly_one_request(server, model):
+    metrics = httpx.get(f"{server}/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    families = {f.name for f in text_string_to_metric_families(metrics.text)}
+    expected = {f"ddscope:{c}" for c in COUNTERS} | {
+        "ddscope:requests", "ddscope:commit_length", "ddscope:step_phase_seconds",
+        "ddscope:time_to_first_token_seconds", "ddscope:e2e_request_latency_seconds",
+        "ddscope:num_requests_running", "ddscope:num_requests_waiting"}
+    assert expected <= families
+    assert f'ddscope:verify_steps_total{{model_name="{model}"}}' in metrics.text
+    assert "_created" not in metrics.text
+
+    before = scrape(server)
+    r = httpx.post(f"{server}/v1/completions", timeout=30,
+                   json={"prompt": "Hello there", "max_tokens": 30, "ignore_eos": True, "temperature": 0}).json()
+    after = scrape(server)
+    ext, usage = r["ddscope"], r["usage"]
+    assert moved(before, after, "ddscope:verify_steps_total") == ext["verify_steps"]
+    assert moved(before, after, "ddscope:committed_tokens_total") == ext["committed_tokens"]
+    assert moved(before, after, "ddscope:draft_nodes_verified_total") == ext["nodes_verified"]
+    assert moved(before, after, "ddscope:prompt_tokens_total") == usage["prompt_tokens"]
+    assert moved(before, after, "ddscope:generation_tokens_total") == usage["completion_tokens"] == 30
+    assert moved(before, after, "ddscope:requests_total", status="finished") == 1
+    for status in ("cancelled", "error", "timeout"):
+        assert moved(before, after, "ddscope:requests_total", status=status) == 0
+    assert moved(before, after, "ddscope:commit_length_count") == ext["verify_steps"]
+    assert moved(before, after, "ddscope:commit_length_sum") == ext["committed_tokens"]
+    for phase, ms in ext["phase_ms"].items():
+        assert moved(before, after, "ddscope:step_phase_seconds_count", phase=phase) == ext["verify_steps"]
+        assert moved(before, after, "ddscope:step_phase_seconds_sum", phase=phase) == pytest.approx(ms / 1000)
+    assert moved(before, after, "ddscope:time_to_first_token_seconds_count") == 1
+    assert moved(before, after, "ddscope:e2e_request_latency_seconds_count") == 1
+    assert after[("ddscope:num_requests_running", ())] == 0
+    assert after[("ddscope:num_requests_waiting", ())] == 0
+
+
+def test_load_64_requests_at_concurrency_8(server):
+    async def run() -> list[dict]:
+        limit = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(base_url=server, timeout=httpx.Timeout(60.0)) as client:
+            async def one(i: int) -> dict:
+                body = {"max_tokens": 4 + i % 13, "temperature": (i % 3) * 0.5, "seed": i,
+                        "method": ("ar", "dflash", "ddtree")[i % 3], "ignore_eos": True}
+                async with limit:
+                    if i % 2:
+                        r = await client.post("/v1/chat/completions", json={
+                            **body, "messages": [{"role": "user", "content": f"question {i}"}]})
+                    else:
+                        r = await client.post("/v1/completions", json={**body, "prompt": f"prompt number {i}"})
+                assert r.status_code == 200, r.text
+                return r.json()
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    before = scrape(server)
+    results = asyncio.run(run())
+    after = scrape(server)
+    assert len(results) == 64
+    total = lambda key: sum(r["ddscope"][key] for r in results)
+    assert moved(before, after, "ddscope:requests_total", status="finished") == 64
+    assert moved(before, after, "ddscope:requests_total", status="error") == 0
+    assert moved(before, after, "ddscope:verify_steps_total") == total("verify_steps")
+    assert moved(before, after, "ddscope:committed_tokens_total") == total("committed_tokens")
+    assert moved(before, after, "ddscope:draft_nodes_verified_total") == total("nodes_verified")
+    assert moved(before, after, "ddscope:prompt_tokens_total") == sum(r["usage"]["prompt_tokens"] for r in results)
+    assert moved(before, after, "ddscope:generation_tokens_total") == sum(
+        r["usage"]["completion_tokens"] for r in results)
+    assert moved(before, after, "ddscope:e2e_request_latency_seconds_count") == 64
+    assert after[("ddscope:num_requests_waiting", ())] == 0
+
+
+# --- endpoints and logs -------------------------------------------------------------------------
+
+def test_models_and_health(server, model):
+    assert httpx.get(f"{server}/health").status_code == 200
+    models = httpx.get(f"{server}/v1/models").json()
+    assert models == {"object": "list", "data": [{"id": model, "object": "model", "created": 0,
+                                                  "owned_by": "ddscope", "max_model_len": 2048}]}
+    assert httpx.get(f"{server}/v1/models/{model}").json()["id"] == model
+
+
+def test_health_is_503_until_the_engine_is_attached(tiny_pair):
+    app = create_app()
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        assert client.get("/metrics").status_code == 200
+        attach_engine(app, Engine.load(*tiny_pair))
+        assert client.get("/health").json() == {"status": "ok"}
+        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_request_and_decode_log_lines(server, caplog):
+    with caplog.at_level(logging.INFO, logger="ddscope.server"):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": "log me", "max_tokens": 5, "ignore_eos": True},
+                       timeout=30).json()
+        assert wait_for(lambda: any(m.startswith("decode ") for m in caplog.messages), timeout=5)
+    line = next(m for m in caplog.messages if f"id={r['id']}" in m)
+    fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+    assert fields["status"] == "finished" and fields["completion_tokens"] == "5"
+    assert {"verify_steps", "avg_commit", "tok_s", "prompt_tokens", "e2e_ms"} <= set(fields)
+    decode = next(m for m in caplog.messages if m.startswith("decode "))
+    assert "avg_commit=" in decode and "gen_tok_s=" in decode
+
+
+def test_cli_registers_serve():
+    parser = argparse.ArgumentParser(prog="ddscope")
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--budget", "auto", "--port", "0", "--max-queue", "4"])
+    assert args.func is cli._run and args.budget == "auto" and args.max_queue == 4
+    assert args.host == "127.0.0.1" and args.method == "ddtree"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--budget", "0"])
+
+
+# --- cancellation, back-pressure, timeouts, shutdown (paced engine) -----------------------------
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "method": "ar"}
+
+
+def test_streaming_disconnect_cancels_within_a_few_steps(paced):
+    engine, url = paced
+    before, steps0 = scrape(url), engine.steps
+    with httpx.Client(timeout=10) as client, client.stream("POST", f"{url}/v1/completions",
+                                                           json={**LONG, "stream": True}) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+        at_close = engine.steps
+    assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="cancelled") == 1)
+    after = scrape(url)
+    assert engine.steps - at_close <= 5
+    assert moved(before, after, "ddscope:verify_steps_total") == engine.steps - steps0
+    assert moved(before, after, "ddscope:requests_total", status="finished") == 0
+    assert after[("ddscope:num_requests_running", ())] == 0
+
+
+def test_non_streaming_disconnect_cancels_within_a_few_steps(paced):
+    engine, url = paced
+    before = scrape(url)
+    with httpx.Client(timeout=httpx.Timeout(10, read=0.3)) as client, pytest.raises(httpx.ReadTimeout):
+        client.post(f"{url}/v1/completions", json=LONG)
+    at_close = engine.steps
+    assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="cancelled") == 1)
+    assert engine.steps - at_close <= 5
+
+
+def test_full_queue_answers_503_with_retry_after(paced):
+    _, url = paced
+    before = scrape(url)
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            async def gauge(name: str) -> float:
+                return scrape_text((await client.get("/metrics")).text)[(name, ())]
+
+            async def until(name: str, value: float) -> None:
+                for _ in range(250):
+                    if await gauge(name) == value:
+                        return
+                    await asyncio.sleep(0.02)
+                raise AssertionError(f"{name} never reached {value}")
+
+            hold = [asyncio.create_task(client.post("/v1/completions", json=LONG))]
+            await until("ddscope:num_requests_running", 1)
+            hold += [asyncio.create_task(client.post("/v1/completions", json=LONG)) for _ in range(2)]
+            await until("ddscope:num_requests_waiting", 2)
+            rejected = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            for task in hold:  # disconnect all three
+                task.cancel()
+            await asyncio.gather(*hold, return_exceptions=True)
+            return rejected
+
+    r = asyncio.run(run())
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "server_error"
+    assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="cancelled") == 3)
+    after = scrape(url)
+    assert after[("ddscope:num_requests_waiting", ())] == 0 and after[("ddscope:num_requests_running", ())] == 0
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_request_timeout_running_streamed_and_queued(paced):
+    _, url = paced
+    before = scrape(url)
+    lines: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=10) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    assert wait_for(lambda: scrape(url)[("ddscope:num_requests_running", ())] == 1)
+    queued = httpx.post(f"{url}/v1/completions", json=LONG, timeout=10)  # waits behind the stream
+    streamer.join(10)
+
+    assert queued.status_code == 408
+    assert queued.json()["error"]["type"] == "timeout_error" and queued.json()["error"]["code"] == "timeout"
+    assert lines[-1] == "data: [DONE]" and '"timeout_error"' in lines[-2]
+    assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="timeout") == 2)
+
+
+def test_shutdown_cancels_in_flight_work(tiny_pair):
+    engine = PacedEngine(Engine.load(*tiny_pair), delay=0.02)
+    got_first = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def stream(url: str) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=10) as r:
+                for _ in r.iter_lines():
+                    got_first.set()
+            outcome.append(None)
+        except httpx.HTTPError as e:
+            outcome.append(e)
+
+    with serve_in_background(engine=engine, shutdown_timeout=0.2) as url:
+        client = threading.Thread(target=stream, args=(url,))
+        client.start()
+        assert got_first.wait(10)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5
+    client.join(10)
+    assert outcome and not client.is_alive()
+    stopped_at = engine.steps
+    time.sleep(0.2)
+    assert engine.steps == stopped_at < LONG["max_tokens"]
+
+
+# --- the CLI process ----------------------------------------------------------------------------
+
+CLI = "import sys, argparse; from ddscope.server import cli; p = argparse.ArgumentParser(); " \
+      "cli.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+
+
+def run_cli(*args: str) -> subprocess.Popen:
+    # One torch thread: the tiny model is fastest so, and CI's two cores are not oversubscribed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", CLI, "serve", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serves_then_stops_on_sigint(tiny_pair):
+    port = free_port()
+    proc = run_cli("--target", str(tiny_pair[0]), "--drafter", str(tiny_pair[1]), "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{url}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+        assert wait_for(healthy, timeout=60)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["ddscope"]["budget"] == 32
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "request id=cmpl-" in out and "ready" in out
+
+
+def test_cli_exits_nonzero_when_the_model_cannot_load(tmp_path):
+    proc = run_cli("--target", str(tmp_path / "missing"), "--port", str(free_port()))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "cannot serve" in out and "missing" in out

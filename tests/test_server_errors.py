@@ -1,0 +1,120 @@
+"""Malformed requests against a live `ddscope serve`: each gets its documented 4xx in the OpenAI error
+shape, and the server answers a valid request right after it."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from ddscope.server.launch import serve_in_background
+
+MAX_BODY = 8 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine):
+    with serve_in_background(engine=tiny_engine) as url, httpx.Client(base_url=url, timeout=30) as c:
+        yield c
+
+
+def completion(**fields):
+    return ("POST", "/v1/completions", {"json": {"prompt": "Hello", "max_tokens": 4, **fields}})
+
+
+def chat(**fields):
+    return ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 4, **fields}})
+
+
+def raw(path, content, headers=None):
+    return ("POST", path, {"content": content, "headers": {"content-type": "application/json", **(headers or {})}})
+
+
+def oversized_chunks():
+    # A chunked body (no Content-Length), so only the check while reading can catch it.
+    chunk = b" " * (1 << 20)
+    for _ in range(MAX_BODY // len(chunk) + 2):
+        yield chunk
+
+
+# (case id, request, expected status, expected `param` or None)
+CASES = [
+    ("not-json", raw("/v1/completions", b"{nope"), 400, None),
+    ("json-array", raw("/v1/completions", b"[1, 2]"), 400, None),
+    ("deeply-nested", raw("/v1/completions", b"[" * 100_000), 400, None),
+    ("nan-temperature", raw("/v1/completions", b'{"prompt": "x", "temperature": NaN}'), 400, "temperature"),
+    ("missing-prompt", ("POST", "/v1/completions", {"json": {"max_tokens": 4}}), 400, "prompt"),
+    ("empty-prompt", completion(prompt=""), 400, "prompt"),
+    ("empty-token-list", completion(prompt=[]), 400, "prompt"),
+    ("batched-prompts", completion(prompt=["a", "b"]), 400, "prompt"),
+    ("prompt-number", completion(prompt=5), 400, "prompt"),
+    ("bool-token-id", completion(prompt=[True, 3]), 400, "prompt"),
+    ("token-id-over-vocab", completion(prompt=[1, 10**6]), 400, "prompt"),
+    ("negative-token-id", completion(prompt=[1, -1]), 400, "prompt"),
+    ("max-tokens-string", completion(max_tokens="16"), 400, "max_tokens"),
+    ("max-tokens-float", completion(max_tokens=1.5), 400, "max_tokens"),
+    ("max-tokens-zero", completion(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-negative", completion(max_tokens=-3), 400, "max_tokens"),
+    ("max-tokens-huge", completion(max_tokens=10**9), 400, "max_tokens"),
+    ("prompt-plus-max-tokens-over-context", completion(prompt=[5] * 2040, max_tokens=16), 400, "max_tokens"),
+    ("prompt-fills-context", completion(prompt=[5] * 2048, max_tokens=1), 400, "prompt"),
+    ("min-tokens-over-max", completion(min_tokens=10), 400, "min_tokens"),
+    ("temperature-negative", completion(temperature=-0.5), 400, "temperature"),
+    ("temperature-string", completion(temperature="hot"), 400, "temperature"),
+    ("top-p-zero", completion(top_p=0), 400, "top_p"),
+    ("top-p-over-one", completion(top_p=1.5), 400, "top_p"),
+    ("top-k-below-minus-one", completion(top_k=-2), 400, "top_k"),
+    ("top-k-float", completion(top_k=2.5), 400, "top_k"),
+    ("seed-negative", completion(seed=-1), 400, "seed"),
+    ("stop-number", completion(stop=5), 400, "stop"),
+    ("stop-empty-string", completion(stop=[""]), 400, "stop"),
+    ("stream-string", completion(stream="yes"), 400, "stream"),
+    ("stream-options-without-stream", completion(stream_options={"include_usage": True}), 400, None),
+    ("ignore-eos-string", completion(ignore_eos="true"), 400, "ignore_eos"),
+    ("unknown-method", completion(method="beam"), 400, "method"),
+    ("budget-zero", completion(budget=0), 400, "budget"),
+    ("budget-string", completion(budget="lots"), 400, "budget"),
+    ("budget-huge", completion(budget=10**6), 400, "budget"),
+    ("n-two", completion(n=2), 400, "n"),
+    ("echo", completion(echo=True), 400, "echo"),
+    ("logprobs", completion(logprobs=5), 400, "logprobs"),
+    ("chat-missing-messages", ("POST", "/v1/chat/completions", {"json": {"max_tokens": 4}}), 400, "messages"),
+    ("chat-empty-messages", chat(messages=[]), 400, "messages"),
+    ("chat-bad-role", chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
+    ("chat-content-number", chat(messages=[{"role": "user", "content": 7}]), 400, "messages"),
+    ("chat-max-completion-tokens-negative", chat(max_completion_tokens=-1), 400, "max_completion_tokens"),
+    ("unknown-model", completion(model="gpt-5"), 404, "model"),
+    ("unknown-model-card", ("GET", "/v1/models/gpt-5", {}), 404, "model"),
+    ("unknown-route", ("POST", "/v1/embeddings", {"json": {"input": "x"}}), 404, None),
+    ("wrong-http-method", ("GET", "/v1/completions", {}), 405, None),
+    ("body-over-limit", raw("/v1/completions", b" " * (MAX_BODY + 1)), 413, None),
+    ("chunked-body-over-limit", raw("/v1/completions", oversized_chunks()), 413, None),
+]
+
+
+@pytest.mark.parametrize("method,path,kwargs,status,param", [(*c[1], c[2], c[3]) for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_malformed_request_gets_openai_error(client, method, path, kwargs, status, param):
+    r = client.request(method, path, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    # The server keeps serving.
+    ok = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 25
+
+
+def test_validation_errors_never_leak_fastapi_shape(client):
+    r = client.post("/v1/chat/completions", json={"messages": "hi"})
+    assert r.status_code == 400
+    assert "detail" not in r.json()
+    assert json.loads(r.text)["error"]["code"] == "invalid_parameter"
