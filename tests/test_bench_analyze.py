@@ -1,7 +1,6 @@
 """Known-answer tests for `ddscope bench analyze`: fit, decomposition and attribution."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddscope.bench.analyze import AnalysisError, acceptance_windows, analyze, robust_fit
-from ddscope.bench.cli import register
+from ddscope.cli import main
 
 A_MS, B_MS = 20.0, 0.004  # the true step curve: 20 ms + 4 ms per 1k tokens
 CONTEXTS = (13, 1663, 3333, 5553)
@@ -35,10 +34,7 @@ def only(analysis, label: str, ctx: float):
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="ddscope")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code = args.func(args)
+    code = main(argv)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

@@ -6,7 +6,6 @@ and /metrics in its engine's documented format (references next to each fake). E
 """
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import threading
@@ -23,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ddscope.bench.backends import parse_metrics
-from ddscope.bench.cli import register
+from ddscope.cli import main
 
 TOKENS, STEPS, ACCEPTED = 20, 8, 12  # 8 steps x (accepted + 1 bonus) = 12 + 8 = 20 tokens
 AVG = TOKENS / STEPS
@@ -210,10 +209,7 @@ def plain_app() -> FastAPI:
 
 
 def run(flags: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ddscope")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "sweep", *flags])
-    return args.func(args)
+    return main(["bench", "sweep", *flags])
 
 
 def sweep(url: str, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:

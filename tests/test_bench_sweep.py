@@ -1,7 +1,6 @@
 """End to end: `ddscope bench sweep` with no --url starts the embedded server on a tiny model."""
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 from pathlib import Path
@@ -9,17 +8,14 @@ from statistics import median
 
 import pytest
 
-from ddscope.bench.cli import register
-from ddscope.testing import make_drafter, make_target, make_tiny_pair
+from ddscope.cli import main
+from ddscope.testing import make_drafter, make_target
 
 CONTEXTS, MAX_TOKENS, REPEATS = (8, 64, 128), 24, 2
 
 
 def bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="ddscope")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *argv])
-    return args.func(args)
+    return main(["bench", *argv])
 
 
 def sweep(target: Path, drafter: Path, out: Path) -> dict:
@@ -30,8 +26,8 @@ def sweep(target: Path, drafter: Path, out: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-def test_sweep_embedded_tiny_pair_writes_consistent_outputs(tmp_path, capsys):
-    target, drafter = make_tiny_pair(tmp_path / "pair")
+def test_sweep_embedded_tiny_pair_writes_consistent_outputs(tiny_pair, tmp_path, capsys):
+    target, drafter = tiny_pair  # conftest: make_tiny_pair
     out = tmp_path / "out"
     doc = sweep(target, drafter, out)
     assert doc["status"] == "complete" and doc["errors"] == {}
@@ -75,7 +71,7 @@ def test_step_ms_agrees_with_the_engine(tmp_path):
     """The decomposition's step_ms is client-timed (latency - prefill) / steps; the engine times its
     phases. Server overhead per step is about a millisecond, so the target is sized for steps of tens
     of ms, as with real models, rather than make_tiny_pair's few ms."""
-    target = make_target(tmp_path / "target", hidden=384, layers=8)
+    target = make_target(tmp_path / "target", hidden=512, layers=8)
     drafter = make_drafter(tmp_path / "drafter", target)
     doc = sweep(target, drafter, tmp_path / "out")
     for ctx in CONTEXTS:
@@ -84,8 +80,8 @@ def test_step_ms_agrees_with_the_engine(tmp_path):
         assert 0.9 <= ratio <= 1.1, (ctx, ratio)
 
 
-def test_diagnose_runs_both_sweeps_and_attributes(tmp_path, capsys):
-    target, drafter = make_tiny_pair(tmp_path / "pair")
+def test_diagnose_runs_both_sweeps_and_attributes(tiny_pair, tmp_path, capsys):
+    target, drafter = tiny_pair
     out = tmp_path / "diag"
     code = bench("diagnose", "--target", str(target), "--drafter", str(drafter), "--workload", "code",
                  "--contexts", "16,64", "--max-tokens", "12", "--repeats", "1", "--warmup", "0",

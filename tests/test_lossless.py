@@ -45,11 +45,11 @@ def ar_references(tiny_engine):
 
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 1), ("ddtree", 4), ("ddtree", 16),
-                                           ("ddtree", 64)])
+                                           ("ddtree", 64), ("ddtree", "auto")])
 def test_greedy_equals_ar(tiny_engine, ar_references, monkeypatch, method, budget):
     engine = tiny_engine
     block = engine.drafter.block_size
-    deepest = block if method == "dflash" else min(budget, block - 1) + 1
+    deepest = block if method == "dflash" or budget == "auto" else min(budget, block - 1) + 1
     longest = 0
     for i, (prompt, ref) in enumerate(ar_references):
         monkeypatch.setattr(engine.drafter, "draft", OracleDrafter(engine.drafter, prompt + ref, seed=i).draft)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -173,6 +174,20 @@ def test_stream_without_usage_puts_extension_on_finish_chunk(server):
     final = json.loads(lines[-2].removeprefix("data: "))
     assert final["choices"][0]["finish_reason"] == "length"
     assert final["ddscope"]["completion_tokens"] == 6 and "usage" not in final
+
+
+def test_stop_string_ends_the_text_before_it(server):
+    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "method": "ar", "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        chunks = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    full = "".join(chunks)
+    # A stop string that starts where a step's text starts, and appears nowhere before.
+    start, stop = next((s, c) for s, c in zip(itertools.accumulate([0, *map(len, chunks)]), chunks)
+                       if s > 0 and c.strip() and full.find(c) == s)
+    r = httpx.post(f"{server}/v1/completions", json={**body, "stop": [stop]}, timeout=30).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["text"] == full[:start]
 
 
 # --- telemetry ----------------------------------------------------------------------------------

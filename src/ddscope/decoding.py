@@ -84,7 +84,9 @@ class Decoder:
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self.tokens += new
         t4 = self.clock()
-        return new, RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        self.proposer.observe(rnd)
+        return new, rnd
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from ddscope.budget import AutoBudget, VerifyCost
 from ddscope.config import CheckpointError
 from ddscope.decoding import Decoder
 from ddscope.drafter import Drafter
@@ -43,10 +44,12 @@ class Generation:
 class Engine:
     """Batch-1 engine; one generation at a time (the server serialises requests)."""
 
-    def __init__(self, target: Target, drafter: Drafter | None, tokenizer, name: str, max_model_len: int,
-                 default_budget: int = 32):
+    def __init__(self, target: Target, drafter: Drafter | None, tokenizer, source: Path, max_model_len: int,
+                 default_budget: int | str = 32):
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        self.model_name, self.max_model_len, self.default_budget = name, max_model_len, default_budget
+        self.source, self.model_name = str(source.resolve()), source.name
+        self.max_model_len, self.default_budget = max_model_len, default_budget
+        self.verify_cost: VerifyCost | None = None  # calibrated on first use of budget="auto"
         self.device = target.lm_head.weight.device
         self.cache = target.new_cache(max_model_len + MAX_BUDGET + 1)
         self.draft_cache = drafter.new_cache(max_model_len + 1) if drafter is not None else None
@@ -72,7 +75,7 @@ class Engine:
         limit = model.cfg.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
-        return cls(model, draft, tokenizer, target_dir.name, max_model_len or limit)
+        return cls(model, draft, tokenizer, target_dir, max_model_len or limit)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -102,8 +105,12 @@ class Engine:
         if method == "dflash":
             return DFlash()
         budget = self.default_budget if budget is None else budget
+        if budget == "auto":
+            if self.verify_cost is None:
+                self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
+            return DDTree(AutoBudget(self.verify_cost))
         if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET:
-            raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}")
+            raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
         return DDTree(budget)
 
     def stream(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",

@@ -5,40 +5,48 @@ The engine loop (verify, walk, commit) is the same for all three.
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
+from ddscope.budget import MAX_AUTO_BUDGET, AutoBudget
 from ddscope.sampling import SamplingParams
+from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree, best_first, chain, root_only
 
 
-class Proposer(Protocol):
-    uses_drafter: bool
+class Proposer:
+    uses_drafter = True
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
-        ...
+        raise NotImplementedError
+
+    def observe(self, rnd: RoundStats) -> None:
+        """Feedback after each round; only adaptive proposers use it."""
 
 
-class AR:
+class AR(Proposer):
     uses_drafter = False
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
         return root_only(root)
 
 
-class DFlash:
-    uses_drafter = True
-
+class DFlash(Proposer):
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
         return chain(root, draft_logits.argmax(-1).tolist())
 
 
-class DDTree:
-    uses_drafter = True
-
-    def __init__(self, budget: int):
-        self.budget = budget
+class DDTree(Proposer):
+    def __init__(self, budget: int | AutoBudget):
+        self.policy = budget if isinstance(budget, AutoBudget) else None
+        self.budget = "auto" if self.policy else budget
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
-        return best_first(root, sampling.log_probs(draft_logits), self.budget)
+        logprobs = sampling.log_probs(draft_logits)
+        if self.policy is None:
+            return best_first(root, logprobs, self.budget)
+        full = best_first(root, logprobs, MAX_AUTO_BUDGET)
+        return full.prefix(self.policy.choose(full.scores[1:], ctx_len))
+
+    def observe(self, rnd: RoundStats) -> None:
+        if self.policy is not None:
+            self.policy.observe(rnd)

@@ -5,12 +5,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from ddscope.config import DrafterConfig
 from ddscope.drafter import Drafter
+from ddscope.training.drafter_ckpt import drafter_config, pick_layer_ids, save_drafter
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -54,38 +54,12 @@ def make_target(directory: Path, arch: str = "qwen3", seed: int = 0, hidden: int
     return directory
 
 
-def drafter_config(hidden: int, layers: int, vocab_size: int, mask_token_id: int, block_size: int,
-                   target_layer_ids: list[int], num_target_layers: int, nested_block_size: bool = False) -> dict:
-    """A z-lab DFlash config.json (Qwen3 geometry plus `dflash_config`)."""
-    cfg = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4, "rms_norm_eps": 1e-6,
-        "rope_theta": 1e4, "vocab_size": vocab_size, "num_target_layers": num_target_layers,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids},
-    }
-    if nested_block_size:
-        cfg["dflash_config"]["block_size"] = block_size
-    else:
-        cfg["block_size"] = block_size
-    return cfg
-
-
-def save_drafter(directory: Path, config: dict, state: dict[str, torch.Tensor], prefix: str = "") -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({prefix + k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
-    return directory
-
-
 def make_drafter(directory: Path, target_dir: Path, seed: int = 1, layers: int = 1, block_size: int = 8,
                  nested_block_size: bool = False, prefix: str = "") -> Path:
     tcfg = json.loads((target_dir / "config.json").read_text())
     mask_id = PreTrainedTokenizerFast.from_pretrained(str(target_dir)).convert_tokens_to_ids("<|mask|>")
-    n_target = tcfg["num_hidden_layers"]
-    ids = [n_target // 2] if layers == 1 else [round(1 + i * (n_target - 2) / (layers - 1)) for i in range(layers)]
-    cfg = drafter_config(tcfg["hidden_size"], layers, tcfg["vocab_size"], mask_id, block_size, ids, n_target,
-                         nested_block_size)
+    ids = pick_layer_ids(tcfg["num_hidden_layers"], layers)
+    cfg = drafter_config(tcfg, layers, block_size, mask_id, ids, nested_block_size)
     torch.manual_seed(seed)
     model = Drafter(DrafterConfig.from_dict(cfg))
     return save_drafter(directory, cfg, model.state_dict(), prefix)

@@ -6,7 +6,7 @@ than its children's, so masks and walks can go in index order.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,12 @@ class DraftTree:
     tokens: list[int]   # [root, n1..nB]
     parents: list[int]  # parents[0] == -1
     depths: list[int]   # depths[0] == 0
+    scores: list[float] = field(default_factory=list)  # best_first only: log-prob of each node's prefix
+
+    def prefix(self, size: int) -> "DraftTree":
+        """The first `size` draft nodes: a valid tree, since parents precede children."""
+        n = size + 1
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
 
     @property
     def size(self) -> int:
@@ -61,6 +67,7 @@ def best_first(root: int, logprobs: torch.Tensor, budget: int) -> DraftTree:
     k = min(budget, logprobs.shape[1])
     vals, idx = (t.tolist() for t in torch.topk(logprobs.float(), k, dim=-1))
     tree = root_only(root)
+    tree.scores.append(0.0)
     heap = [(-vals[0][0], 1, 0, 0, 0.0)]  # (-score, depth, rank, parent, parent score)
     while heap and tree.size < budget:
         neg, depth, rank, parent, parent_score = heapq.heappop(heap)
@@ -68,6 +75,7 @@ def best_first(root: int, logprobs: torch.Tensor, budget: int) -> DraftTree:
         tree.tokens.append(idx[depth - 1][rank])
         tree.parents.append(parent)
         tree.depths.append(depth)
+        tree.scores.append(-neg)
         if rank + 1 < k:
             heapq.heappush(heap, (-(parent_score + vals[depth - 1][rank + 1]), depth, rank + 1, parent, parent_score))
         if depth < depth_max:

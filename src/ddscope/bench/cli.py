@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from ddscope.cli import add_model_args, budget_arg
+
 # The experiment, used against a --url server.
 URL_CONTEXTS = "13,1663,3333,5553"
 URL_MAX_TOKENS = 600
@@ -71,10 +73,10 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="skip auto-detection")
     g.add_argument("--tokenizer", type=Path, help="HF tokenizer dir, for exact token-id prompts against a --url "
                                                   "server (embedded: the served target's tokenizer)")
-    g.add_argument("--target", type=Path, help="embedded server: target dir (default: bundled demo pair)")
-    g.add_argument("--drafter", type=Path, help="embedded server: drafter dir")
-    g.add_argument("--method", default="ddtree", help="embedded server: ddtree|dflash|ar")
-    g.add_argument("--budget", type=_at_least(1), default=32, help="embedded server: tree budget")
+    e = p.add_argument_group("embedded server (without --url)")
+    add_model_args(e)
+    e.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree")
+    e.add_argument("--budget", type=budget_arg, default=32, help="DDTree node budget or 'auto' (default: 32)")
     s = p.add_argument_group("sweep")
     s.add_argument("--contexts", type=_contexts,
                    help=f"prompt lengths in tokens (default {URL_CONTEXTS} with --url; {EMBEDDED_CONTEXTS} on the "
@@ -140,10 +142,11 @@ def _check_sweep_args(args: argparse.Namespace) -> None:
     if args.drafter and not args.target:
         raise BenchError("--drafter needs --target (without both, the bundled demo pair is served)")
     for flag, path in (("--tokenizer", args.tokenizer), ("--target", args.target), ("--drafter", args.drafter)):
-        if path is not None and not path.is_dir():
+        if path is not None and not Path(path).is_dir():
             raise BenchError(f"{flag}: no such directory: {path}")
     load_workload(args.workload)  # fail now, with its message, rather than after the server starts
     embedded = not args.url
+    args.clamp_contexts = args.contexts is None
     if args.contexts is None:
         args.contexts = _contexts(EMBEDDED_CONTEXTS if embedded else URL_CONTEXTS)
     if args.max_tokens is None:
@@ -156,7 +159,7 @@ def _load_tokenizer(args: argparse.Namespace) -> Any:
     if directory is None and not args.url:
         import ddscope
 
-        directory = args.target or Path(ddscope.__file__).parent / "assets" / "demo" / "target"
+        directory = Path(args.target or Path(ddscope.__file__).parent / "assets" / "demo" / "target")
     if directory is None:
         return None
     from transformers import AutoTokenizer
@@ -174,8 +177,9 @@ class _Progress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        # No refresh thread: an embedded server shares this process, and its GIL, with the bar.
         self.bar = Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.description}"), console=Console(stderr=True))
+                            TextColumn("{task.description}"), console=Console(stderr=True), auto_refresh=False)
         self.task = self.bar.add_task("", total=total)
 
     def __enter__(self) -> "_Progress":
@@ -187,6 +191,7 @@ class _Progress:
 
     def advance(self, note: str) -> None:
         self.bar.update(self.task, advance=1, description=note)
+        self.bar.refresh()
 
 
 def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]) -> list[Path]:
@@ -204,13 +209,15 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
         from ddscope.server.launch import serve_in_background
 
         server = serve_in_background(target=args.target, drafter=args.drafter, method=args.method,
-                                     budget=args.budget, host="127.0.0.1", port=0)
+                                     budget=args.budget, host="127.0.0.1", port=0, device=args.device,
+                                     dtype=args.dtype)
     paths = []
     with server as base_url, httpx.Client() as client:
         for workload, out in zip(workloads, dirs):
             cfg = SweepConfig(contexts=args.contexts, max_tokens=args.max_tokens, repeats=args.repeats,
                               warmup=args.warmup, workload=workload, api=args.api, temperature=args.temperature,
-                              stream=args.stream, model=args.model, backend=args.backend, timeout_s=args.timeout)
+                              stream=args.stream, model=args.model, backend=args.backend, timeout_s=args.timeout,
+                              clamp_contexts=args.clamp_contexts)
             sweep = Sweep(cfg, base_url, client, tokenizer)
             total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)
             try:

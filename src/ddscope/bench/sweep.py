@@ -47,6 +47,7 @@ class SweepConfig:
     model: str | None = None
     backend: str = "auto"
     timeout_s: float = 600.0
+    clamp_contexts: bool = False  # default contexts: shrink those that do not fit max_model_len
     extra_body: dict[str, Any] = field(default_factory=dict)  # fixed fields for every request
 
 
@@ -172,6 +173,9 @@ class Sweep:
         info = self.server.models()
         self.model = cfg.model or info.get("id")
         self.max_model_len = info.get("max_model_len")
+        if cfg.clamp_contexts and self.max_model_len:
+            room = max(1, int(self.max_model_len) - cfg.max_tokens)
+            cfg.contexts = sorted({min(c, room) for c in cfg.contexts})
         self.reader = AcceptanceReader(self.backend, self.server)
         self.extras: dict[str, Any] = {}
         self.token_ids = cfg.api == "completions" and tokenizer is not None  # exact lengths

@@ -215,10 +215,15 @@ def _prompt_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt: str
 
 
 def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # JSON can carry lone surrogates ("\ud800"); tokenizers reject them
+        raise APIError(400, f"{param}: not valid Unicode (a lone surrogate)", param=param,
+                       code="invalid_parameter") from None
     # Exactly as Engine.encode. A chat template spells out its own special tokens, so none are added.
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
-        raise APIError(400, f"the {param} tokenizes to nothing", param=param, code="empty_prompt")
+        raise APIError(400, f"{param}: tokenizes to no tokens", param=param, code="empty_prompt")
     return ids
 
 

@@ -67,8 +67,7 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
 def serve_in_background(target: str | Path | None = None, drafter: str | Path | None = None,
                         method: str = "ddtree", budget: int | str | None = 32, host: str = "127.0.0.1",
                         port: int = 0, *, engine: Engine | None = None, max_queue: int = 64,
-                        request_timeout: float = 600.0,
-                        log_interval: float = 10.0, shutdown_timeout: float = 5.0,
+                        request_timeout: float = 600.0, log_interval: float = 10.0, shutdown_timeout: float = 5.0,
                         startup_timeout: float = 60.0, **engine_kw: Any) -> Iterator[str]:
     """Load the engine (or use `engine`), serve it from a background thread, yield the base URL.
 

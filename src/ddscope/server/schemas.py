@@ -73,7 +73,7 @@ def reject_unsupported(body: dict[str, Any]) -> None:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
 
 

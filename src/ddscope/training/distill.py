@@ -1,0 +1,156 @@
+"""Self-distillation data for drafter training: the target's own continuations of corpus prompts.
+
+Each record of the cache (`distill.jsonl`) is one prompt and the target's continuation of it, as
+token ids, with `prompt_len` so training can mask the prompt. Generation goes through the Engine
+(`ar`, or `ddtree` with an existing drafter: both lossless), greedy for some items and sampled at
+T=1 for the others, so the drafter sees both the argmax path and the spread around it. The prompt
+list is a pure function of (data, seed), so a rerun appends only the items still missing.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ddscope.training.corpus import DOMAINS, IM_START, iter_documents
+
+ASSISTANT_HEADER = f"{IM_START}assistant\n"
+# Corpus prompts: code and docs are windows of a document, chat is a conversation up to its first reply.
+DEFAULT_DATA = "code:0.5,docs:0.2,chat:0.3"
+
+
+@dataclass(frozen=True)
+class DistillSpec:
+    """Everything that decides which records the cache holds; stored beside it to refuse mixing runs."""
+
+    data: str = DEFAULT_DATA
+    prompts: int = 512
+    max_prompt_tokens: int = 192
+    max_new_tokens: int = 256
+    sampled_frac: float = 0.5
+    seed: int = 0
+
+
+def parse_data(spec: str) -> dict[str, float]:
+    """`code:0.5,chat:0.5` or `file:PATH` entries (weight optional, default 1) -> normalised shares."""
+    shares: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, weight = item.rpartition(":")
+        if not sep or not weight.replace(".", "", 1).isdigit():
+            name, weight = item, "1"
+        if not (name in DOMAINS or name.startswith("file:")):
+            raise ValueError(f"--data entry {item!r}: expected one of {', '.join(DOMAINS)} or file:PATH, "
+                             "optionally with :WEIGHT")
+        shares[name] = float(weight)
+    total = sum(shares.values())
+    if not shares or total <= 0:
+        raise ValueError(f"--data {spec!r} names no source with a positive weight")
+    return {k: v / total for k, v in shares.items()}
+
+
+def _window(text: str, rng: random.Random, chars: int) -> str:
+    """A prompt cut from a random line start of a document, so it begins like real code or prose."""
+    starts = [0] + [i + 1 for i, c in enumerate(text[:-chars]) if c == "\n"]
+    start = rng.choice(starts)
+    return text[start:start + chars]
+
+
+def _chat_prompt(text: str) -> str | None:
+    """A ChatML conversation up to and including its first assistant header (None if it has none)."""
+    cut = text.find(ASSISTANT_HEADER)
+    return text[:cut + len(ASSISTANT_HEADER)] if cut > 0 else None
+
+
+def _source_prompts(name: str, n: int, rng: random.Random, window_chars: int) -> list[str]:
+    """`n` prompt texts from one source (fewer if the source runs dry)."""
+    if name.startswith("file:"):
+        from ddscope.bench.workloads import load_workload
+        prompts = list(load_workload(name).prompts)
+        rng.shuffle(prompts)
+        return prompts[:n]
+    if name == "chat":  # the ShareGPT file is large: take conversations in order, stop early
+        out = []
+        for doc in iter_documents("chat", "train"):
+            if (p := _chat_prompt(doc.text)) is not None and len(p) < 4 * window_chars:
+                out.append(p)
+            if len(out) == n:
+                break
+        return out
+    docs = [d.text for d in iter_documents(name, "train") if len(d.text) > 2 * window_chars]
+    if not docs:
+        raise ValueError(f"corpus domain {name!r} has no documents longer than {2 * window_chars} characters")
+    return [_window(rng.choice(docs), rng, window_chars) for _ in range(n)]
+
+
+def build_prompts(spec: DistillSpec, tokenizer: Any) -> list[tuple[str, list[int]]]:
+    """(source, prompt ids) for every item, deterministic in `spec`; long prompts keep their tail."""
+    rng = random.Random(spec.seed)
+    window_chars = 4 * spec.max_prompt_tokens  # ~4 chars per BPE token; clipped to tokens below
+    items: list[tuple[str, list[int]]] = []
+    for name, share in parse_data(spec.data).items():
+        count = max(1, round(share * spec.prompts))
+        for text in _source_prompts(name, count, rng, window_chars):
+            ids = tokenizer.encode(text, add_special_tokens=False)[-spec.max_prompt_tokens:]
+            if ids:
+                items.append((name, ids))
+    rng.shuffle(items)
+    return items[:spec.prompts]
+
+
+def read_cache(path: Path) -> list[dict[str, Any]]:
+    """The records of a distill.jsonl (a torn last line from a killed run is dropped)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def _check_meta(out_dir: Path, spec: DistillSpec) -> None:
+    meta = out_dir / "distill.meta.json"
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        if old != asdict(spec):
+            raise ValueError(f"{out_dir} holds distillation data made with {old}; the current settings are "
+                             f"{asdict(spec)}. Use another --work-dir or the same settings.")
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps(asdict(spec), indent=2) + "\n")
+
+
+def distill(engine: Any, spec: DistillSpec, out_dir: Path, method: str = "ar", budget: int | None = None,
+            time_budget_s: float | None = None) -> list[dict[str, Any]]:
+    """Fill `out_dir/distill.jsonl` up to `spec.prompts` records (or until the time budget); return them all."""
+    _check_meta(out_dir, spec)
+    path = out_dir / "distill.jsonl"
+    records = read_cache(path)
+    done = {r["i"] for r in records}
+    prompts = build_prompts(spec, engine.tokenizer)
+    todo = [i for i in range(len(prompts)) if i not in done]
+    t0, generated = time.monotonic(), 0
+    with path.open("a") as f, tqdm(todo, desc="distill", unit="seq", dynamic_ncols=True) as bar:
+        for i in bar:
+            if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
+                bar.write(f"distill: time budget reached with {len(records)}/{len(prompts)} sequences")
+                break
+            source, ids = prompts[i]
+            temperature = 1.0 if random.Random(spec.seed * 1_000_003 + i).random() < spec.sampled_frac else 0.0
+            out = engine.generate(ids, max_new_tokens=spec.max_new_tokens, method=method, budget=budget,
+                                  temperature=temperature, seed=spec.seed + i)
+            record = {"i": i, "source": source, "temperature": temperature, "prompt_len": len(ids),
+                      "ids": ids + out.token_ids}
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            records.append(record)
+            generated += len(out.token_ids)
+            bar.set_postfix(tok_s=f"{generated / (time.monotonic() - t0):.0f}")
+    return records

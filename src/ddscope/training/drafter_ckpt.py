@@ -1,0 +1,69 @@
+"""Writing DFlash drafters in the z-lab layout (what `Drafter.load` reads back), sized from a target."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ddscope.config import default_target_layer_ids, rope_theta_of
+
+MASK_TOKEN = "<|mask|>"
+
+
+def pick_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """z-lab's fallback spread, or an even spread over [1, L-1] where that one collapses (small L)."""
+    if n < 1 or n > num_target_layers:
+        raise ValueError(f"need 1..{num_target_layers} target layer ids for a {num_target_layers}-layer target, got {n}")
+    ids = default_target_layer_ids(num_target_layers, n)
+    if len(set(ids)) == n and all(0 <= i < num_target_layers for i in ids):
+        return ids
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 2) / (n - 1)) for i in range(n)]
+
+
+def mask_token_id(tokenizer: Any, override: int | None, vocab_size: int) -> int:
+    """The tokenizer's `<|mask|>` unless an explicit id is given; never guesses."""
+    if override is None:
+        override = tokenizer.get_vocab().get(MASK_TOKEN)
+        if override is None:
+            raise ValueError(f"the target tokenizer has no {MASK_TOKEN} token: pass --mask-token-id with a token "
+                             "id that never occurs in the data")
+    if not 0 <= override < vocab_size:
+        raise ValueError(f"mask token id {override} outside the target vocab [0, {vocab_size})")
+    return override
+
+
+def drafter_config(target_raw: dict[str, Any], layers: int, block_size: int, mask_token_id: int,
+                   target_layer_ids: list[int], nested_block_size: bool = False) -> dict[str, Any]:
+    """A z-lab DFlash config.json: the target's Qwen3 geometry with `layers` layers, plus `dflash_config`."""
+    hidden, heads = int(target_raw["hidden_size"]), int(target_raw["num_attention_heads"])
+    cfg: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": hidden, "intermediate_size": int(target_raw["intermediate_size"]),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": int(target_raw.get("num_key_value_heads") or heads),
+        "head_dim": int(target_raw.get("head_dim") or hidden // heads),
+        "rms_norm_eps": float(target_raw.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta_of(target_raw),
+        "max_position_embeddings": int(target_raw.get("max_position_embeddings", 4096)),
+        "vocab_size": int(target_raw["vocab_size"]), "num_target_layers": int(target_raw["num_hidden_layers"]),
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+    }
+    if nested_block_size:
+        cfg["dflash_config"]["block_size"] = block_size
+    else:
+        cfg["block_size"] = block_size
+    return cfg
+
+
+def save_drafter(directory: Path, config: dict[str, Any], state: dict[str, torch.Tensor], prefix: str = "") -> Path:
+    """config.json + model.safetensors (unprefixed keys unless `prefix`); the shared embed/head stay out."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {prefix + k: v.detach().cpu().contiguous() for k, v in state.items()
+               if not k.startswith(("embed_tokens.", "lm_head."))}
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
