@@ -89,7 +89,7 @@ def sglang_app(mode: str) -> FastAPI:
       (python/sglang/srt/entrypoints/openai/utils.py, spec_tokens_details_from_meta_info), or
       `choices[].meta_info` with `return_meta_info`; `spec_verify_ct` counts verify steps.
     - /get_server_info internal_states[].avg_spec_accept_length is lifetime-cumulative
-      (https://docs.sglang.io/docs/basic_usage/native_api).
+      (https://docs.sglang.io/basic_usage/native_api.html).
     """
     details = {"spec_verify_ct": STEPS, "spec_accept_length": AVG, "spec_accept_rate": ACCEPTED / (STEPS * 3),
                "spec_num_correct_drafts": ACCEPTED, "spec_num_proposed_drafts": STEPS * 3}
@@ -315,3 +315,23 @@ def test_unreachable_url_is_a_clear_error(tmp_path, capsys):
         port = s.getsockname()[1]
     assert run(["--url", f"http://127.0.0.1:{port}", "--out", str(tmp_path), "--timeout", "5"]) == 2
     assert "probe request failed" in capsys.readouterr().err
+
+
+def test_ctrl_c_leaves_valid_files(tmp_path, capsys, monkeypatch):
+    import ddscope.bench.sweep as sweep_mod
+
+    real_post, calls = sweep_mod.post, {"n": 0}
+
+    def post(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 5:  # probe, warmup, 2 timed requests at the first context, then Ctrl-C
+            raise KeyboardInterrupt
+        return real_post(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_mod, "post", post)
+    with serve(vllm_app("counters")) as url:
+        code, doc = sweep(url, tmp_path)
+    assert code == 0 and doc["status"] == "interrupted"
+    assert [r["context"] for r in doc["records"]] == [16, 16]
+    assert len((tmp_path / "results.csv").read_text().splitlines()) == 3
+    assert "status: interrupted" in (tmp_path / "report.md").read_text()

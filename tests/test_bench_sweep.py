@@ -95,3 +95,14 @@ def test_diagnose_runs_both_sweeps_and_attributes(tiny_pair, tmp_path, capsys):
     for sub in ("padding", "code"):
         assert json.loads((out / sub / "results.json").read_text())["status"] == "complete"
     assert (out / "report.md").is_file() and (out / "sweep.png").is_file()
+
+
+def test_streamed_sweep_reads_the_final_chunk(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    code = bench("sweep", "--target", str(target), "--drafter", str(drafter), "--contexts", "16",
+                 "--max-tokens", "12", "--repeats", "1", "--warmup", "0", "--stream", "--out", str(tmp_path))
+    assert code == 0
+    [record] = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert record["completion_tokens"] == 12 and record["prompt_tokens"] == 16
+    assert record["avg_commit"] * record["verify_steps"] == pytest.approx(12)
+    assert record["prefill_s"] is not None

@@ -65,3 +65,15 @@ def test_cli_generate_json(tiny_pair, capsys):
 def test_cli_reports_bad_checkpoint(tmp_path, capsys):
     assert main(["generate", "x", "--target", str(tmp_path / "missing")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_stop_string_spanning_two_steps_never_leaks(tiny_engine):
+    full = tiny_engine.generate("The quick", max_new_tokens=40, method="ar", ignore_eos=True)
+    pieces = [tiny_engine.tokenizer.decode([t]) for t in full.token_ids]
+    k = next(i for i in range(3, 39) if pieces[i].isascii() and pieces[i + 1].isascii()
+             and pieces[i].strip() and pieces[i + 1].strip())
+    stop = pieces[k][-1] + pieces[k + 1][0]  # ar commits one token per step: the stop spans two steps
+    steps = list(tiny_engine.stream("The quick", max_new_tokens=40, method="ar", ignore_eos=True, stop=[stop]))
+    text = "".join(s.text for s in steps)
+    assert steps[-1].finish_reason == "stop" and stop not in text
+    assert text == full.text[:full.text.index(stop)]

@@ -76,6 +76,7 @@ class Decoder:
             mask[:, start:] = tree.visibility().to(self.device)
         t2 = self.clock()
         out = self.target(tokens, positions, self.cache, mask, capture=self.capture)
+        t_fwd = self.clock()
         path, choices = self.accept(tree, self._suppress_early_eos(out.logits, positions - start))
         t3 = self.clock()
         self.cache.keep(start, torch.tensor(path, device=self.device))
@@ -84,7 +85,7 @@ class Decoder:
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self.tokens += new
         t4 = self.clock()
-        rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t_fwd - t2))
         self.proposer.observe(rnd)
         return new, rnd
 

@@ -141,28 +141,23 @@ class Engine:
                 eos: tuple[int, ...], stop: list[str]) -> Iterator[Step]:
         stats.prefill_ms = decoder.prefill(prompt)
         out: list[int] = []
-        text = ""
+        text = ""  # what has been yielded so far
+        holdback = max((len(s) for s in stop), default=1) - 1
         while True:
             new, rnd = decoder.step()
-            kept, reason = [], None
-            for tok in new:
-                kept.append(tok)
-                if tok in eos and len(out) + len(kept) > decoder.min_tokens:
-                    reason = "stop"
-                elif len(out) + len(kept) == max_new:
-                    reason = "length"
-                if reason:
-                    break
+            kept, reason = _truncate(new, len(out), eos, max_new, decoder.min_tokens)
             out += kept
             full = self.tokenizer.decode(out, skip_special_tokens=True)
-            hit = min((i for s in stop if (i := full.find(s, max(0, len(text) - len(s)))) >= 0), default=-1)
+            hit = min((i for s in stop if (i := full.find(s)) >= 0), default=-1)
             if hit >= 0:
                 full, reason = full[:hit], "stop"
-            elif reason is None and full.endswith("\ufffd"):
-                full = text  # hold back a partial UTF-8 character until it completes
+            if reason is None:
+                # Hold back what may still become a stop string or a complete UTF-8 character.
+                full = full[:max(len(text), len(full) - holdback)].rstrip("\ufffd")
             rnd.committed = len(kept)
             stats.rounds.append(rnd)
-            delta, text = full[len(text):], full
+            delta = full[len(text):]
+            text += delta
             yield Step(kept, delta, rnd, stats, reason)
             if reason:
                 return
@@ -173,3 +168,15 @@ class Engine:
         text = "".join(s.text for s in steps)
         last = steps[-1]
         return Generation(text, ids, last.finish_reason, last.stats.prompt_tokens, last.stats)
+
+
+def _truncate(new: list[int], n_out: int, eos: tuple[int, ...], max_new: int,
+              min_tokens: int) -> tuple[list[int], str | None]:
+    """The committed tokens to keep, up to the first EOS (past min_tokens) or the length limit."""
+    for i, tok in enumerate(new):
+        n = n_out + i + 1
+        if tok in eos and n > min_tokens:
+            return new[:i + 1], "stop"
+        if n == max_new:
+            return new[:i + 1], "length"
+    return new, None

@@ -16,6 +16,7 @@ class RoundStats:
     tree_ms: float = 0.0
     verify_ms: float = 0.0
     commit_ms: float = 0.0
+    model_ms: float = 0.0  # inside drafter and target forwards; the rest of step_ms is engine overhead
 
     @property
     def step_ms(self) -> float:
@@ -56,6 +57,7 @@ class GenerationStats:
             "nodes_verified": sum(r.nodes for r in self.rounds),
             "mean_step_ms": 1000 * decode_s / steps if steps else 0.0,
             "phase_ms": {p: sum(getattr(r, f"{p}_ms") for r in self.rounds) for p in PHASES},
+            "model_ms": sum(r.model_ms for r in self.rounds),
             "prefill_ms": self.prefill_ms,
             "decode_s": decode_s,
             "decode_tok_per_s": committed / decode_s if decode_s else 0.0,

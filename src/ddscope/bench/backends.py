@@ -197,22 +197,23 @@ class Server:
         except ValueError:  # not Prometheus text
             return None
 
-    def models(self) -> dict[str, Any]:
-        resp = self._get("/v1/models")
+    def _get_json(self, path: str) -> dict[str, Any]:
+        resp = self._get(path)
         try:
-            data = resp.json().get("data") if resp is not None else None
+            body = resp.json() if resp is not None else None
         except ValueError:
-            data = None
+            body = None
+        return body if isinstance(body, dict) else {}
+
+    def models(self) -> dict[str, Any]:
+        """The first entry of /v1/models (id, owned_by, max_model_len where given)."""
+        data = self._get_json("/v1/models").get("data")
         return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
 
     def lifetime_accept_length(self) -> float | None:
         """SGLang's lifetime-cumulative average (both route spellings exist across versions)."""
         for path in ("/get_server_info", "/server_info"):
-            resp = self._get(path)
-            try:
-                states = resp.json().get("internal_states") if resp is not None else None
-            except ValueError:
-                states = None
+            states = self._get_json(path).get("internal_states")
             values = [_num(s.get("avg_spec_accept_length")) for s in states or [] if isinstance(s, dict)]
             values = [v for v in values if v]
             if values:
@@ -234,18 +235,15 @@ class Server:
 class AcceptanceReader:
     """One source, chosen by a probe request, then read the same way for every request."""
 
-    def __init__(self, backend: str, server: Server, source: AcceptanceSource = NONE):
-        self.backend, self.server, self.source = backend, server, source
-
-    @property
-    def needs_snapshot(self) -> bool:
-        return self.source.kind == "counter_delta"
+    def __init__(self, backend: str, server: Server):
+        self.backend, self.server, self.source = backend, server, NONE
 
     def snapshot(self) -> Metrics | None:
-        return self.server.metrics() if self.needs_snapshot else None
+        """Counters before a request, when the source is a counter difference."""
+        return self.server.metrics() if self.source.kind == "counter_delta" else None
 
     def choose(self, body: dict[str, Any], completion_tokens: int,
-               before: Metrics | None, after: Metrics | None) -> AcceptanceSource:
+               before: Metrics | None, after: Metrics | None) -> None:
         """Pick the best source the probe's response and scrapes show: per request, counters,
         windowed gauge, lifetime, or none."""
         found = _per_request(self.backend, body, completion_tokens)
@@ -259,7 +257,6 @@ class AcceptanceReader:
             self.source = SOURCES["sglang.server_info"]
         else:
             self.source = NONE
-        return self.source
 
     def read(self, body: dict[str, Any], completion_tokens: int, before: Metrics | None) -> Acceptance | None:
         kind = self.source.kind

@@ -157,9 +157,9 @@ def _load_tokenizer(args: argparse.Namespace) -> Any:
     """--tokenizer, else the embedded server's target (the demo pair's when none is given)."""
     directory = args.tokenizer
     if directory is None and not args.url:
-        import ddscope
+        from ddscope.engine import DEMO_DIR  # torch is loaded by then: the server is up
 
-        directory = Path(args.target or Path(ddscope.__file__).parent / "assets" / "demo" / "target")
+        directory = args.target or DEMO_DIR / "target"
     if directory is None:
         return None
     from transformers import AutoTokenizer
@@ -202,7 +202,6 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
 
     from ddscope.bench.sweep import RequestFailed, Sweep, SweepConfig
 
-    tokenizer = _load_tokenizer(args)
     if args.url:
         server = contextlib.nullcontext(args.url)
     else:
@@ -213,6 +212,7 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
                                      dtype=args.dtype)
     paths = []
     with server as base_url, httpx.Client() as client:
+        tokenizer = _load_tokenizer(args)
         for workload, out in zip(workloads, dirs):
             cfg = SweepConfig(contexts=args.contexts, max_tokens=args.max_tokens, repeats=args.repeats,
                               warmup=args.warmup, workload=workload, api=args.api, temperature=args.temperature,
@@ -222,7 +222,7 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
             total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)
             try:
                 with _Progress(total, f"{sweep.workload.label} on {sweep.backend}") as bar:
-                    sweep.run(out, bar)
+                    sweep.run(out, bar.advance)
             except RequestFailed as e:
                 raise BenchError(f"{base_url}: {e}") from e
             paths.append(out / "results.json")

@@ -26,12 +26,18 @@ def _row(p: Point) -> list[str]:
 HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine step_ms", "n"]
 
 
+def _decay_rows(a: Analysis) -> list[dict[str, Any]]:
+    """Acceptance-by-position entries with more than one window (one window shows no trend)."""
+    return [pos for pos in a.acceptance_by_position if len(pos["windows"]) > 1]
+
+
 def fit_line(a: Analysis) -> str:
     if a.fit is None:
         return "no step-time fit (the baseline has no acceptance data)"
     r2 = "n/a" if a.fit.r2 is None else f"{a.fit.r2:.3f}"
-    return (f"step_ms(ctx) = {a.fit.a_ms:.3f} + {a.fit.b_ms_per_token * 1000:.4f} ms per 1k tokens x ctx "
-            f"(robust fit on {a.baseline}, {a.fit.n_points} points, R^2 = {r2})")
+    return (f"step_ms(ctx) = {a.fit.a_ms:.3f} + {a.fit.b_ms_per_token:.3g} * ctx: {a.fit.a_ms:.2f} ms plus "
+            f"{a.fit.b_ms_per_token * 1000:.3f} ms per 1k tokens of context (robust fit on {a.baseline}, "
+            f"{a.fit.n_points} points, R^2 = {r2})")
 
 
 def print_report(a: Analysis, console: Console, errors: dict[str, int] | None = None,
@@ -49,12 +55,11 @@ def print_report(a: Analysis, console: Console, errors: dict[str, int] | None = 
     console.print(fit_line(a))
     for att in a.attributions:
         console.print(f"- {att.label} @ {att.prompt_tokens:.0f}: {att.verdict}", highlight=False)
-    for pos in a.acceptance_by_position:
+    for pos in _decay_rows(a):
         wins = pos["windows"]
-        if len(wins) > 1:
-            console.print(f"- acceptance over the generation, {pos['label']} @ {pos['context']}: "
-                          f"{wins[0]['avg_commit']:.2f} (tokens {wins[0]['start']}-{wins[0]['end']}) -> "
-                          f"{wins[-1]['avg_commit']:.2f} (tokens {wins[-1]['start']}-{wins[-1]['end']})")
+        console.print(f"- acceptance over the generation, {pos['label']} @ {pos['context']}: "
+                      f"{wins[0]['avg_commit']:.2f} (tokens {wins[0]['start']}-{wins[0]['end']}) -> "
+                      f"{wins[-1]['avg_commit']:.2f} (tokens {wins[-1]['start']}-{wins[-1]['end']})")
     for note in a.notes:
         console.print(f"note: {note}", highlight=False)
     for message, count in (errors or {}).items():
@@ -133,10 +138,10 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
     lines += ["", "## Fit", "", fit_line(a), "", "## Verdict", ""]
     lines += [f"- **{att.label} @ {att.prompt_tokens:.0f}**: {att.verdict}" for att in a.attributions] or \
         ["- nothing to compare (one point, or no acceptance data)"]
-    if a.acceptance_by_position:
+    if _decay_rows(a):
         lines += ["", "## Acceptance over the generation", "",
                   "| workload | context | first window | last window | last/first |", "|---|---|---|---|---|"]
-        for pos in a.acceptance_by_position:
+        for pos in _decay_rows(a):
             first, last = pos["windows"][0], pos["windows"][-1]
             lines.append(f"| {pos['label']} | {pos['context']} | {first['avg_commit']:.2f} "
                          f"({first['start']}-{first['end']}) | {last['avg_commit']:.2f} "

@@ -12,17 +12,17 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
 from ddscope.bench.backends import REQUEST_EXTRAS, AcceptanceReader, Server, engine_step_ms, \
     server_prefill_s, step_commits
-from ddscope.bench.workloads import Tokenizer, Workload, fit_ids, fit_text, load_workload
+from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
 
 SCHEMA = "ddscope.bench.results/1"
 CSV_FIELDS = ("label", "context", "repeat", "prompt_tokens", "completion_tokens", "latency_s", "prefill_s",
@@ -48,7 +48,6 @@ class SweepConfig:
     backend: str = "auto"
     timeout_s: float = 600.0
     clamp_contexts: bool = False  # default contexts: shrink those that do not fit max_model_len
-    extra_body: dict[str, Any] = field(default_factory=dict)  # fixed fields for every request
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -114,8 +113,10 @@ def _error_message(resp: httpx.Response) -> str:
         body = resp.json()
     except ValueError:
         return f"HTTP {resp.status_code}: {resp.text[:200]}"
-    err = body.get("error") if isinstance(body, dict) else None
-    message = err.get("message") if isinstance(err, dict) else err or (body.get("message") if isinstance(body, dict) else None)
+    if not isinstance(body, dict):
+        return f"HTTP {resp.status_code}: {str(body)[:200]}"
+    err = body.get("error")
+    message = err.get("message") if isinstance(err, dict) else err or body.get("message")
     return f"HTTP {resp.status_code}: {message or str(body)[:200]}"
 
 
@@ -162,13 +163,12 @@ def post(client: httpx.Client, url: str, payload: dict[str, Any], stream: bool,
 class Sweep:
     """One sweep against one server: probe, then warmup and timed repeats per context."""
 
-    def __init__(self, cfg: SweepConfig, base_url: str, client: httpx.Client,
-                 tokenizer: Tokenizer | None = None, workload: Workload | None = None):
+    def __init__(self, cfg: SweepConfig, base_url: str, client: httpx.Client, tokenizer: Tokenizer | None = None):
         self.cfg = cfg
         self.client = client
         self.server = Server(base_url, client)
         self.tokenizer = tokenizer
-        self.workload = workload or load_workload(cfg.workload)
+        self.workload = load_workload(cfg.workload)
         self.backend = cfg.backend if cfg.backend != "auto" else self.server.detect()
         info = self.server.models()
         self.model = cfg.model or info.get("id")
@@ -194,8 +194,7 @@ class Sweep:
 
     def payload(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": self.cfg.temperature,
-                                "ignore_eos": True, "stream": self.cfg.stream,
-                                **self.cfg.extra_body, **self.extras}
+                                "ignore_eos": True, "stream": self.cfg.stream, **self.extras}
         if self.model:
             body["model"] = self.model
         if self.cfg.stream:
@@ -255,7 +254,7 @@ class Sweep:
         acc = self.reader.read(body, int(completion), before)
         tps = completion / decode
         record.update(
-            prompt_tokens=usage.get("prompt_tokens"), completion_tokens=completion,
+            prompt_tokens=usage.get("prompt_tokens") or context, completion_tokens=completion,
             latency_s=round(latency, 6), prefill_s=None if prefill is None else round(prefill, 6),
             tok_per_s=tps, e2e_tok_per_s=completion / latency,
             avg_commit=acc.avg_commit if acc else None,
@@ -279,33 +278,27 @@ class Sweep:
                                     "streamed time to first token; else the whole latency",
         }
 
-    def run(self, writer_dir: Path, progress: Any | None = None) -> ResultsWriter:
-        """Probe, then per context `warmup` unrecorded and `repeats` recorded requests."""
+    def run(self, out_dir: Path, on_request: Callable[[str], None] = lambda note: None) -> None:
+        """Probe, then per context `warmup` unrecorded and `repeats` recorded requests; Ctrl-C ends
+        the sweep with the files marked interrupted."""
         self.probe()
-        writer = ResultsWriter(writer_dir, self.header())
+        writer = ResultsWriter(out_dir, self.header())
         status = "complete"
         try:
             for ci, context in enumerate(self.cfg.contexts):
-                for w in range(self.cfg.warmup):
-                    self.measure(context, -1 - w, ci * self.cfg.repeats)
-                    _advance(progress, context, None)
+                for _ in range(self.cfg.warmup):
+                    self.measure(context, -1, ci * self.cfg.repeats)
+                    on_request(f"ctx {context}: warmup")
                 for r in range(self.cfg.repeats):
                     record = self.measure(context, r, ci * self.cfg.repeats + r)
                     writer.add(record)
-                    _advance(progress, context, record)
+                    on_request(_note(record))
         except KeyboardInterrupt:
             status = "interrupted"
         writer.update(status=status, finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-        return writer
 
 
-def _advance(progress: Any | None, context: int, record: dict[str, Any] | None) -> None:
-    if progress is None:
-        return
-    if record is None:
-        note = f"ctx {context}: warmup"
-    elif record.get("error"):
-        note = f"ctx {context}: error"
-    else:
-        note = f"ctx {record['prompt_tokens']}: {record['tok_per_s']:.1f} tok/s"
-    progress.advance(note)
+def _note(record: dict[str, Any]) -> str:
+    if record["error"]:
+        return f"ctx {record['context']}: error"
+    return f"ctx {record['prompt_tokens']}: {record['tok_per_s']:.1f} tok/s"

@@ -1,0 +1,192 @@
+"""Side-by-side decoding speed on one machine: HF generate (plain and prompt lookup) vs ddscope ar,
+dflash, ddtree at fixed budgets and ddtree with the adaptive budget.
+
+Arms run interleaved in a shuffled order per (repeat, prompt), so load drift hits all arms alike;
+speedups are medians of per-pair ratios against HF generate measured in the same pass.
+
+    python benchmarks/speed.py                    # full run on the bundled demo pair (long)
+    python benchmarks/speed.py --quick            # smoke run, under 2 minutes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from ddscope import Engine
+from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.budget import VerifyCost
+
+
+@dataclass
+class Sample:
+    workload: str
+    temperature: float
+    context: int
+    repeat: int
+    prompt: int
+    arm: str
+    tok_per_s: float
+    tau: float | None = None
+    step_ms: float | None = None
+    phase_ms: dict | None = None
+    overhead_ms: float | None = None
+    nodes: float | None = None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="target dir (default: bundled demo target)")
+    p.add_argument("--drafter", help="drafter dir (default: bundled demo drafter)")
+    p.add_argument("--workloads", default="code,math,chat")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--contexts", default="0,1024,4096", help="prompt tokens; 0 = the prompt as it is")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=2, help="prompts per workload")
+    p.add_argument("--budgets", default="4,8,16,32,64")
+    p.add_argument("--no-hf", action="store_true", help="skip the two HF transformers arms")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--quick", action="store_true", help="code, T=0, context 0, 32 tokens, 1 repeat, 2 budgets")
+    p.add_argument("--out", type=Path, default=Path("bench-out/speed.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.workloads, args.temperatures, args.contexts = "code", "0", "0"
+        args.max_tokens, args.repeats, args.prompts, args.budgets = 32, 1, 1, "8,32"
+    return args
+
+
+def arms(budgets: list[int], with_hf: bool) -> list[str]:
+    base = ["hf", "hf-lookup"] if with_hf else []
+    return base + ["ar", "dflash"] + [f"ddtree-{b}" for b in budgets] + ["ddtree-auto"]
+
+
+def run_hf(model, ids: list[int], arm: str, max_tokens: int, temperature: float, seed: int) -> float:
+    torch.manual_seed(seed)
+    kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+    kw |= dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+    if arm == "hf-lookup":
+        kw["prompt_lookup_num_tokens"] = 10
+    t0 = time.perf_counter()
+    out = model.generate(torch.tensor([ids]), **kw)
+    return (out.shape[1] - len(ids)) / (time.perf_counter() - t0)
+
+
+def run_engine(engine: Engine, ids: list[int], arm: str, max_tokens: int, temperature: float, seed: int) -> dict:
+    method, _, budget = arm.partition("-")
+    budget = budget if budget == "auto" else (int(budget) if budget else None)
+    t0 = time.perf_counter()
+    out = engine.generate(ids, max_new_tokens=max_tokens, method=method, budget=budget, temperature=temperature,
+                          seed=seed, ignore_eos=True)
+    wall = time.perf_counter() - t0
+    s = out.stats.to_dict(rounds=False)
+    steps = s["verify_steps"]
+    return dict(tok_per_s=len(out.token_ids) / wall, tau=s["avg_commit"], step_ms=s["mean_step_ms"],
+                phase_ms={k: v / steps for k, v in s["phase_ms"].items()},
+                overhead_ms=(1000 * s["decode_s"] - s["model_ms"]) / steps, nodes=s["nodes_verified"] / steps)
+
+
+def measure(args: argparse.Namespace, engine: Engine, hf, budgets: list[int]) -> list[Sample]:
+    rng = random.Random(0)
+    samples: list[Sample] = []
+    names = arms(budgets, hf is not None)
+    for wl_name in args.workloads.split(","):
+        workload = load_workload(wl_name)
+        for temperature in [float(t) for t in args.temperatures.split(",")]:
+            for context in [int(c) for c in args.contexts.split(",")]:
+                for rep in range(args.repeats):
+                    for i in range(args.prompts):
+                        natural = len(engine.encode(workload.prompts[i]))
+                        ids = fit_ids(workload, i, context or natural, engine.tokenizer)
+                        for arm in rng.sample(names, len(names)):
+                            seed = 1000 * rep + i
+                            key = dict(workload=wl_name, temperature=temperature, context=len(ids), repeat=rep,
+                                       prompt=i, arm=arm)
+                            if arm.startswith("hf"):
+                                samples.append(Sample(**key, tok_per_s=run_hf(hf, ids, arm, args.max_tokens,
+                                                                               temperature, seed)))
+                            else:
+                                samples.append(Sample(**key, **run_engine(engine, ids, arm, args.max_tokens,
+                                                                          temperature, seed)))
+                        print(f"  {wl_name} T={temperature:g} ctx={len(ids)} rep {rep + 1}/{args.repeats} "
+                              f"prompt {i + 1}/{args.prompts}", file=sys.stderr, flush=True)
+    return samples
+
+
+def summarize(samples: list[Sample], cost: VerifyCost) -> list[dict]:
+    """Median and spread per (workload, T, context bucket, arm); speedups are paired per pass."""
+    groups: dict[tuple, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.workload, s.temperature, round(s.context, -2), s.arm), []).append(s)
+    rows = []
+    for (wl, temp, ctx, arm), group in groups.items():
+        def paired(ref_arm: str) -> list[float]:
+            ref = {(r.repeat, r.prompt): r.tok_per_s for r in groups.get((wl, temp, ctx, ref_arm), [])}
+            return [s.tok_per_s / ref[(s.repeat, s.prompt)] for s in group if (s.repeat, s.prompt) in ref]
+
+        tps = [s.tok_per_s for s in group]
+        row = dict(workload=wl, temperature=temp, context=ctx, arm=arm, n=len(group),
+                   tok_per_s=statistics.median(tps), tok_per_s_min=min(tps), tok_per_s_max=max(tps))
+        vs_hf, vs_ar = paired("hf"), paired("ar")
+        row["speedup_vs_hf"] = statistics.median(vs_hf) if vs_hf else None
+        if group[0].tau is not None:
+            row |= dict(tau=statistics.median(s.tau for s in group),
+                        step_ms=statistics.median(s.step_ms for s in group),
+                        overhead_ms=statistics.median(s.overhead_ms for s in group),
+                        phase_ms={k: statistics.median(s.phase_ms[k] for s in group) for k in group[0].phase_ms},
+                        nodes=statistics.median(s.nodes for s in group))
+            curve = cost.curve(ctx)
+            ideal = row["tau"] * curve[0] / curve[min(int(round(row["nodes"])), len(curve) - 1)]
+            row["efficiency"] = statistics.median(vs_ar) / ideal if vs_ar else None
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| workload | T | ctx | arm | tok/s (min-max) | vs HF | tau | ms/step draft/tree/verify/commit "
+            "| overhead % | efficiency |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in sorted(rows, key=lambda r: (r["workload"], r["temperature"], r["context"], r["arm"])):
+        vs = f"{r['speedup_vs_hf']:.2f}x" if r.get("speedup_vs_hf") else "-"
+        if "tau" in r:
+            ph = r["phase_ms"]
+            phases = f"{r['step_ms']:.2f} = {ph['draft']:.2f}/{ph['tree']:.2f}/{ph['verify']:.2f}/{ph['commit']:.2f}"
+            rest = (f"{r['tau']:.2f} | {phases} | {100 * r['overhead_ms'] / r['step_ms']:.1f} | "
+                    f"{r['efficiency']:.2f}" if r.get("efficiency") else f"{r['tau']:.2f} | {phases} | - | -")
+        else:
+            rest = "- | - | - | -"
+        lines.append(f"| {r['workload']} | {r['temperature']:g} | {r['context']} | {r['arm']} | "
+                     f"{r['tok_per_s']:.1f} ({r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f}) | {vs} | {rest} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = Engine.load(args.target, args.drafter)
+    hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(engine.source, dtype=torch.float32).eval()
+    budgets = [int(b) for b in args.budgets.split(",")]
+    cost = VerifyCost.cached(engine.target, engine.max_model_len, engine.source)
+    samples = measure(args, engine, hf, budgets)
+    rows = summarize(samples, cost)
+    table = markdown(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(machine=platform.machine(), processor=platform.processor(), threads=args.threads,
+               torch=torch.__version__, python=platform.python_version(), argv=sys.argv[1:])
+    args.out.write_text(json.dumps(dict(env=env, summary=rows, samples=[asdict(s) for s in samples]), indent=1))
+    print(table)
+    print(f"\nwrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""`ddscope train-drafter` and `ddscope eval-acceptance`. Heavy imports stay inside the handlers."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values
+
+
+def _train_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from ddscope.engine import Engine
+    from ddscope.training.distill import DistillSpec, distill
+    from ddscope.training.drafter_ckpt import mask_token_id, pick_layer_ids
+    from ddscope.training.train_drafter import TrainSpec, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = TrainSpec(block_size=args.block_size, layers=args.layers, batch_seqs=args.batch_seqs,
+                     anchors=args.anchors, lr=args.lr, gamma=args.gamma, steps=args.steps,
+                     time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
+    if args.distill_method == "ddtree" and args.distill_drafter is None:
+        raise ValueError("--distill-method ddtree needs --distill-drafter (an existing drafter for this target)")
+    engine = Engine.load(args.target, args.distill_drafter, device=args.device)
+    n_layers = engine.target.cfg.geometry.num_layers
+    layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
+    mask_id = mask_token_id(engine.tokenizer, args.mask_token_id, engine.vocab_size)
+    work = args.work_dir or args.out.with_name(args.out.name + ".work")
+    dspec = DistillSpec(data=args.data, prompts=args.prompts, max_prompt_tokens=args.max_prompt_tokens,
+                        max_new_tokens=args.max_new_tokens, sampled_frac=args.sampled_frac, seed=args.seed)
+    records = distill(engine, dspec, work, method=args.distill_method,
+                      time_budget_s=args.distill_min * 60 if args.distill_min else None)
+    print(f"distilled: {len(records)} sequences, {sum(len(r['ids']) - r['prompt_len'] for r in records)} "
+          f"generated tokens in {work / 'distill.jsonl'}", file=sys.stderr)
+    result = train(Path(args.target), engine.target, records, spec, mask_id, layer_ids, args.out, work,
+                   resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60)
+    print(f"drafter written to {args.out}: {result['steps']} steps in {result['train_s'] / 60:.1f} min, "
+          f"loss {result['loss']:.3f}, offline accept {result['accept']:.2f} (mean of the last steps)",
+          file=sys.stderr)
+    Engine.load(args.target, args.out, device=args.device)  # the z-lab loader must read it back
+    return 0
+
+
+def _eval_acceptance(args: argparse.Namespace) -> int:
+    from ddscope.engine import Engine
+    from ddscope.training.evaluate import EvalSpec, evaluate, parse_methods, print_table
+
+    spec = EvalSpec(workloads=tuple(w for w in args.workloads.split(",") if w), methods=parse_methods(args.methods),
+                    temperatures=tuple(args.temperatures), prompts=args.prompts, max_new_tokens=args.max_tokens,
+                    chat_template=args.chat_template)
+    engine = Engine.load(args.target, args.drafter, device=args.device)
+    report = evaluate(engine, spec)
+    print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if report["mismatches"]:
+        print(f"ddscope: LOSSLESS CHECK FAILED on {len(report['mismatches'])} prompt(s): greedy output differs "
+              "from ar (details in the JSON 'mismatches')", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train-drafter", help="self-distil a DFlash drafter for a target",
+        description="Generate the target's own continuations of corpus prompts (cached, resumable), then train a "
+                    "DFlash drafter on the target's hidden states and write it in the z-lab layout.")
+    p.add_argument("--target", required=True, help="target checkpoint directory (HF layout, with tokenizer)")
+    p.add_argument("--out", type=Path, required=True, help="drafter output directory (config.json, model.safetensors)")
+    p.add_argument("--work-dir", type=Path, help="distilled data, checkpoint and training log (default: OUT.work)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue training from WORK_DIR/ckpt.pt "
+                                                         "(distillation always resumes)")
+    p.add_argument("--checkpoint-min", type=float, default=5.0, help="minutes between checkpoints (default: 5)")
+    d = p.add_argument_group("distillation")
+    d.add_argument("--data", default="code:0.5,docs:0.2,chat:0.3",
+                   help="prompt sources with shares: corpus domains code, docs, chat and/or file:PATH (.jsonl with "
+                        "a 'prompt' or 'text' field, or a text file) (default: %(default)s)")
+    d.add_argument("--prompts", type=int, default=512, help="distilled sequences (default: %(default)s)")
+    d.add_argument("--max-prompt-tokens", type=int, default=192, help="longer prompts keep their tail")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="continuation length (default: %(default)s)")
+    d.add_argument("--sampled-frac", type=float, default=0.5, help="share sampled at T=1; the rest is greedy")
+    d.add_argument("--distill-method", choices=("ar", "ddtree"), default="ar",
+                   help="how the target generates (both lossless; ddtree is faster with a good drafter)")
+    d.add_argument("--distill-drafter", help="existing drafter directory for --distill-method ddtree")
+    d.add_argument("--distill-min", type=float, help="stop distilling after this many minutes")
+    t = p.add_argument_group("drafter and training")
+    t.add_argument("--block-size", type=int, default=16, help="drafter block size B (default: %(default)s)")
+    t.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default: %(default)s)")
+    t.add_argument("--target-layer-ids", type=_int_list,
+                   help="target layers whose outputs feed the drafter (default: one per drafter layer, spread)")
+    t.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's <|mask|>)")
+    t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget)")
+    t.add_argument("--time-budget-min", type=float, help="training minutes (distillation not included)")
+    t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step (default: %(default)s)")
+    t.add_argument("--anchors", type=int, default=16, help="anchor blocks per sequence (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (default: %(default)s)")
+    t.add_argument("--gamma", type=float, help="position-weight decay exp(-(k-1)/gamma) (default: 7*B/16)")
+    p.set_defaults(func=_train_drafter)
+
+    e = sub.add_parser(
+        "eval-acceptance", help="measure real acceptance (tau) per workload, method and temperature",
+        description="Run the engine over held-out prompt sets (code = HumanEval, math = GSM8K test, chat = MT-Bench "
+                    "first turns) and report tau = tokens committed per verify step (bonus included) and tok/s. "
+                    "At T=0 with ar among the methods, every method's output must equal ar's token for token.")
+    e.add_argument("--target", help="target directory (default: the bundled demo pair)")
+    e.add_argument("--drafter", help="drafter directory (default: the demo drafter with the demo target)")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--workloads", default="code,math,chat",
+                   help="comma list of code, math, chat, file:PATH (default: %(default)s)")
+    e.add_argument("--methods", default="ar,dflash,ddtree:8,ddtree:32",
+                   help="comma list of ar, dflash, ddtree:BUDGET (default: %(default)s)")
+    e.add_argument("--temperatures", type=_float_list, default=[0.0, 1.0], help="comma list (default: 0,1)")
+    e.add_argument("--prompts", type=int, default=20, help="prompts per workload (default: %(default)s)")
+    e.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default: %(default)s)")
+    e.add_argument("--chat-template", choices=("auto", "never"), default="auto",
+                   help="auto: wrap math and chat prompts in the tokenizer's chat template when it has one; code "
+                        "prompts stay raw (HumanEval is a completion task) (default: %(default)s)")
+    e.add_argument("--json", type=Path, help="also write the full report here")
+    e.set_defaults(func=_eval_acceptance)

@@ -1,0 +1,139 @@
+"""Real acceptance: tau (tokens committed per verify step, bonus included) from running the engine.
+
+Prompt sets are the bench's offline workloads (code = HumanEval, math = GSM8K test, chat = MT-Bench
+first turns). Math and chat prompts go through the tokenizer's chat template when it has one (the
+demo target learned chat in ChatML); code prompts stay raw, since HumanEval is a completion task.
+At T=0, when `ar` is among the methods, every method's output is checked against ar's token for token.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from ddscope.bench.workloads import load_workload
+
+TEMPLATED = ("math", "chat")
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str            # as written on the command line, e.g. "ddtree:32"
+    name: str             # engine method
+    budget: int | None
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    workloads: tuple[str, ...] = ("code", "math", "chat")
+    methods: tuple[Method, ...] = ()
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    prompts: int = 20
+    max_new_tokens: int = 128
+    chat_template: str = "auto"   # "auto" | "never"
+
+
+def parse_methods(text: str) -> tuple[Method, ...]:
+    """`ar,dflash,ddtree:8` -> Methods; ddtree without a budget uses the engine default."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, budget = item.partition(":")
+        if name not in ("ar", "dflash", "ddtree") or (budget and name != "ddtree"):
+            raise ValueError(f"unknown method {item!r}: use ar, dflash or ddtree[:BUDGET]")
+        try:
+            out.append(Method(item, name, int(budget) if budget else None))
+        except ValueError:
+            raise ValueError(f"ddtree budget must be an integer, got {item!r}") from None
+    if not out:
+        raise ValueError("no methods given")
+    return tuple(out)
+
+
+def workload_prompts(engine: Any, workload: str, n: int, chat_template: str, max_new_tokens: int) -> list[list[int]]:
+    """The first `n` prompts of a workload as token ids, templated where chosen, clipped to fit."""
+    tok = engine.tokenizer
+    use_template = chat_template == "auto" and workload in TEMPLATED and getattr(tok, "chat_template", None)
+    room = engine.max_model_len - max_new_tokens
+    if room < 1:
+        raise ValueError(f"--max-tokens {max_new_tokens} leaves no room for a prompt (max_model_len "
+                         f"{engine.max_model_len})")
+    out = []
+    for text in load_workload(workload).prompts[:n]:
+        if use_template:
+            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+        out.append(tok.encode(text, add_special_tokens=False)[-room:])
+    return out
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def evaluate(engine: Any, spec: EvalSpec) -> dict[str, Any]:
+    """Run every workload x temperature x prompt x method; return results and lossless mismatches."""
+    missing = sorted({m.name for m in spec.methods} - set(engine.methods))
+    if missing:
+        raise ValueError(f"methods {missing} need a drafter; this engine offers {', '.join(engine.methods)}")
+    prompts = {w: workload_prompts(engine, w, spec.prompts, spec.chat_template, spec.max_new_tokens)
+               for w in spec.workloads}
+    totals: dict[tuple[str, float, str], dict[str, float]] = {}
+    mismatches = []
+    runs = sum(len(p) for p in prompts.values()) * len(spec.temperatures) * len(spec.methods)
+    with tqdm(total=runs, desc="eval-acceptance", unit="gen", dynamic_ncols=True) as bar:
+        for workload, ids_list in prompts.items():
+            for temp in spec.temperatures:
+                for i, ids in enumerate(ids_list):
+                    outputs = {}
+                    for m in spec.methods:
+                        out = engine.generate(ids, max_new_tokens=spec.max_new_tokens, method=m.name,
+                                              budget=m.budget, temperature=temp, seed=i)
+                        t = totals.setdefault((workload, temp, m.label), dict.fromkeys(
+                            ("prompts", "tokens", "steps", "decode_s"), 0.0))
+                        t["prompts"] += 1
+                        t["tokens"] += out.stats.committed_tokens
+                        t["steps"] += out.stats.verify_steps
+                        t["decode_s"] += out.stats.decode_s
+                        outputs[m.label] = out.token_ids
+                        bar.update(1)
+                    if temp == 0 and "ar" in outputs:
+                        for label, ids_out in outputs.items():
+                            if ids_out != outputs["ar"]:
+                                mismatches.append({"workload": workload, "prompt": i, "method": label,
+                                                   "first_diff": _first_diff(ids_out, outputs["ar"])})
+                                bar.write(f"MISMATCH: {workload} prompt {i}: {label} differs from ar at token "
+                                          f"{mismatches[-1]['first_diff']}")
+    return {"model": engine.model_name, "spec": {**asdict(spec), "methods": [m.label for m in spec.methods]},
+            "results": _summarise(totals), "mismatches": mismatches}
+
+
+def _summarise(totals: dict[tuple[str, float, str], dict[str, float]]) -> list[dict[str, Any]]:
+    rows = []
+    for (workload, temp, label), t in totals.items():
+        tok_s = t["tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+        ar = totals.get((workload, temp, "ar"))
+        ar_tok_s = ar["tokens"] / ar["decode_s"] if ar and ar["decode_s"] else None
+        rows.append({"workload": workload, "temperature": temp, "method": label,
+                     "tau": t["tokens"] / t["steps"] if t["steps"] else 0.0, "tok_per_s": tok_s,
+                     "speedup_vs_ar": tok_s / ar_tok_s if ar_tok_s else None, "prompts": int(t["prompts"]),
+                     "tokens": int(t["tokens"]), "verify_steps": int(t["steps"])})
+    return rows
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"acceptance: {report['model']} (tau = tokens per verify step, bonus included)")
+    for col in ("workload", "T", "method", "tau", "tok/s", "vs ar", "prompts", "tokens"):
+        table.add_column(col, justify="left" if col in ("workload", "method") else "right")
+    for r in report["results"]:
+        speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
+        table.add_row(r["workload"], f"{r['temperature']:g}", r["method"], f"{r['tau']:.2f}",
+                      f"{r['tok_per_s']:.1f}", speedup, str(r["prompts"]), str(r["tokens"]))
+    console = Console(stderr=False)
+    console.print(table)
+    if report["mismatches"]:
+        console.print(f"[bold red]LOSSLESS CHECK FAILED: {len(report['mismatches'])} greedy output(s) differ "
+                      "from ar[/bold red]")

@@ -1,0 +1,241 @@
+"""Train a DFlash drafter on a frozen target's hidden states (SpecForge's DFlash recipe).
+
+A step takes a few distilled sequences, runs the frozen target over each to get its features at
+`target_layer_ids`, samples anchors `a` in the generated part, and trains the drafter to fill the
+block `[tok[a], MASK x (B-1)]`: block position k predicts tok[a+k] (no shift), seeing context
+strictly before `a` and its own block bidirectionally, never another block. That is exactly what
+the drafter sees at inference, where the root (last committed token) sits at position `start`
+and the drafter cache holds features for `[0, start)`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ddscope.config import DrafterConfig, read_json
+from ddscope.drafter import Drafter
+from ddscope.model import KVCache, Target
+from ddscope.training.drafter_ckpt import drafter_config, save_drafter
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    block_size: int = 16
+    layers: int = 1
+    batch_seqs: int = 8          # distilled sequences per optimizer step
+    anchors: int = 16            # anchor blocks per sequence (fewer if the sequence is short)
+    lr: float = 6e-4
+    warmup: float = 0.04         # share of the schedule spent warming up
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None   # position-weight decay; None = 7 * B / 16 (7 at B=16, as in DFlash)
+    steps: int | None = None     # the schedule ends at whichever bound comes first
+    time_budget_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block size must be >= 2, got {self.block_size}")
+        if self.layers < 1 or self.batch_seqs < 1 or self.anchors < 1:
+            raise ValueError("layers, batch_seqs and anchors must be >= 1")
+        if self.steps is None and self.time_budget_s is None:
+            raise ValueError("give a step count or a time budget (or both)")
+        if (self.steps is not None and self.steps < 1) or (self.time_budget_s is not None and self.time_budget_s <= 0):
+            raise ValueError("steps and time budget must be positive")
+
+    @property
+    def position_weights(self) -> torch.Tensor:
+        """Weight of block position k: 0 at the anchor itself, exp(-(k-1)/gamma) after it."""
+        gamma = self.gamma if self.gamma is not None else 7.0 * self.block_size / 16
+        k = torch.arange(self.block_size, dtype=torch.float32)
+        return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros(()))
+
+    def progress(self, step: int, train_s: float) -> float:
+        return max(step / self.steps if self.steps else 0.0,
+                   train_s / self.time_budget_s if self.time_budget_s else 0.0)
+
+    def lr_at(self, progress: float) -> float:
+        """Linear warmup, then cosine decay to zero."""
+        if progress < self.warmup:
+            return self.lr * max(progress / self.warmup, 0.01)
+        return self.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - self.warmup) / (1 - self.warmup))))
+
+
+@dataclass
+class Batch:
+    features: torch.Tensor    # [n_ctx, k*H] target hidden states of every packed sequence
+    ctx_pos: torch.Tensor     # [n_ctx] absolute position of each context row within its sequence
+    block_ids: torch.Tensor   # [n_blocks * B] token ids: tok[a], then MASK
+    block_pos: torch.Tensor   # [n_blocks * B] a + k
+    labels: torch.Tensor      # [n_blocks * B] tok[a + k], -1 where none (k = 0 or past the end)
+    mask: torch.Tensor        # [n_blocks * B, n_ctx + n_blocks * B] True = may attend
+
+
+def block_mask(ctx_seq: torch.Tensor, ctx_pos: torch.Tensor, block_seq: torch.Tensor, anchors: torch.Tensor,
+               block_size: int) -> torch.Tensor:
+    """Attention mask for packed anchor blocks: block j sees context of its own sequence at positions
+    strictly before its anchor, and all of its own block (bidirectional), never another block."""
+    ctx = (ctx_seq[None, :] == block_seq[:, None]) & (ctx_pos[None, :] < anchors[:, None])
+    n = anchors.numel()
+    own = torch.eye(n, dtype=torch.bool, device=anchors.device)
+    own = own.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    return torch.cat([ctx.repeat_interleave(block_size, 0), own], dim=1)
+
+
+def sample_anchors(prompt_len: int, n: int, count: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to `count` distinct anchors whose block predicts generated tokens only: a in [P-1, n-2]."""
+    first = max(prompt_len - 1, 0)
+    span = n - 1 - first
+    if span < 1:
+        return torch.zeros(0, dtype=torch.long)
+    return first + torch.randperm(span, generator=gen)[:count].sort().values
+
+
+def make_batch(target: Target, cache: KVCache, seqs: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
+               capture: tuple[int, ...], gen: torch.Generator) -> Batch:
+    dev = target.lm_head.weight.device
+    B = spec.block_size
+    feats, ctx_pos, ctx_seq, blocks, block_pos, labels, block_seq, anchors_all = [], [], [], [], [], [], [], []
+    for s, rec in enumerate(seqs):
+        ids = torch.tensor(rec["ids"], dtype=torch.long)
+        n = ids.numel()
+        anchors = sample_anchors(rec["prompt_len"], n, spec.anchors, gen)
+        if not anchors.numel():
+            continue
+        cache.length = 0
+        # Target.forward runs under inference_mode: clone so autograd may use the features.
+        feats.append(target(ids.to(dev), torch.arange(n, device=dev), cache, capture=capture).features.clone())
+        ctx_pos.append(torch.arange(n))
+        ctx_seq.append(torch.full((n,), s))
+        pos = anchors[:, None] + torch.arange(B)[None, :]                       # [A, B]
+        lab = torch.where(pos < n, ids[pos.clamp(max=n - 1)], torch.full_like(pos, -1))
+        lab[:, 0] = -1
+        blk = torch.full_like(pos, mask_token_id)
+        blk[:, 0] = ids[anchors]
+        blocks.append(blk.flatten())
+        block_pos.append(pos.flatten())
+        labels.append(lab.flatten())
+        block_seq.append(torch.full((anchors.numel(),), s))
+        anchors_all.append(anchors)
+    if not feats:
+        raise ValueError("no sequence in the batch has a generated token to predict")
+    ctx_pos_t, anchors_t = torch.cat(ctx_pos), torch.cat(anchors_all)
+    mask = block_mask(torch.cat(ctx_seq), ctx_pos_t, torch.cat(block_seq), anchors_t, B)
+    return Batch(torch.cat(feats), ctx_pos_t.to(dev), torch.cat(blocks).to(dev), torch.cat(block_pos).to(dev),
+                 torch.cat(labels).to(dev), mask.to(dev))
+
+
+def block_loss(drafter: Drafter, target: Target, batch: Batch, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(weighted cross-entropy, offline acceptance estimate) for one packed batch.
+
+    The estimate is the greedy chain's expected commit per step: 1 (the bonus) plus the number of
+    leading block positions whose argmax equals the label, averaged over anchors.
+    """
+    B = drafter.block_size
+    h = drafter.run(target.embed(batch.block_ids), batch.block_pos, drafter.context(batch.features),
+                    batch.ctx_pos, batch.mask)
+    valid = batch.labels >= 0
+    logits = target.logits(h[valid])
+    w = weights.to(h.device).repeat(batch.labels.numel() // B)[valid]
+    ce = F.cross_entropy(logits, batch.labels[valid], reduction="none")
+    loss = (ce * w).sum() / w.sum()
+    with torch.no_grad():
+        hit = torch.zeros_like(valid)
+        hit[valid] = logits.argmax(-1) == batch.labels[valid]
+        leading = hit.view(-1, B)[:, 1:].long().cumprod(1).sum(1)
+    return loss, 1.0 + leading.float().mean().item()
+
+
+def new_drafter(target_dir: Path, target: Target, spec: TrainSpec, mask_token_id: int,
+                layer_ids: list[int]) -> tuple[Drafter, dict[str, Any]]:
+    """A freshly initialised drafter (seeded) and the z-lab config.json it will be saved with."""
+    config = drafter_config(read_json(target_dir / "config.json"), spec.layers, spec.block_size, mask_token_id,
+                            layer_ids)
+    torch.manual_seed(spec.seed)
+    drafter = Drafter(DrafterConfig.from_dict(config, str(target_dir)))
+    return drafter.to(target.lm_head.weight.device), config
+
+
+def _save_checkpoint(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.optim.Optimizer,
+                     gen: torch.Generator, step: int, train_s: float) -> None:
+    """Everything a resumed run needs (the schedule is a function of step and train_s)."""
+    state = {"config": config, "model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+             "train_s": train_s, "rng": gen.get_state()}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
+
+
+def _restore(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.optim.Optimizer,
+             gen: torch.Generator) -> tuple[int, float]:
+    if not path.is_file():
+        raise ValueError(f"--resume: no checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["config"] != config:
+        raise ValueError(f"{path} was trained with a different drafter config; drop --resume or delete it")
+    drafter.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    gen.set_state(state["rng"])
+    return state["step"], state["train_s"]
+
+
+def train(target_dir: Path, target: Target, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
+          layer_ids: list[int], out_dir: Path, work_dir: Path, resume: bool = False,
+          checkpoint_every_s: float = 300.0) -> dict[str, float]:
+    """Train, checkpointing to `work_dir/ckpt.pt` and logging to `work_dir/train_log.jsonl`, then export
+    the drafter to `out_dir`. Returns the step count and the mean loss/acceptance of the last steps."""
+    usable = [r for r in records if len(r["ids"]) - r["prompt_len"] >= 1]
+    if not usable:
+        raise ValueError("no distilled sequence has generated tokens to train on")
+    target.requires_grad_(False)
+    drafter, config = new_drafter(target_dir, target, spec, mask_token_id, layer_ids)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
+    gen = torch.Generator().manual_seed(spec.seed)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work_dir / "ckpt.pt"
+    step, train_s = _restore(ckpt_path, config, drafter, opt, gen) if resume else (0, 0.0)
+    cache = target.new_cache(max(len(r["ids"]) for r in usable))
+    capture, weights = tuple(layer_ids), spec.position_weights
+    drafter.train()
+    last_ckpt, losses, accepts = time.monotonic(), [], []
+    with tqdm(total=spec.steps, initial=step, desc="train-drafter", unit="step", dynamic_ncols=True) as bar, \
+            (work_dir / "train_log.jsonl").open("a" if resume else "w") as log:
+        while spec.progress(step, train_s) < 1.0:
+            t0 = time.monotonic()
+            lr = spec.lr_at(spec.progress(step, train_s))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            picks = torch.randint(len(usable), (spec.batch_seqs,), generator=gen).tolist()
+            batch = make_batch(target, cache, [usable[i] for i in picks], spec, mask_token_id, capture, gen)
+            loss, accept = block_loss(drafter, target, batch, weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), spec.grad_clip)
+            opt.step()
+            step, dt = step + 1, time.monotonic() - t0
+            train_s += dt
+            losses.append(loss.item())
+            accepts.append(accept)
+            n_tok = batch.labels.numel()
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", accept=f"{accept:.2f}", tok_s=f"{n_tok / dt:.0f}",
+                            done=f"{100 * spec.progress(step, train_s):.0f}%")
+            log.write(json.dumps({"step": step, "loss": losses[-1], "accept": accept, "lr": lr,
+                                  "block_tokens": n_tok, "step_s": dt, "train_s": train_s}) + "\n")
+            if time.monotonic() - last_ckpt > checkpoint_every_s:
+                _save_checkpoint(ckpt_path, config, drafter, opt, gen, step, train_s)
+                last_ckpt = time.monotonic()
+    _save_checkpoint(ckpt_path, config, drafter, opt, gen, step, train_s)
+    save_drafter(out_dir, config, drafter.state_dict())
+    tail = min(20, len(losses))  # 0 when a resumed run had nothing left to do
+    mean = (lambda xs: sum(xs[-tail:]) / tail) if tail else (lambda xs: float("nan"))
+    return {"steps": step, "train_s": train_s, "loss": mean(losses), "accept": mean(accepts)}
