@@ -97,10 +97,13 @@ def test_diagnose_runs_both_sweeps_and_attributes(tiny_pair, tmp_path, capsys):
     assert (out / "report.md").is_file() and (out / "sweep.png").is_file()
 
 
-def test_streamed_sweep_reads_the_final_chunk(tiny_pair, tmp_path):
+def test_streamed_chat_sweep(tiny_pair, tmp_path):
+    """Chat prompts are text: the probe measures the template's tokens so the context stays exact;
+    streamed, the telemetry comes from the final chunk."""
     target, drafter = tiny_pair
     code = bench("sweep", "--target", str(target), "--drafter", str(drafter), "--contexts", "16",
-                 "--max-tokens", "12", "--repeats", "1", "--warmup", "0", "--stream", "--out", str(tmp_path))
+                 "--max-tokens", "12", "--repeats", "1", "--warmup", "0", "--stream", "--api", "chat",
+                 "--workload", "chat", "--out", str(tmp_path))
     assert code == 0
     [record] = json.loads((tmp_path / "results.json").read_text())["records"]
     assert record["completion_tokens"] == 12 and record["prompt_tokens"] == 16

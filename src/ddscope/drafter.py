@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ddscope.config import CheckpointError, DrafterConfig
-from ddscope.model import DecoderLayer, KVCache, RMSNorm, Target, rope
+from ddscope.model import DecoderLayer, KVCache, RMSNorm, RopeTable, Target
 from ddscope.weights import load_into, read_state_dict
 
 
@@ -24,6 +24,7 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(g) for _ in range(g.num_layers))
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.rope = RopeTable(g.head_dim, g.rope_theta)
 
     @property
     def block_size(self) -> int:
@@ -73,9 +74,8 @@ class Drafter(nn.Module):
 
         Training passes many anchor blocks at once with a boolean `mask` [n_block, n_ctx + n_block].
         """
-        g = self.cfg.geometry
-        cos_c, sin_c = rope(ctx_pos, g.head_dim, g.rope_theta, block.dtype)
-        cos_b, sin_b = rope(block_pos, g.head_dim, g.rope_theta, block.dtype)
+        cos_c, sin_c = self.rope(ctx_pos, block.dtype)
+        cos_b, sin_b = self.rope(block_pos, block.dtype)
         h = block
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn

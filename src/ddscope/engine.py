@@ -20,6 +20,7 @@ from ddscope.stats import GenerationStats, RoundStats
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 METHODS = ("ar", "dflash", "ddtree")
+DTYPES = ("float32", "bfloat16", "float16")
 MAX_BUDGET = 512
 
 
@@ -63,6 +64,8 @@ class Engine:
              dtype: str = "float32", max_model_len: int | None = None) -> "Engine":
         if target is None:
             target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         target_dir = Path(target)
         if not target_dir.is_dir():
             raise CheckpointError(f"target checkpoint directory not found: {target_dir}")

@@ -37,6 +37,21 @@ def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtyp
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RopeTable:
+    """cos/sin for positions [0, n), grown by doubling; a lookup is cheaper than recomputing per step."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self.cos = self.sin = torch.empty(0)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > len(self.cos) or self.cos.dtype != dtype or self.cos.device != positions.device:
+            size = max(need, 2 * len(self.cos), 256)
+            self.cos, self.sin = rope(torch.arange(size, device=positions.device), self.head_dim, self.theta, dtype)
+        return self.cos[positions], self.sin[positions]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -145,6 +160,7 @@ class Target(nn.Module):
         self.lm_head = nn.Linear(g.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RopeTable(g.head_dim, g.rope_theta)
 
     @classmethod
     def load(cls, directory: Path, device: torch.device, dtype: torch.dtype) -> "Target":
@@ -184,7 +200,7 @@ class Target(nn.Module):
             raise ValueError(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")
         if mask is None and start > 0 and n > 1:
             mask = torch.ones(n, start + n, dtype=torch.bool, device=tokens.device).tril(start)
-        cos, sin = rope(positions, g.head_dim, g.rope_theta, self.lm_head.weight.dtype)
+        cos, sin = self.rope(positions, self.lm_head.weight.dtype)
         h = self.embed(tokens)
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1

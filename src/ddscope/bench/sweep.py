@@ -180,6 +180,7 @@ class Sweep:
         self.extras: dict[str, Any] = {}
         self.token_ids = cfg.api == "completions" and tokenizer is not None  # exact lengths
         self.chars_per_token = 4.0  # replaced by the probe when prompts are text
+        self.template_tokens = 0  # chat template tokens around the content, measured by the probe
 
     @property
     def url(self) -> str:
@@ -189,7 +190,7 @@ class Sweep:
         """Token ids where possible (exact length); text for chat or without a tokenizer."""
         if self.tokenizer is None:
             return fit_text(self.workload, index, context, self.chars_per_token)
-        ids = fit_ids(self.workload, index, context, self.tokenizer)
+        ids = fit_ids(self.workload, index, max(1, context - self.template_tokens), self.tokenizer)
         return ids if self.token_ids else self.tokenizer.decode(ids)
 
     def payload(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
@@ -226,6 +227,8 @@ class Sweep:
                 self.reader.choose(body, int(usage.get("completion_tokens") or 0), before, self.server.metrics())
                 if isinstance(prompt, str) and usage.get("prompt_tokens"):
                     self.chars_per_token = len(prompt) / float(usage["prompt_tokens"])
+                    if self.tokenizer is not None and self.cfg.api == "chat":
+                        self.template_tokens = max(0, int(usage["prompt_tokens"]) - size)
                 return
         raise RequestFailed(f"the probe request failed: {last_error}")
 
