@@ -143,24 +143,24 @@ class Engine:
     def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats, max_new: int,
                 eos: tuple[int, ...], stop: list[str]) -> Iterator[Step]:
         stats.prefill_ms = decoder.prefill(prompt)
-        out: list[int] = []
-        text = ""  # what has been yielded so far
+        n_out, emitted = 0, 0  # tokens kept, characters yielded
+        text = IncrementalText(self.tokenizer)
         holdback = max((len(s) for s in stop), default=1) - 1
         while True:
             new, rnd = decoder.step()
-            kept, reason = _truncate(new, len(out), eos, max_new, decoder.min_tokens)
-            out += kept
-            full = self.tokenizer.decode(out, skip_special_tokens=True)
-            hit = min((i for s in stop if (i := full.find(s)) >= 0), default=-1)
+            kept, reason = _truncate(new, n_out, eos, max_new, decoder.min_tokens)
+            n_out += len(kept)
+            full = text.push(kept, final=reason is not None)
+            # A stop string can only end past what was yielded (the hold-back guarantees it).
+            hit = min((i for s in stop if (i := full.find(s, max(0, emitted - len(s)))) >= 0), default=-1)
+            end = len(full)
             if hit >= 0:
-                full, reason = full[:hit], "stop"
-            if reason is None:
-                # Hold back what may still become a stop string or a complete UTF-8 character.
-                full = full[:max(len(text), len(full) - holdback)].rstrip("\ufffd")
+                end, reason = hit, "stop"
+            elif reason is None:  # hold back what may still become a stop string
+                end = max(emitted, end - holdback)
             rnd.committed = len(kept)
             stats.rounds.append(rnd)
-            delta = full[len(text):]
-            text += delta
+            delta, emitted = full[emitted:end], max(emitted, end)
             yield Step(kept, delta, rnd, stats, reason)
             if reason:
                 return
@@ -183,3 +183,21 @@ def _truncate(new: list[int], n_out: int, eos: tuple[int, ...], max_new: int,
         if n == max_new:
             return new[:i + 1], "length"
     return new, None
+
+
+class IncrementalText:
+    """Detokenize a short window per step; re-decoding everything would cost O(length) each round."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pending: list[int] = []  # ids whose text may still be an incomplete UTF-8 character
+        self.text = ""
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """Add ids; return the whole text so far, minus a trailing incomplete UTF-8 character."""
+        self.pending += ids
+        piece = self.tokenizer.decode(self.pending, skip_special_tokens=True)
+        if final or not piece.endswith("\ufffd"):
+            self.text += piece
+            self.pending = []
+        return self.text
