@@ -73,7 +73,8 @@ def test_pure_acceptance():
     assert att.acceptance_share == pytest.approx(1.0)
     assert att.step_share == pytest.approx(0.0, abs=1e-9)
     assert att.gap_log == pytest.approx(math.log(2.0))
-    assert att.verdict.startswith("slower, mostly acceptance: 100% of the gap is acceptance (3.00 vs 6.00")
+    assert att.verdict.startswith("slower by 50% (")
+    assert "mostly acceptance: 100% of the gap is acceptance (3.00 vs 6.00 tokens/step)" in att.verdict
     assert "step time is 0% above the baseline curve" in att.verdict
 
 
@@ -140,6 +141,16 @@ def test_cli_csv_json_fields(tmp_path, capsys):
     assert obs["tok_per_s"] == 45 and obs["avg_commit"] == 3.1 and obs["verdict"]
 
 
+def test_cli_prediction(tmp_path, capsys):
+    csv_path = tmp_path / "numbers.csv"
+    write_csv(csv_path, baseline(6.0))
+    code, out, _ = run_cli(["bench", "analyze", str(csv_path), "--json", "--predict", "8000:4"], capsys)
+    assert code == 0
+    [pred] = json.loads(out)["predictions"]
+    assert pred["step_ms"] == pytest.approx(step(8000))
+    assert pred["tok_per_s"] == pytest.approx(4000.0 / step(8000))
+
+
 def test_cli_writes_report_from_csv(tmp_path, capsys):
     csv_path = tmp_path / "numbers.csv"
     write_csv(csv_path, baseline(5.0))
@@ -153,10 +164,11 @@ def test_cli_writes_report_from_csv(tmp_path, capsys):
     (["bench", "analyze", "missing.csv"], "file not found"),
     (["bench", "analyze", "--point", "4000:fast:3"], "not a number"),
     (["bench", "analyze", "--point", "4000:45"], "CTX:TPS:COMMIT"),
+    (["bench", "analyze", "--point", "4000:45:3", "--predict", "8000"], "CTX:COMMIT"),
 ])
 def test_cli_bad_input(argv, message, capsys):
     code, _, err = run_cli(argv, capsys)
-    assert code != 0 and message in err
+    assert code == 2 and message in err
 
 
 def test_cli_bad_baseline_and_columns(tmp_path, capsys):

@@ -10,12 +10,11 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -61,7 +60,8 @@ def completion(body: dict[str, Any], **extra: Any) -> dict[str, Any]:
             "choices": [{**choice, **extra.pop("choice", {})}], "usage": usage(body), **extra}
 
 
-def app_with(models: dict[str, Any], metrics: callable, complete: callable) -> FastAPI:
+def app_with(models: dict[str, Any], metrics: Callable[[], str] | None,
+             complete: Callable[[dict[str, Any]], dict[str, Any] | JSONResponse]) -> FastAPI:
     app = FastAPI()
     app.get("/v1/models")(lambda: models)
     if metrics is not None:

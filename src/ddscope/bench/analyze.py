@@ -22,12 +22,16 @@ from typing import Any
 
 import numpy as np
 
-ON_PAR = math.log(1.02)  # gaps under 2% are reported as on par
+ON_PAR = math.log(1.03)  # gaps under 3%, about the run-to-run noise on a shared CPU, are on par
 HUBER_K = 1.345          # the usual 95%-efficiency tuning constant
 
 
 class AnalysisError(ValueError):
     """Input that cannot be analysed, with a message that says why."""
+
+
+class NothingMeasured(AnalysisError):
+    """No request produced a measurement: the one case that exits 1."""
 
 
 @dataclass
@@ -163,6 +167,17 @@ def load_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return rows, meta
 
 
+def parse_prediction(spec: str) -> tuple[float, float]:
+    """`CTX:COMMIT`, e.g. "8000:4" for the tok/s predicted at 8000 tokens with avg_commit 4."""
+    parts = spec.split(":")
+    if len(parts) != 2:
+        raise AnalysisError(f"--predict {spec!r}: expected CTX:COMMIT")
+    ctx, commit = (_num(v, name, f"--predict {spec}") for v, name in zip(parts, ("context", "avg_commit")))
+    if not ctx or not commit:
+        raise AnalysisError(f"--predict {spec!r}: context and avg_commit must be > 0")
+    return ctx, commit
+
+
 def parse_point(spec: str, index: int) -> dict[str, Any]:
     """`CTX:TPS:COMMIT[:LABEL]`, e.g. "4000:45:3.1" for 45 tok/s at 4000 tokens with avg_commit 3.1."""
     parts = spec.split(":")
@@ -232,25 +247,25 @@ def _pct(x: float | None) -> str:
 
 
 def verdict(a: Attribution) -> str:
-    """Plain words, e.g. "82% of the gap is acceptance (3.1 vs 6.0 tokens/step); step time is 9%
-    above the baseline curve"."""
+    """Plain words, e.g. "slower by 48% (...), mostly acceptance: 82% of the gap is acceptance
+    (3.10 vs 6.00 tokens/step); step time is 9% above the baseline curve"."""
     change = 100.0 * (a.tok_per_s / a.ref_tok_per_s - 1.0)
-    head = (f"{a.tok_per_s:.1f} vs {a.ref_tok_per_s:.1f} tok/s ({change:+.0f}%) at "
-            f"{a.prompt_tokens:.0f} tokens, against {a.reference}")
+    head = (f"{abs(change):.0f}% ({a.tok_per_s:.1f} vs {a.ref_tok_per_s:.1f} tok/s at {a.prompt_tokens:.0f} "
+            f"tokens, against {a.reference})")
     if abs(a.gap_log) < ON_PAR:
-        return f"on par: {head}"
+        return f"on par: within {head}"
     terms = {"acceptance": a.acceptance_log, "context scaling": a.context_log, "other step cost": a.residual_log}
     cause = max(terms, key=lambda k: terms[k] * math.copysign(1.0, a.gap_log))
-    parts = [f"{_pct(a.acceptance_share)} of the gap is acceptance "
-             f"({a.avg_commit:.2f} vs {a.ref_avg_commit:.2f} tokens/step)"]
+    parts = [(f"{_pct(a.acceptance_share)} of the gap is acceptance "
+              f"({a.avg_commit:.2f} vs {a.ref_avg_commit:.2f} tokens/step)")]
     if a.context_log:
         parts.append(f"{_pct(a.context_share)} is context scaling (fitted step "
-                     f"{math.exp(a.context_log):.2f}x from {a.ref_prompt_tokens:.0f} tokens)")
+                     f"x{math.exp(a.context_log):.2f} from {a.ref_prompt_tokens:.0f} tokens)")
         parts.append(f"{_pct(a.residual_share)} is other step cost")
     parts.append(f"step time is {abs(a.step_vs_curve_pct):.0f}% "
                  f"{'above' if a.step_vs_curve_pct >= 0 else 'below'} the baseline curve")
     direction = "slower" if a.gap_log > 0 else "faster"
-    return f"{direction}, mostly {cause}: " + "; ".join(parts) + f" [{head}]"
+    return f"{direction} by {head}, mostly {cause}: " + "; ".join(parts)
 
 
 # ---- acceptance against generated position ------------------------------------------------------
@@ -288,19 +303,30 @@ class Analysis:
         return next((a for a in self.attributions if a.label == p.label and a.prompt_tokens == p.prompt_tokens),
                     None)
 
-    def to_dict(self) -> dict[str, Any]:
+    def predict(self, ctx: float, commit: float) -> dict[str, float]:
+        """tok/s the baseline's step curve predicts at this context and acceptance."""
+        if self.fit is None:
+            raise AnalysisError("no step-time fit to predict from (the baseline has no acceptance data)")
+        return {"prompt_tokens": ctx, "avg_commit": commit, "step_ms": self.fit.step_ms(ctx),
+                "tok_per_s": self.fit.tok_per_s(ctx, commit)}
+
+    def to_dict(self, predictions: list[dict[str, float]] = ()) -> dict[str, Any]:
         def point(p: Point) -> dict[str, Any]:
+            out = {**asdict(p), "step_ms": p.step_ms,
+                   # the curve's tok/s at this point's own acceptance: actual / predicted = step residual
+                   "predicted_tok_per_s": self.fit.tok_per_s(p.prompt_tokens, p.avg_commit)
+                   if self.fit and p.avg_commit else None}
             a = self.attribution_of(p)
             if a is not None:
-                return {**asdict(p), **asdict(a)}
+                return {**out, **asdict(a)}
             why = "no acceptance data: tok/s only" if not p.avg_commit else "the baseline reference point"
-            return {**asdict(p), "step_ms": p.step_ms, "acceptance_share": None, "step_share": None,
-                    "verdict": why}
+            return {**out, "acceptance_share": None, "step_share": None, "verdict": why}
 
         return {
             "baseline": self.baseline,
             "fit": asdict(self.fit) if self.fit else None,
             "points": [point(p) for p in self.points],
+            "predictions": list(predictions),
             "acceptance_by_position": self.acceptance_by_position,
             "notes": self.notes,
         }
@@ -324,10 +350,10 @@ def _position_report(rows: list[dict[str, Any]], window: int) -> list[dict[str, 
     return out
 
 
-def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int = 64) -> Analysis:
+def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int = 32) -> Analysis:
     """Fit the baseline's step curve and attribute every other point's gap to it."""
     if not rows:
-        raise AnalysisError("no measured points (every request failed or the file is empty)")
+        raise NothingMeasured("no measured points (every request failed or the file is empty)")
     points = _aggregate(rows)
     labels = sorted({p.label for p in points})
     if baseline is None:
@@ -347,6 +373,9 @@ def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int
     for p in points:
         if not p.avg_commit:
             notes.append(f"{p.label} at {p.prompt_tokens:.0f} tokens has no acceptance data: tok/s only")
+        elif min(fit.step_ms(p.prompt_tokens), fit.step_ms(ref.prompt_tokens)) <= 0:  # a noisy slope, extrapolated
+            notes.append(f"the fitted step curve is not positive at {p.prompt_tokens:.0f} tokens: "
+                         f"{p.label} there is not attributed")
         elif p.label == baseline and p is not ref:
             attributions.append(attribute(p, fit, ref.prompt_tokens, ref.avg_commit, ref.step_ms,
                                           f"{baseline} at {ref.prompt_tokens:.0f} tokens"))

@@ -8,8 +8,9 @@ See docs/bench.md for the per-engine references.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -141,7 +142,7 @@ def _llamacpp_legacy_rule(d: Delta) -> tuple[float, float] | None:
 
 # backend -> [(source name, rule)] in order of preference; a rule maps counter deltas to
 # (avg_commit, verify_steps).
-COUNTER_RULES: dict[str, list[tuple[str, Callable[[Delta], "tuple[float, float] | None"]]]] = {
+COUNTER_RULES: dict[str, list[tuple[str, Callable[[Delta], tuple[float, float] | None]]]] = {
     "ddscope": [("ddscope.counters", _ddscope_rule)],
     "vllm": [("vllm.counters", lambda d: _bonus_ratio(
         d("vllm:spec_decode_num_accepted_tokens_total"), d("vllm:spec_decode_num_drafts_total")))],

@@ -4,16 +4,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Self
 
 from ddscope.cli import add_model_args, budget_arg
 
-# The issue's experiment, used against a --url server.
-URL_CONTEXTS = "13,1663,3333,5553"
+# The issue's experiment. On the embedded demo pair (a 2-core CPU) the output is shorter, so the
+# main job ends in about two minutes; contexts that do not fit max_model_len shrink to fit.
+CONTEXTS = "13,1663,3333,5553"
 URL_MAX_TOKENS = 600
-# The embedded demo pair on a 2-core CPU: the same shape, scaled so the main job ends in minutes.
-EMBEDDED_CONTEXTS = "13,1024,2048,4096"
 EMBEDDED_MAX_TOKENS = 128
 BACKEND_CHOICES = ("auto", "ddscope", "sglang", "vllm", "llamacpp", "openai")
 
@@ -26,9 +26,9 @@ def _contexts(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--contexts wants comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--contexts wants integers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
 
 
@@ -44,24 +44,17 @@ def _at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value <= 2:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2], got {text}")
-    return value
+def _number(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    """A float in [low, high], or (low, high] with low_open."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return value
+    return parse
 
 
 def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
@@ -79,17 +72,16 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     e.add_argument("--budget", type=budget_arg, default=32, help="DDTree node budget or 'auto' (default: 32)")
     s = p.add_argument_group("sweep")
     s.add_argument("--contexts", type=_contexts,
-                   help=f"prompt lengths in tokens (default {URL_CONTEXTS} with --url; {EMBEDDED_CONTEXTS} on the "
-                        "embedded demo pair, sized to finish in minutes on a 2-core CPU)")
+                   help=f"prompt lengths in tokens (default {CONTEXTS}, shrunk to fit the server's max_model_len)")
     s.add_argument("--max-tokens", type=_at_least(1),
                    help=f"fixed output length, ignore_eos (default {URL_MAX_TOKENS} with --url; "
-                        f"{EMBEDDED_MAX_TOKENS} embedded)")
+                        f"{EMBEDDED_MAX_TOKENS} on the embedded server, so the sweep ends in minutes on a 2-core CPU)")
     s.add_argument("--repeats", type=_at_least(1), default=3, help="timed requests per context")
     s.add_argument("--warmup", type=_at_least(0), default=1, help="untimed requests per context")
     s.add_argument("--workload", default=workload_default, help="padding|code|math|chat|file:PATH")
-    s.add_argument("--temperature", type=_temperature, default=0.0)
+    s.add_argument("--temperature", type=_number(0.0, 2.0), default=0.0)
     s.add_argument("--stream", action="store_true", help="stream (SSE) instead of one non-streaming response")
-    s.add_argument("--timeout", type=_positive_float, default=600.0, help="per-request timeout in seconds")
+    s.add_argument("--timeout", type=_number(0.0, 86400.0, low_open=True), default=600.0, help="per-request timeout in seconds")
     s.add_argument("--window", type=_at_least(1), default=32,
                    help="generated tokens per window for acceptance against position")
 
@@ -113,6 +105,8 @@ def register(subparsers: Any) -> None:
     analyze.add_argument("--baseline", help="label of the baseline curve (default: padding, else the first)")
     analyze.add_argument("--point", action="append", default=[], metavar="CTX:TPS:COMMIT[:LABEL]",
                          help='an observed point, e.g. 4000:45:3.1 for "45 tok/s at 4000 tokens, avg_commit 3.1"')
+    analyze.add_argument("--predict", action="append", default=[], metavar="CTX:COMMIT",
+                         help="tok/s the fitted step curve predicts, e.g. 8000:4 (avg_commit 4 at 8000 tokens)")
     analyze.add_argument("--window", type=_at_least(1), default=32,
                          help="generated tokens per window for acceptance against position")
     analyze.add_argument("--json", action="store_true", help="print the analysis as JSON")
@@ -148,7 +142,7 @@ def _check_sweep_args(args: argparse.Namespace) -> None:
     embedded = not args.url
     args.clamp_contexts = args.contexts is None
     if args.contexts is None:
-        args.contexts = _contexts(EMBEDDED_CONTEXTS if embedded else URL_CONTEXTS)
+        args.contexts = _contexts(CONTEXTS)
     if args.max_tokens is None:
         args.max_tokens = EMBEDDED_MAX_TOKENS if embedded else URL_MAX_TOKENS
 
@@ -182,11 +176,11 @@ class _Progress:
                             TextColumn("{task.description}"), console=Console(stderr=True), auto_refresh=False)
         self.task = self.bar.add_task("", total=total)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> Self:
         self.bar.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.bar.stop()
 
     def advance(self, note: str) -> None:
@@ -230,11 +224,11 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
 
 
 def _report(paths: list[Path], out: Path | None, baseline: str | None, window: int, as_json: bool,
-            points: list[str] = ()) -> int:
+            points: list[str] = (), predict: list[str] = ()) -> int:
     """Analyse results files (plus --point rows), print, and write outputs to `out`."""
     from rich.console import Console
 
-    from ddscope.bench.analyze import AnalysisError, analyze, load_rows, parse_point
+    from ddscope.bench.analyze import NothingMeasured, analyze, load_rows, parse_point, parse_prediction
     from ddscope.bench.report import print_report, write_outputs
 
     rows: list[dict[str, Any]] = []
@@ -251,12 +245,13 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     rows += [parse_point(spec, i) for i, spec in enumerate(points, 1)]
     if not rows:
         details = "; ".join(f"{n} x {msg}" for msg, n in errors.items())
-        raise AnalysisError("no point could be measured" + (f": {details}" if details else ""))
+        raise NothingMeasured("no point could be measured" + (f": {details}" if details else ""))
     analysis = analyze(rows, baseline=baseline, window=window)
+    predictions = [analysis.predict(*parse_prediction(spec)) for spec in predict]
     if as_json:
-        print(json.dumps(analysis.to_dict(), indent=1))
+        print(json.dumps(analysis.to_dict(predictions), indent=1))
     else:
-        print_report(analysis, Console(), errors, meta.get("acceptance_source"))
+        print_report(analysis, Console(), errors, meta.get("acceptance_source"), predictions)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_outputs(analysis, meta, out)
@@ -266,17 +261,17 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
 def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Turn expected failures into one clear line and exit code 2 (1: nothing measured)."""
     def run(args: argparse.Namespace) -> int:
-        from ddscope.bench.analyze import AnalysisError
+        from ddscope.bench.analyze import AnalysisError, NothingMeasured
         from ddscope.bench.workloads import WorkloadError
 
         try:
             return handler(args)
-        except (BenchError, WorkloadError) as e:
-            print(f"ddscope bench: error: {e}", file=sys.stderr)
-            return 2
-        except AnalysisError as e:
+        except NothingMeasured as e:
             print(f"ddscope bench: {e}", file=sys.stderr)
             return 1
+        except (BenchError, WorkloadError, AnalysisError) as e:
+            print(f"ddscope bench: error: {e}", file=sys.stderr)
+            return 2
     run.__doc__ = handler.__doc__
     return run
 
@@ -293,7 +288,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_analyze(args: argparse.Namespace) -> int:
     if not args.files and not args.point:
         raise BenchError("give at least one FILE or --point")
-    return _report(args.files, args.out, args.baseline, args.window, args.json, args.point)
+    return _report(args.files, args.out, args.baseline, args.window, args.json, args.point, args.predict)
 
 
 @_guard

@@ -23,6 +23,7 @@ def _row(p: Point) -> list[str]:
             _pm(p.avg_commit, p.avg_commit_sd, 2), _pm(p.step_ms, p.step_ms_sd, 2), engine, str(p.n)]
 
 
+DECAY_NOTE = 0.1  # the terminal lists acceptance-by-position only where it moved this much
 HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine step_ms", "n"]
 
 
@@ -41,7 +42,7 @@ def fit_line(a: Analysis) -> str:
 
 
 def print_report(a: Analysis, console: Console, errors: dict[str, int] | None = None,
-                 source: dict[str, Any] | None = None) -> None:
+                 source: dict[str, Any] | None = None, predictions: list[dict[str, float]] = ()) -> None:
     """The terminal table (median ±sd over repeats), the fit, verdicts and notes."""
     table = Table(title="ddscope bench: tok/s = avg_commit / step_time")
     for h in HEADERS:
@@ -53,13 +54,19 @@ def print_report(a: Analysis, console: Console, errors: dict[str, int] | None = 
         approx = " (approximate)" if source.get("approximate") else ""
         console.print(f"acceptance: {source['name']} [{source['kind']}]{approx}: {source['definition']}")
     console.print(fit_line(a))
+    for pred in predictions:
+        console.print(f"- predicted at {pred['prompt_tokens']:.0f} tokens with avg_commit {pred['avg_commit']:.2f}: "
+                      f"{pred['tok_per_s']:.1f} tok/s (step {pred['step_ms']:.2f} ms)", highlight=False)
     for att in a.attributions:
         console.print(f"- {att.label} @ {att.prompt_tokens:.0f}: {att.verdict}", highlight=False)
-    for pos in _decay_rows(a):
+    moved = [pos for pos in _decay_rows(a) if abs(pos["last_over_first"] - 1.0) >= DECAY_NOTE]
+    for pos in moved:
         wins = pos["windows"]
         console.print(f"- acceptance over the generation, {pos['label']} @ {pos['context']}: "
                       f"{wins[0]['avg_commit']:.2f} (tokens {wins[0]['start']}-{wins[0]['end']}) -> "
                       f"{wins[-1]['avg_commit']:.2f} (tokens {wins[-1]['start']}-{wins[-1]['end']})")
+    if _decay_rows(a) and not moved:
+        console.print(f"- acceptance holds over the generation (last window within {DECAY_NOTE:.0%} of the first)")
     for note in a.notes:
         console.print(f"note: {note}", highlight=False)
     for message, count in (errors or {}).items():
@@ -89,11 +96,14 @@ def plot(a: Analysis, path: Path) -> None:
             steps = [(p.prompt_tokens, p.step_ms) for p in pts if p.step_ms]
             right.errorbar(*zip(*steps), yerr=[p.step_ms_sd for p in pts if p.step_ms], marker="o",
                            linestyle="none", color=color, label=f"{label} step_ms")
+        engine = [(p.prompt_tokens, p.engine_step_ms) for p in pts if p.engine_step_ms]
+        if engine:  # the engine's own phases: the distance to step_ms is server overhead
+            right.plot(*zip(*engine), marker="x", linestyle="none", color=color, label=f"{label} engine step")
     if a.fit is not None:
         xs = [p.prompt_tokens for p in a.points]
         lo, hi = min(xs), max(xs)
         right.plot([lo, hi], [a.fit.step_ms(lo), a.fit.step_ms(hi)], color="black", linewidth=1,
-                   label=f"fit: {a.fit.a_ms:.2f} + {a.fit.b_ms_per_token * 1000:.3f}/1k tok"
+                   label=f"fit: {a.fit.a_ms:.2f} ms + {a.fit.b_ms_per_token * 1000:.3f} ms/1k tok"
                          + ("" if a.fit.r2 is None else f" (R²={a.fit.r2:.3f})"))
     left.set_xlabel("prompt tokens")
     left.set_ylabel("tok/s")

@@ -12,16 +12,23 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
-from ddscope.bench.backends import REQUEST_EXTRAS, AcceptanceReader, Server, engine_step_ms, \
-    server_prefill_s, step_commits
+from ddscope.bench.backends import (
+    REQUEST_EXTRAS,
+    AcceptanceReader,
+    Server,
+    engine_step_ms,
+    server_prefill_s,
+    step_commits,
+)
 from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
 
 SCHEMA = "ddscope.bench.results/1"
@@ -65,7 +72,7 @@ def environment() -> dict[str, Any]:
             return None
 
     return {
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "argv": sys.argv,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -298,7 +305,7 @@ class Sweep:
                     on_request(_note(record))
         except KeyboardInterrupt:
             status = "interrupted"
-        writer.update(status=status, finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        writer.update(status=status, finished_at=datetime.now(UTC).isoformat(timespec="seconds"))
 
 
 def _note(record: dict[str, Any]) -> str:

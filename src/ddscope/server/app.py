@@ -298,7 +298,8 @@ async def _generate(request: Request, state: ServerState, req: SamplingRequest, 
                     arrival: float) -> Response:
     params = _engine_params(state, req, len(ids))
     timeout = state.config.request_timeout
-    job = Job(reply.id, ids, params, deadline=arrival + timeout, return_rounds=req.return_rounds, arrival=arrival)
+    job = Job(reply.id, ids, params, deadline=arrival + timeout, return_rounds=req.return_rounds,
+              stream=bool(req.stream), arrival=arrival)
     try:
         state.worker.submit(job)
     except QueueFull as e:
@@ -316,13 +317,7 @@ async def _generate(request: Request, state: ServerState, req: SamplingRequest, 
             watcher = None  # owned by the stream from here on
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text: list[str] = []
-        while not isinstance(event, (Done, Failed)):
-            text.append(event.text)
-            event = await _next_event(job)
-        if isinstance(event, Failed):
-            raise _failure(event, timeout)
-        return JSONResponse(reply.response("".join(text), event.finish_reason, event.stats))
+        return JSONResponse(reply.response(event.text, event.finish_reason, event.stats))
     finally:
         if watcher is not None:
             watcher.cancel()

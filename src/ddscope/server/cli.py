@@ -4,17 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-
-def _budget(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        budget = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be an integer >= 1 or 'auto', got {value!r}") from None
-    if budget < 1:
-        raise argparse.ArgumentTypeError(f"budget must be >= 1, got {budget}")
-    return budget
+from ddscope.cli import add_model_args, budget_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,17 +12,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="OpenAI-compatible server with acceptance telemetry and Prometheus metrics",
         description="Serve a target/drafter pair (default: the bundled demo pair) over an OpenAI-compatible "
                     "HTTP API. See docs/server.md.")
-    p.add_argument("--target", help="target checkpoint directory (default: the bundled demo target)")
-    p.add_argument("--drafter", help="drafter checkpoint directory (default: the demo drafter with the demo "
-                                     "target; none with --target, which allows only --method ar)")
+    add_model_args(p)
     p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree",
                    help="default decoding method; requests may override it (default: %(default)s)")
-    p.add_argument("--budget", type=_budget, default=32,
+    p.add_argument("--budget", type=budget_arg, default=32,
                    help="default DDTree node budget; requests may override it (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="torch dtype name (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait; beyond it the server answers 503 (default: %(default)s)")

@@ -36,6 +36,7 @@ class Done:
     """Last event of a finished generation."""
     finish_reason: str
     stats: dict[str, Any]  # GenerationStats.to_dict() plus the server's queue_ms and ttft_ms
+    text: str = ""  # the whole completion (a non-streaming job gets no per-step events)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Job:
     params: dict[str, Any]  # Engine.stream keyword arguments
     deadline: float  # time.monotonic() after which the job times out
     return_rounds: bool = False
+    stream: bool = False  # per-step events wake the event loop, which costs engine time: only when asked
     arrival: float = field(default_factory=time.monotonic)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
@@ -176,6 +178,7 @@ class EngineWorker:
         self.metrics.prompt_tokens.inc(len(job.prompt))
         first_at: float | None = None
         last = None
+        text: list[str] = []
         try:
             for last in steps:
                 now = time.monotonic()
@@ -183,7 +186,9 @@ class EngineWorker:
                     first_at = now
                     self.metrics.ttft.observe(now - job.arrival)
                 self._record_step(last)
-                job.emit(last)
+                text.append(last.text)
+                if job.stream:
+                    job.emit(last)
                 if last.finish_reason:
                     break
                 if now > job.deadline:
@@ -199,7 +204,7 @@ class EngineWorker:
         stats = last.stats.to_dict(rounds=job.return_rounds)
         stats["queue_ms"] = 1000 * (start - job.arrival)
         stats["ttft_ms"] = 1000 * (first_at - job.arrival)
-        return Done(last.finish_reason, stats)
+        return Done(last.finish_reason, stats, "".join(text))
 
     def _record_step(self, step: Step) -> None:
         n, rnd = len(step.token_ids), step.round

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from ddscope.training.distill import DEFAULT_DATA
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -26,32 +28,39 @@ def _float_list(text: str) -> list[float]:
 
 def _train_drafter(args: argparse.Namespace) -> int:
     import torch
+    from transformers import AutoTokenizer
 
     from ddscope.engine import Engine
+    from ddscope.model import Target
     from ddscope.training.distill import DistillSpec, distill
     from ddscope.training.drafter_ckpt import mask_token_id, pick_layer_ids
     from ddscope.training.train_drafter import TrainSpec, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.distill_workers < 1:
+        raise ValueError("--distill-workers must be >= 1")
     spec = TrainSpec(block_size=args.block_size, layers=args.layers, batch_seqs=args.batch_seqs,
                      anchors=args.anchors, lr=args.lr, gamma=args.gamma, steps=args.steps,
                      time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
-    if args.distill_method == "ddtree" and args.distill_drafter is None:
-        raise ValueError("--distill-method ddtree needs --distill-drafter (an existing drafter for this target)")
-    engine = Engine.load(args.target, args.distill_drafter, device=args.device)
-    n_layers = engine.target.cfg.geometry.num_layers
-    layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
-    mask_id = mask_token_id(engine.tokenizer, args.mask_token_id, engine.vocab_size)
-    work = args.work_dir or args.out.with_name(args.out.name + ".work")
     dspec = DistillSpec(data=args.data, prompts=args.prompts, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, sampled_frac=args.sampled_frac, seed=args.seed)
-    records = distill(engine, dspec, work, method=args.distill_method,
-                      time_budget_s=args.distill_min * 60 if args.distill_min else None)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    target = Target.load(Path(args.target), torch.device(args.device), torch.float32)
+    n_layers = target.cfg.geometry.num_layers
+    layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
+    if not all(0 <= i < n_layers for i in layer_ids):
+        raise ValueError(f"--target-layer-ids {layer_ids}: the target has layers 0..{n_layers - 1}")
+    mask_id = mask_token_id(AutoTokenizer.from_pretrained(args.target), args.mask_token_id, target.cfg.vocab_size)
+    work = args.work_dir or args.out.with_name(args.out.name + ".work")
+    records = distill(args.target, dspec, work, drafter=args.distill_drafter, method=args.distill_method,
+                      time_budget_s=args.distill_min * 60 if args.distill_min else None,
+                      workers=args.distill_workers, threads=max(1, threads // args.distill_workers),
+                      device=args.device)
     print(f"distilled: {len(records)} sequences, {sum(len(r['ids']) - r['prompt_len'] for r in records)} "
-          f"generated tokens in {work / 'distill.jsonl'}", file=sys.stderr)
-    result = train(Path(args.target), engine.target, records, spec, mask_id, layer_ids, args.out, work,
-                   resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60)
+          f"generated tokens in {work}", file=sys.stderr)
+    result = train(Path(args.target), target, records, spec, mask_id, layer_ids, args.out, work,
+                   resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
+                   feature_cache_gb=args.feature_cache_gb)
     print(f"drafter written to {args.out}: {result['steps']} steps in {result['train_s'] / 60:.1f} min, "
           f"loss {result['loss']:.3f}, offline accept {result['accept']:.2f} (mean of the last steps)",
           file=sys.stderr)
@@ -87,13 +96,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="drafter output directory (config.json, model.safetensors)")
     p.add_argument("--work-dir", type=Path, help="distilled data, checkpoint and training log (default: OUT.work)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads for training, shared by the distill workers (default: torch's choice)")
+    p.add_argument("--feature-cache-gb", type=float, default=2.0,
+                   help="keep target features of this many GB of sequences instead of recomputing them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue training from WORK_DIR/ckpt.pt "
                                                          "(distillation always resumes)")
     p.add_argument("--checkpoint-min", type=float, default=5.0, help="minutes between checkpoints (default: 5)")
     d = p.add_argument_group("distillation")
-    d.add_argument("--data", default="code:0.5,docs:0.2,chat:0.3",
+    d.add_argument("--data", default=DEFAULT_DATA,
                    help="prompt sources with shares: corpus domains code, docs, chat and/or file:PATH (.jsonl with "
                         "a 'prompt' or 'text' field, or a text file) (default: %(default)s)")
     d.add_argument("--prompts", type=int, default=512, help="distilled sequences (default: %(default)s)")
@@ -103,6 +115,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--distill-method", choices=("ar", "ddtree"), default="ar",
                    help="how the target generates (both lossless; ddtree is faster with a good drafter)")
     d.add_argument("--distill-drafter", help="existing drafter directory for --distill-method ddtree")
+    d.add_argument("--distill-workers", type=int, default=1,
+                   help="parallel generation processes; use the core count on an otherwise idle CPU")
     d.add_argument("--distill-min", type=float, help="stop distilling after this many minutes")
     t = p.add_argument_group("drafter and training")
     t.add_argument("--block-size", type=int, default=16, help="drafter block size B (default: %(default)s)")
@@ -111,7 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="target layers whose outputs feed the drafter (default: one per drafter layer, spread)")
     t.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's <|mask|>)")
     t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget)")
-    t.add_argument("--time-budget-min", type=float, help="training minutes (distillation not included)")
+    t.add_argument("--time-budget-min", type=float, help="training minutes, summed over resumes (distillation not included)")
     t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step (default: %(default)s)")
     t.add_argument("--anchors", type=int, default=16, help="anchor blocks per sequence (default: %(default)s)")
     t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (default: %(default)s)")

@@ -1,6 +1,6 @@
 """Self-distillation data for drafter training: the target's own continuations of corpus prompts.
 
-Each record of the cache (`distill.jsonl`) is one prompt and the target's continuation of it, as
+Each record of the cache (`distill.<worker>.jsonl`) is one prompt and the target's continuation of it, as
 token ids, with `prompt_len` so training can mask the prompt. Generation goes through the Engine
 (`ar`, or `ddtree` with an existing drafter: both lossless), greedy for some items and sampled at
 T=1 for the others, so the drafter sees both the argmax path and the spread around it. The prompt
@@ -35,6 +35,13 @@ class DistillSpec:
     sampled_frac: float = 0.5
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.prompts < 1 or self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
+            raise ValueError("prompts, max_prompt_tokens and max_new_tokens must be >= 1")
+        if not 0 <= self.sampled_frac <= 1:
+            raise ValueError(f"sampled_frac must be in [0, 1], got {self.sampled_frac}")
+        parse_data(self.data)
+
 
 def parse_data(spec: str) -> dict[str, float]:
     """`code:0.5,chat:0.5` or `file:PATH` entries (weight optional, default 1) -> normalised shares."""
@@ -54,10 +61,12 @@ def parse_data(spec: str) -> dict[str, float]:
 
 
 def _window(text: str, rng: random.Random, chars: int) -> str:
-    """A prompt cut from a random line start of a document, so it begins like real code or prose."""
+    """Whole lines from a random point of a document, so a prompt starts and ends like real code or prose."""
     starts = [0] + [i + 1 for i, c in enumerate(text[:-chars]) if c == "\n"]
     start = rng.choice(starts)
-    return text[start:start + chars]
+    window = text[start:start + chars]
+    end = window.rfind("\n", chars // 2)
+    return window[:end + 1] if end >= 0 else window
 
 
 def _chat_prompt(text: str) -> str | None:
@@ -102,17 +111,16 @@ def build_prompts(spec: DistillSpec, tokenizer: Any) -> list[tuple[str, list[int
     return items[:spec.prompts]
 
 
-def read_cache(path: Path) -> list[dict[str, Any]]:
-    """The records of a distill.jsonl (a torn last line from a killed run is dropped)."""
-    if not path.is_file():
-        return []
+def read_cache(out_dir: Path) -> list[dict[str, Any]]:
+    """All records of `out_dir/distill.*.jsonl` (one file per worker), by item; a torn last line is dropped."""
     records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
+    for path in sorted(out_dir.glob("distill.*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a run killed mid-write
+    return sorted(records, key=lambda r: r["i"])
 
 
 def _check_meta(out_dir: Path, spec: DistillSpec) -> None:
@@ -127,30 +135,65 @@ def _check_meta(out_dir: Path, spec: DistillSpec) -> None:
         meta.write_text(json.dumps(asdict(spec), indent=2) + "\n")
 
 
-def distill(engine: Any, spec: DistillSpec, out_dir: Path, method: str = "ar", budget: int | None = None,
-            time_budget_s: float | None = None) -> list[dict[str, Any]]:
-    """Fill `out_dir/distill.jsonl` up to `spec.prompts` records (or until the time budget); return them all."""
-    _check_meta(out_dir, spec)
-    path = out_dir / "distill.jsonl"
-    records = read_cache(path)
-    done = {r["i"] for r in records}
-    prompts = build_prompts(spec, engine.tokenizer)
-    todo = [i for i in range(len(prompts)) if i not in done]
-    t0, generated = time.monotonic(), 0
-    with path.open("a") as f, tqdm(todo, desc="distill", unit="seq", dynamic_ncols=True) as bar:
-        for i in bar:
-            if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
-                bar.write(f"distill: time budget reached with {len(records)}/{len(prompts)} sequences")
+def _temperature(spec: DistillSpec, i: int) -> float:
+    """Greedy or T=1 per item, fixed by (seed, i) so any worker split gives the same mix."""
+    return 1.0 if random.Random(spec.seed * 1_000_003 + i).random() < spec.sampled_frac else 0.0
+
+
+def _worker(worker: int, items: list[tuple[int, str, list[int]]], spec: DistillSpec, target: str,
+            drafter: str | None, method: str, device: str, threads: int, out_dir: Path, deadline: float) -> int:
+    """Generate `items` into `out_dir/distill.<worker>.jsonl`; returns the number written."""
+    import torch
+
+    from ddscope.engine import Engine
+
+    torch.set_num_threads(threads)
+    engine = Engine.load(target, drafter, device=device)
+    written, generated, t0 = 0, 0, time.monotonic()
+    with (out_dir / f"distill.{worker}.jsonl").open("a") as f, \
+            tqdm(items, desc=f"distill[{worker}]", unit="seq", position=worker, dynamic_ncols=True) as bar:
+        for i, source, ids in bar:
+            if time.time() > deadline:
                 break
-            source, ids = prompts[i]
-            temperature = 1.0 if random.Random(spec.seed * 1_000_003 + i).random() < spec.sampled_frac else 0.0
-            out = engine.generate(ids, max_new_tokens=spec.max_new_tokens, method=method, budget=budget,
-                                  temperature=temperature, seed=spec.seed + i)
+            temperature = _temperature(spec, i)
+            out = engine.generate(ids, max_new_tokens=spec.max_new_tokens, method=method, temperature=temperature,
+                                  seed=spec.seed + i)
             record = {"i": i, "source": source, "temperature": temperature, "prompt_len": len(ids),
                       "ids": ids + out.token_ids}
             f.write(json.dumps(record) + "\n")
             f.flush()
-            records.append(record)
+            written += 1
             generated += len(out.token_ids)
             bar.set_postfix(tok_s=f"{generated / (time.monotonic() - t0):.0f}")
-    return records
+    return written
+
+
+def distill(target: str | Path, spec: DistillSpec, out_dir: Path, drafter: str | Path | None = None,
+            method: str = "ar", time_budget_s: float | None = None, workers: int = 1, threads: int = 1,
+            device: str = "cpu") -> list[dict[str, Any]]:
+    """Fill `out_dir` up to `spec.prompts` records (or until the time budget); return them all.
+
+    `workers` processes (each with `threads` torch threads) split the missing items: batch-1 decoding
+    of a small target is latency-bound, so processes use the cores better than threads do.
+    """
+    from transformers import AutoTokenizer
+
+    if method == "ddtree" and drafter is None:
+        raise ValueError("distilling with ddtree needs an existing drafter for this target")
+    _check_meta(out_dir, spec)
+    prompts = build_prompts(spec, AutoTokenizer.from_pretrained(str(target)))
+    done = {r["i"] for r in read_cache(out_dir)}
+    todo = [(i, source, ids) for i, (source, ids) in enumerate(prompts) if i not in done]
+    deadline = time.time() + (time_budget_s if time_budget_s is not None else float("inf"))
+    args = (spec, str(target), drafter and str(drafter), method, device, threads, out_dir, deadline)
+    if workers <= 1 or len(todo) <= 1:
+        _worker(0, todo, *args)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn, not fork: the parent may already hold torch thread pools.
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for job in [pool.submit(_worker, w, todo[w::workers], *args) for w in range(workers)]:
+                job.result()
+    return read_cache(out_dir)

@@ -71,22 +71,22 @@ class TrainSpec:
 
 
 @dataclass
-class Batch:
-    features: torch.Tensor    # [n_ctx, k*H] target hidden states of every packed sequence
-    ctx_pos: torch.Tensor     # [n_ctx] absolute position of each context row within its sequence
-    block_ids: torch.Tensor   # [n_blocks * B] token ids: tok[a], then MASK
-    block_pos: torch.Tensor   # [n_blocks * B] a + k
-    labels: torch.Tensor      # [n_blocks * B] tok[a + k], -1 where none (k = 0 or past the end)
-    mask: torch.Tensor        # [n_blocks * B, n_ctx + n_blocks * B] True = may attend
+class Blocks:
+    """One sequence's anchor blocks, ready for `Drafter.run`."""
+
+    features: torch.Tensor    # [n, k*H] target hidden states of the whole sequence
+    ctx_pos: torch.Tensor     # [n] 0..n-1
+    block_ids: torch.Tensor   # [A*B] token ids: tok[a], then MASK
+    block_pos: torch.Tensor   # [A*B] a + k
+    labels: torch.Tensor      # [A*B] tok[a + k], -1 where none (k = 0 or past the end)
+    mask: torch.Tensor        # [A*B, n + A*B] True = may attend
 
 
-def block_mask(ctx_seq: torch.Tensor, ctx_pos: torch.Tensor, block_seq: torch.Tensor, anchors: torch.Tensor,
-               block_size: int) -> torch.Tensor:
-    """Attention mask for packed anchor blocks: block j sees context of its own sequence at positions
-    strictly before its anchor, and all of its own block (bidirectional), never another block."""
-    ctx = (ctx_seq[None, :] == block_seq[:, None]) & (ctx_pos[None, :] < anchors[:, None])
-    n = anchors.numel()
-    own = torch.eye(n, dtype=torch.bool, device=anchors.device)
+def block_mask(n_ctx: int, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block j sees context positions strictly before its anchor and all of its own block
+    (bidirectional), never another block: [A*B, n_ctx + A*B]."""
+    ctx = torch.arange(n_ctx, device=anchors.device)[None, :] < anchors[:, None]
+    own = torch.eye(anchors.numel(), dtype=torch.bool, device=anchors.device)
     own = own.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return torch.cat([ctx.repeat_interleave(block_size, 0), own], dim=1)
 
@@ -96,61 +96,77 @@ def sample_anchors(prompt_len: int, n: int, count: int, gen: torch.Generator) ->
     first = max(prompt_len - 1, 0)
     span = n - 1 - first
     if span < 1:
-        return torch.zeros(0, dtype=torch.long)
+        raise ValueError(f"a sequence of {n} tokens with a {prompt_len}-token prompt has nothing to predict")
     return first + torch.randperm(span, generator=gen)[:count].sort().values
 
 
-def make_batch(target: Target, cache: KVCache, seqs: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
-               capture: tuple[int, ...], gen: torch.Generator) -> Batch:
+def target_features(target: Target, cache: KVCache, ids: list[int], capture: tuple[int, ...]) -> torch.Tensor:
+    """The frozen target's hidden states at `capture` for a whole sequence, [n, k*H]."""
     dev = target.lm_head.weight.device
-    B = spec.block_size
-    feats, ctx_pos, ctx_seq, blocks, block_pos, labels, block_seq, anchors_all = [], [], [], [], [], [], [], []
-    for s, rec in enumerate(seqs):
-        ids = torch.tensor(rec["ids"], dtype=torch.long)
-        n = ids.numel()
-        anchors = sample_anchors(rec["prompt_len"], n, spec.anchors, gen)
-        if not anchors.numel():
-            continue
-        cache.length = 0
-        # Target.forward runs under inference_mode: clone so autograd may use the features.
-        feats.append(target(ids.to(dev), torch.arange(n, device=dev), cache, capture=capture).features.clone())
-        ctx_pos.append(torch.arange(n))
-        ctx_seq.append(torch.full((n,), s))
-        pos = anchors[:, None] + torch.arange(B)[None, :]                       # [A, B]
-        lab = torch.where(pos < n, ids[pos.clamp(max=n - 1)], torch.full_like(pos, -1))
-        lab[:, 0] = -1
-        blk = torch.full_like(pos, mask_token_id)
-        blk[:, 0] = ids[anchors]
-        blocks.append(blk.flatten())
-        block_pos.append(pos.flatten())
-        labels.append(lab.flatten())
-        block_seq.append(torch.full((anchors.numel(),), s))
-        anchors_all.append(anchors)
-    if not feats:
-        raise ValueError("no sequence in the batch has a generated token to predict")
-    ctx_pos_t, anchors_t = torch.cat(ctx_pos), torch.cat(anchors_all)
-    mask = block_mask(torch.cat(ctx_seq), ctx_pos_t, torch.cat(block_seq), anchors_t, B)
-    return Batch(torch.cat(feats), ctx_pos_t.to(dev), torch.cat(blocks).to(dev), torch.cat(block_pos).to(dev),
-                 torch.cat(labels).to(dev), mask.to(dev))
+    cache.length = 0
+    # Target.forward runs under inference_mode: clone so autograd may use the features.
+    return target(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), cache,
+                  capture=capture).features.clone()
 
 
-def block_loss(drafter: Drafter, target: Target, batch: Batch, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(weighted cross-entropy, offline acceptance estimate) for one packed batch.
+def make_blocks(features: torch.Tensor, record: dict[str, Any], spec: TrainSpec, mask_token_id: int,
+                gen: torch.Generator) -> Blocks:
+    """Random anchor blocks of one distilled sequence (which must have a generated token)."""
+    dev, B = features.device, spec.block_size
+    ids = torch.tensor(record["ids"], dtype=torch.long)
+    n = ids.numel()
+    anchors = sample_anchors(record["prompt_len"], n, spec.anchors, gen)
+    pos = anchors[:, None] + torch.arange(B)[None, :]                       # [A, B]
+    labels = torch.where(pos < n, ids[pos.clamp(max=n - 1)], -1)
+    labels[:, 0] = -1
+    block = torch.full_like(pos, mask_token_id)
+    block[:, 0] = ids[anchors]
+    return Blocks(features, torch.arange(n, device=dev), block.flatten().to(dev), pos.flatten().to(dev),
+                  labels.flatten().to(dev), block_mask(n, anchors, B).to(dev))
 
-    The estimate is the greedy chain's expected commit per step: 1 (the bonus) plus the number of
-    leading block positions whose argmax equals the label, averaged over anchors.
+
+class FeatureStore:
+    """Target features per sequence, kept up to a byte budget: the target's forward (with its full-vocab
+    head) costs about as much as a drafter step, and the data is revisited many times."""
+
+    def __init__(self, target: Target, capture: tuple[int, ...], max_len: int, budget_bytes: int):
+        self.target, self.capture, self.budget = target, capture, budget_bytes
+        self.cache = target.new_cache(max_len)
+        self.kept: dict[int, torch.Tensor] = {}
+        self.used = 0
+
+    def get(self, index: int, ids: list[int]) -> torch.Tensor:
+        if index in self.kept:
+            return self.kept[index]
+        features = target_features(self.target, self.cache, ids, self.capture)
+        size = features.numel() * features.element_size()
+        if self.used + size <= self.budget:
+            self.kept[index] = features
+            self.used += size
+        return features
+
+
+def block_loss(drafter: Drafter, target: Target, batch: list[Blocks], weights: torch.Tensor
+               ) -> tuple[torch.Tensor, float]:
+    """(weighted cross-entropy, offline acceptance estimate) over the blocks of a batch.
+
+    The drafter runs once per sequence (blocks never see other sequences, so packing them would only
+    add masked-out attention); the shared head and the loss run once over all blocks. The estimate
+    is the greedy chain's expected commit per step: 1 (the bonus) plus the number of leading block
+    positions whose argmax equals the label, averaged over anchors.
     """
     B = drafter.block_size
-    h = drafter.run(target.embed(batch.block_ids), batch.block_pos, drafter.context(batch.features),
-                    batch.ctx_pos, batch.mask)
-    valid = batch.labels >= 0
+    h = torch.cat([drafter.run(target.embed(b.block_ids), b.block_pos, drafter.context(b.features), b.ctx_pos,
+                               b.mask) for b in batch])
+    labels = torch.cat([b.labels for b in batch])
+    valid = labels >= 0
     logits = target.logits(h[valid])
-    w = weights.to(h.device).repeat(batch.labels.numel() // B)[valid]
-    ce = F.cross_entropy(logits, batch.labels[valid], reduction="none")
+    w = weights.to(h.device).repeat(labels.numel() // B)[valid]
+    ce = F.cross_entropy(logits, labels[valid], reduction="none")
     loss = (ce * w).sum() / w.sum()
     with torch.no_grad():
         hit = torch.zeros_like(valid)
-        hit[valid] = logits.argmax(-1) == batch.labels[valid]
+        hit[valid] = logits.argmax(-1) == labels[valid]
         leading = hit.view(-1, B)[:, 1:].long().cumprod(1).sum(1)
     return loss, 1.0 + leading.float().mean().item()
 
@@ -190,7 +206,7 @@ def _restore(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.op
 
 def train(target_dir: Path, target: Target, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
           layer_ids: list[int], out_dir: Path, work_dir: Path, resume: bool = False,
-          checkpoint_every_s: float = 300.0) -> dict[str, float]:
+          checkpoint_every_s: float = 300.0, feature_cache_gb: float = 2.0) -> dict[str, float]:
     """Train, checkpointing to `work_dir/ckpt.pt` and logging to `work_dir/train_log.jsonl`, then export
     the drafter to `out_dir`. Returns the step count and the mean loss/acceptance of the last steps."""
     usable = [r for r in records if len(r["ids"]) - r["prompt_len"] >= 1]
@@ -203,8 +219,8 @@ def train(target_dir: Path, target: Target, records: list[dict[str, Any]], spec:
     work_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = work_dir / "ckpt.pt"
     step, train_s = _restore(ckpt_path, config, drafter, opt, gen) if resume else (0, 0.0)
-    cache = target.new_cache(max(len(r["ids"]) for r in usable))
-    capture, weights = tuple(layer_ids), spec.position_weights
+    store = FeatureStore(target, tuple(layer_ids), max(len(r["ids"]) for r in usable), int(feature_cache_gb * 2**30))
+    weights = spec.position_weights
     drafter.train()
     last_ckpt, losses, accepts = time.monotonic(), [], []
     with tqdm(total=spec.steps, initial=step, desc="train-drafter", unit="step", dynamic_ncols=True) as bar, \
@@ -215,7 +231,7 @@ def train(target_dir: Path, target: Target, records: list[dict[str, Any]], spec:
             for group in opt.param_groups:
                 group["lr"] = lr
             picks = torch.randint(len(usable), (spec.batch_seqs,), generator=gen).tolist()
-            batch = make_batch(target, cache, [usable[i] for i in picks], spec, mask_token_id, capture, gen)
+            batch = [make_blocks(store.get(i, usable[i]["ids"]), usable[i], spec, mask_token_id, gen) for i in picks]
             loss, accept = block_loss(drafter, target, batch, weights)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -225,7 +241,7 @@ def train(target_dir: Path, target: Target, records: list[dict[str, Any]], spec:
             train_s += dt
             losses.append(loss.item())
             accepts.append(accept)
-            n_tok = batch.labels.numel()
+            n_tok = sum(b.labels.numel() for b in batch)
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", accept=f"{accept:.2f}", tok_s=f"{n_tok / dt:.0f}",
                             done=f"{100 * spec.progress(step, train_s):.0f}%")

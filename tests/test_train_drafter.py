@@ -1,0 +1,111 @@
+"""`ddscope train-drafter` end to end on a tiny target, and the anchor-block mask it trains with."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from ddscope.engine import Engine
+from ddscope.testing import make_drafter, make_target
+from ddscope.training.cli import register
+from ddscope.training.distill import read_cache
+from ddscope.training.train_drafter import block_mask, sample_anchors
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, how are", "for i in range(10):",
+           "Distributed systems require", "print(i * i)"]
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _tau(target, drafter, records) -> float:
+    """Real dflash acceptance (tokens per verify step) on the training prompts, greedy."""
+    engine = Engine.load(target, drafter)
+    committed = steps = 0
+    for r in records:
+        out = engine.generate(r["ids"][:r["prompt_len"]], max_new_tokens=48, method="dflash")
+        committed += out.stats.committed_tokens
+        steps += out.stats.verify_steps
+    return committed / steps
+
+
+def test_block_mask_sees_strictly_earlier_context_and_only_its_own_block():
+    n_ctx, B = 6, 3
+    anchors = torch.tensor([2, 4])
+    mask = block_mask(n_ctx, anchors, B)
+    assert mask.shape == (2 * B, n_ctx + 2 * B)
+    for j, a in enumerate(anchors.tolist()):
+        rows = mask[j * B:(j + 1) * B]
+        assert rows[:, :n_ctx].eq(torch.arange(n_ctx) < a).all()        # context strictly before the anchor
+        own = slice(n_ctx + j * B, n_ctx + (j + 1) * B)
+        assert rows[:, own].all()                                          # bidirectional within the block
+        others = torch.ones(2 * B, dtype=torch.bool)
+        others[j * B:(j + 1) * B] = False
+        assert not rows[:, n_ctx:][:, others].any()                        # never another block
+
+
+def test_anchors_predict_generated_tokens_only():
+    gen = torch.Generator().manual_seed(0)
+    anchors = sample_anchors(prompt_len=5, n=12, count=100, gen=gen)
+    assert anchors.tolist() == list(range(4, 11))  # a in [P-1, n-2]: a+1 is generated, a+1 < n
+    with pytest.raises(ValueError, match="nothing to predict"):
+        sample_anchors(prompt_len=5, n=5, count=4, gen=gen)
+
+
+def test_train_drafter_end_to_end(tmp_path):
+    target = make_target(tmp_path / "target")
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    out, work = tmp_path / "drafter", tmp_path / "work"
+    common = ["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work),
+              "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "6", "--max-new-tokens", "48",
+              "--sampled-frac", "0", "--block-size", "8", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
+              "--threads", "1"]
+    assert _run(common + ["--steps", "150"]) == 0
+
+    log = [json.loads(line) for line in (work / "train_log.jsonl").open()]
+    assert len(log) == 150
+    first, last = (sum(r["loss"] for r in rows) / 5 for rows in (log[:5], log[-5:]))
+    assert last < 0.5 * first, (first, last)  # a small fixed distilled set is overfitted quickly
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+    records = read_cache(work)
+    assert len(records) == 6
+    trained = _tau(target, out, records)
+    random_tau = _tau(target, make_drafter(tmp_path / "random", target, block_size=8), records)
+    assert trained > random_tau + 1.0, (trained, random_tau)
+
+    # Resume: distillation is skipped (all items cached) and training continues from the checkpoint.
+    assert _run(common + ["--steps", "160", "--resume"]) == 0
+    log = [json.loads(line) for line in (work / "train_log.jsonl").open()]
+    assert [r["step"] for r in log[-10:]] == list(range(151, 161))
+    assert len(read_cache(work)) == 6
+
+
+def test_eval_acceptance_reports_tau_and_checks_lossless(tmp_path, tiny_pair, capsys):
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]))
+    target, drafter = tiny_pair
+    report_path = tmp_path / "report.json"
+    assert _run(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
+                 f"file:{tmp_path / 'prompts.jsonl'}", "--methods", "ar,dflash,ddtree:4", "--temperatures", "0,1",
+                 "--prompts", "2", "--max-tokens", "12", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["mismatches"] == []
+    rows = {(r["temperature"], r["method"]): r for r in report["results"]}
+    assert set(rows) == {(t, m) for t in (0.0, 1.0) for m in ("ar", "dflash", "ddtree:4")}
+    assert all(r["prompts"] == 2 and r["tau"] >= 1.0 for r in rows.values())
+    assert rows[(0.0, "ar")]["tau"] == 1.0
+    assert "ddtree:4" in capsys.readouterr().out
+
+
+def test_eval_acceptance_rejects_bad_methods():
+    from ddscope.training.evaluate import parse_methods
+
+    assert [m.budget for m in parse_methods("dflash,ddtree:8,ddtree")] == [None, 8, None]
+    for bad in ("dflash:3", "beam", "ddtree:x", ""):
+        with pytest.raises(ValueError):
+            parse_methods(bad)
