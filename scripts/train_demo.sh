@@ -4,11 +4,15 @@
 #   2. target pretraining (Qwen3) -> $RUN/target   (resumes from $RUN/target_ckpt if present)
 #   3. copy tokenizer + target    -> src/ddscope/assets/demo/target
 # Needs: pip install -e '.[data]'  and  apt-get install python3.11-doc (docs corpus).
-# Env: RUN (default runs/demo), TARGET_MIN (target wall-clock budget, minutes, default 60).
+#   4. drafter self-distillation + training -> src/ddscope/assets/demo/drafter (resumes from $RUN/drafter.work)
+# Env: RUN (default runs/demo), TARGET_MIN (target budget, minutes, default 60), DISTILL_MIN (12) and
+#      DRAFTER_MIN (28). A finished stage is skipped on a rerun (delete its output to redo it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/demo}
 TARGET_MIN=${TARGET_MIN:-60}
+DISTILL_MIN=${DISTILL_MIN:-12}
+DRAFTER_MIN=${DRAFTER_MIN:-28}
 ASSETS=src/ddscope/assets/demo
 SEED=1234
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,10 +25,12 @@ if [ ! -f "$RUN/tokenizer/tokenizer.json" ]; then
 fi
 
 echo "[$(date -u +%T)] target pretraining (${TARGET_MIN} min budget)"
-resume=()
-[ -f "$RUN/target_ckpt/ckpt.pt" ] && resume=(--resume)
-python -m ddscope.training.pretrain --tokenizer "$RUN/tokenizer" --run-dir "$RUN" \
-  --out "$RUN/target" --time-budget-min "$TARGET_MIN" --seed "$SEED" --threads 2 --bf16 "${resume[@]}"
+if [ ! -f "$RUN/target/model.safetensors" ]; then
+  resume=()
+  [ -f "$RUN/target_ckpt/ckpt.pt" ] && resume=(--resume)
+  python -m ddscope.training.pretrain --tokenizer "$RUN/tokenizer" --run-dir "$RUN" \
+    --out "$RUN/target" --time-budget-min "$TARGET_MIN" --seed "$SEED" --threads 2 --bf16 "${resume[@]}"
+fi
 
 echo "[$(date -u +%T)] bundling target into $ASSETS/target"
 rm -rf "$ASSETS/target"
@@ -32,5 +38,16 @@ mkdir -p "$ASSETS/target"
 install -m 644 "$RUN"/target/*.json "$RUN"/target/*.jinja "$RUN"/target/model.safetensors "$ASSETS/target/"
 du -sh "$ASSETS/target"
 
-# Drafter distillation/training steps are appended here (issue 6, drafter part).
+echo "[$(date -u +%T)] drafter: self-distillation (${DISTILL_MIN} min) and training (${DRAFTER_MIN} min)"
+resume=()
+[ -f "$RUN/drafter.work/ckpt.pt" ] && resume=(--resume)
+[ -f "$RUN/drafter/model.safetensors" ] || python -m ddscope.cli train-drafter --target "$ASSETS/target" --out "$RUN/drafter" --work-dir "$RUN/drafter.work" \
+  --prompts 4000 --distill-min "$DISTILL_MIN" --distill-workers 2 --sampled-frac 0.3 --max-new-tokens 256 \
+  --layers 2 --block-size 16 --time-budget-min "$DRAFTER_MIN" --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
+
+echo "[$(date -u +%T)] bundling drafter into $ASSETS/drafter"
+rm -rf "$ASSETS/drafter"
+mkdir -p "$ASSETS/drafter"
+install -m 644 "$RUN"/drafter/config.json "$RUN"/drafter/model.safetensors "$ASSETS/drafter/"
+du -sh "$ASSETS"
 echo "[$(date -u +%T)] done"

@@ -114,3 +114,9 @@ def test_ar_only_without_drafter(target_dir):
     assert engine.methods == ("ar",)
     with pytest.raises(ValueError, match="available: ar"):
         engine.stream("hi", method="ddtree")
+
+
+def test_generation_config_adds_stop_ids(tmp_path):
+    target = make_target(tmp_path / "t", "qwen3")
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    assert Engine.load(target).eos_ids == (0, 2)

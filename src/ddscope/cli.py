@@ -74,12 +74,14 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from ddscope.bench.cli import register as register_bench
     from ddscope.server.cli import register as register_serve
+    from ddscope.training.cli import register as register_training
 
     parser = argparse.ArgumentParser(prog="ddscope", description="DDTree speculative decoding you can see into.")
     sub = parser.add_subparsers(dest="command", required=True)
     _register_generate(sub)
     register_serve(sub)
     register_bench(sub)
+    register_training(sub)
     return parser
 
 

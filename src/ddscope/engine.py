@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ddscope.budget import AutoBudget, VerifyCost
-from ddscope.config import CheckpointError
+from ddscope.config import CheckpointError, read_json
 from ddscope.decoding import Decoder
 from ddscope.drafter import Drafter
 from ddscope.model import Target
@@ -54,7 +54,7 @@ class Engine:
         self.device = target.lm_head.weight.device
         self.cache = target.new_cache(max_model_len + MAX_BUDGET + 1)
         self.draft_cache = drafter.new_cache(max_model_len + 1) if drafter is not None else None
-        eos = set(target.cfg.eos_token_ids)
+        eos = set(target.cfg.eos_token_ids) | set(_generation_eos(source))
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
@@ -171,6 +171,15 @@ class Engine:
         text = "".join(s.text for s in steps)
         last = steps[-1]
         return Generation(text, ids, last.finish_reason, last.stats.prompt_tokens, last.stats)
+
+
+def _generation_eos(directory: Path) -> list[int]:
+    """Stop ids from `generation_config.json` (chat models list the end-of-turn token there)."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = read_json(path).get("eos_token_id")
+    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
 def _truncate(new: list[int], n_out: int, eos: tuple[int, ...], max_new: int,

@@ -69,9 +69,13 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
 
 def _eval_acceptance(args: argparse.Namespace) -> int:
+    import torch
+
     from ddscope.engine import Engine
     from ddscope.training.evaluate import EvalSpec, evaluate, parse_methods, print_table
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     spec = EvalSpec(workloads=tuple(w for w in args.workloads.split(",") if w), methods=parse_methods(args.methods),
                     temperatures=tuple(args.temperatures), prompts=args.prompts, max_new_tokens=args.max_tokens,
                     chat_template=args.chat_template)
@@ -97,7 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work-dir", type=Path, help="distilled data, checkpoint and training log (default: OUT.work)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads for training, shared by the distill workers (default: torch's choice)")
+                   help="torch CPU threads for training, shared by the distill workers (default: torch's choice; "
+                        "use 1 while other jobs share the CPU: small models slow down badly when oversubscribed)")
     p.add_argument("--feature-cache-gb", type=float, default=2.0,
                    help="keep target features of this many GB of sequences instead of recomputing them")
     p.add_argument("--seed", type=int, default=0)
@@ -140,6 +145,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--target", help="target directory (default: the bundled demo pair)")
     e.add_argument("--drafter", help="drafter directory (default: the demo drafter with the demo target)")
     e.add_argument("--device", default="cpu")
+    e.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (default: torch's choice; use 1 while other jobs share the CPU)")
     e.add_argument("--workloads", default="code,math,chat",
                    help="comma list of code, math, chat, file:PATH (default: %(default)s)")
     e.add_argument("--methods", default="ar,dflash,ddtree:8,ddtree:32",

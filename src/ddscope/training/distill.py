@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ from tqdm import tqdm
 from ddscope.training.corpus import DOMAINS, IM_START, iter_documents
 
 ASSISTANT_HEADER = f"{IM_START}assistant\n"
-# Corpus prompts: code and docs are windows of a document, chat is a conversation up to its first reply.
+# Corpus prompts: code and docs are windows of a document (code often ending at a docstring), chat is
+# a conversation up to its first reply.
 DEFAULT_DATA = "code:0.5,docs:0.2,chat:0.3"
 
 
@@ -69,6 +71,19 @@ def _window(text: str, rng: random.Random, chars: int) -> str:
     return window[:end + 1] if end >= 0 else window
 
 
+# A function header and its docstring: cut right after it, the target writes the body (HumanEval's shape).
+_DOCSTRING = re.compile(r'^[ \t]*(?:async )?def [^\n]*:\n[ \t]*[rRuU]?("""|\'\'\')[\s\S]*?\1[ \t]*\n', re.MULTILINE)
+
+
+def _code_prompt(text: str, rng: random.Random, chars: int) -> str:
+    """Half the time a function header and its docstring, else a plain window."""
+    spans = [m.span() for m in _DOCSTRING.finditer(text)] if rng.random() < 0.5 else []
+    if not spans:
+        return _window(text, rng, chars)
+    start, end = rng.choice(spans)
+    return text[start:end]
+
+
 def _chat_prompt(text: str) -> str | None:
     """A ChatML conversation up to and including its first assistant header (None if it has none)."""
     cut = text.find(ASSISTANT_HEADER)
@@ -93,7 +108,8 @@ def _source_prompts(name: str, n: int, rng: random.Random, window_chars: int) ->
     docs = [d.text for d in iter_documents(name, "train") if len(d.text) > 2 * window_chars]
     if not docs:
         raise ValueError(f"corpus domain {name!r} has no documents longer than {2 * window_chars} characters")
-    return [_window(rng.choice(docs), rng, window_chars) for _ in range(n)]
+    cut = _code_prompt if name == "code" else _window
+    return [cut(rng.choice(docs), rng, window_chars) for _ in range(n)]
 
 
 def build_prompts(spec: DistillSpec, tokenizer: Any) -> list[tuple[str, list[int]]]:

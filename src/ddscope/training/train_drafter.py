@@ -152,8 +152,9 @@ def block_loss(drafter: Drafter, target: Target, batch: list[Blocks], weights: t
 
     The drafter runs once per sequence (blocks never see other sequences, so packing them would only
     add masked-out attention); the shared head and the loss run once over all blocks. The estimate
-    is the greedy chain's expected commit per step: 1 (the bonus) plus the number of leading block
-    positions whose argmax equals the label, averaged over anchors.
+    is tau of the greedy chain: per anchor the commit c = 1 (bonus) + leading block positions whose
+    argmax equals the label. Decoding visits one anchor per c tokens, so tau (tokens per step) is the
+    harmonic mean of c over uniformly drawn anchors; the plain mean overweights easy stretches.
     """
     B = drafter.block_size
     h = torch.cat([drafter.run(target.embed(b.block_ids), b.block_pos, drafter.context(b.features), b.ctx_pos,
@@ -167,8 +168,8 @@ def block_loss(drafter: Drafter, target: Target, batch: list[Blocks], weights: t
     with torch.no_grad():
         hit = torch.zeros_like(valid)
         hit[valid] = logits.argmax(-1) == labels[valid]
-        leading = hit.view(-1, B)[:, 1:].long().cumprod(1).sum(1)
-    return loss, 1.0 + leading.float().mean().item()
+        commit = 1 + hit.view(-1, B)[:, 1:].long().cumprod(1).sum(1)
+    return loss, 1.0 / commit.float().reciprocal().mean().item()
 
 
 def new_drafter(target_dir: Path, target: Target, spec: TrainSpec, mask_token_id: int,
@@ -177,8 +178,8 @@ def new_drafter(target_dir: Path, target: Target, spec: TrainSpec, mask_token_id
     config = drafter_config(read_json(target_dir / "config.json"), spec.layers, spec.block_size, mask_token_id,
                             layer_ids)
     torch.manual_seed(spec.seed)
-    drafter = Drafter(DrafterConfig.from_dict(config, str(target_dir)))
-    return drafter.to(target.lm_head.weight.device), config
+    drafter = Drafter(DrafterConfig.from_dict(config, str(target_dir))).to(target.lm_head.weight.device)
+    return drafter, config
 
 
 def _save_checkpoint(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.optim.Optimizer,
