@@ -21,9 +21,23 @@ import torch
 from ddscope.model import Target
 from ddscope.stats import RoundStats
 
-NODE_GRID = (1, 2, 4, 8, 16, 32, 48, 64, 96)
+NODE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 65)
 CTX_GRID = (0, 512, 1024, 2048, 4096, 6144, 8192, 16384, 32768)
 MAX_AUTO_BUDGET = NODE_GRID[-1] - 1
+
+
+def smooth(ms: np.ndarray) -> np.ndarray:
+    """A power law in nodes per context row (log-log least squares), monotone in both axes.
+
+    One slow outlier must not flatten the curve: a running maximum would carry it to every larger
+    tree and make them look free, which is what the policy then picks.
+    """
+    logn = np.log(np.array(NODE_GRID, float))
+    fitted = []
+    for row in np.log(ms):
+        slope, icept = np.polyfit(logn, row, 1)
+        fitted.append(np.exp(icept + max(slope, 0.0) * logn))
+    return np.maximum.accumulate(np.array(fitted), axis=0)
 
 
 class VerifyCost:
@@ -42,7 +56,7 @@ class VerifyCost:
 
     @classmethod
     @torch.inference_mode()
-    def calibrate(cls, target: Target, max_ctx: int, repeats: int = 3) -> "VerifyCost":
+    def calibrate(cls, target: Target, max_ctx: int, repeats: int = 5) -> "VerifyCost":
         """Time forwards on a scratch cache; attention cost depends on its length, not its contents."""
         ctx_grid = [c for c in CTX_GRID if c < max_ctx] + [max_ctx]
         cache = target.new_cache(max_ctx + NODE_GRID[-1])
@@ -63,9 +77,7 @@ class VerifyCost:
                     times.append((time.perf_counter() - t0) * 1000)
                 row.append(min(times[1:]))  # the least-disturbed run: other load only adds time
             ms.append(row)
-        # Cost cannot fall with more nodes or more context; flatten noise that says otherwise.
-        ms = np.maximum.accumulate(np.maximum.accumulate(np.array(ms), axis=0), axis=1)
-        return cls(ctx_grid, list(NODE_GRID), ms.tolist())
+        return cls(ctx_grid, list(NODE_GRID), smooth(np.array(ms)).tolist())
 
     @classmethod
     def cached(cls, target: Target, max_ctx: int, key: str) -> "VerifyCost":
