@@ -112,8 +112,12 @@ def fit_ids(workload: Workload, index: int, n_tokens: int, tok: Tokenizer) -> li
         raise WorkloadError("a context must be at least 1 token")
     if workload.is_padding:
         suffix = tok.encode(PADDING_SUFFIX, add_special_tokens=False)
-        unit = max(1, len(tok.encode(PADDING_SENTENCE, add_special_tokens=False)))
-        body = tok.encode(PADDING_SENTENCE * (n_tokens // unit + 2), add_special_tokens=False)
+        reps, body = n_tokens // 8 + 2, []
+        for _ in range(8):  # repeats merge across sentence boundaries, so count after encoding
+            body = tok.encode(PADDING_SENTENCE * reps, add_special_tokens=False)
+            if len(body) >= n_tokens:
+                break
+            reps *= 2
         return (body[: max(0, n_tokens - len(suffix))] + suffix)[-n_tokens:]
     prompts = workload.prompts
     ids = tok.encode(prompts[index % len(prompts)], add_special_tokens=False)
