@@ -194,7 +194,6 @@ class Target(nn.Module):
         `mask` is a boolean [n, cache.length + n] (True = may attend); None means causal.
         `capture` lists layer ids whose outputs are returned, HF-style (output of layer id).
         """
-        g = self.cfg.geometry
         start, n = cache.length, tokens.shape[0]
         if start + n > cache.capacity:
             raise ValueError(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")

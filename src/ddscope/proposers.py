@@ -5,6 +5,8 @@ The engine loop (verify, walk, commit) is the same for all three.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from ddscope.budget import MAX_AUTO_BUDGET, AutoBudget
@@ -13,11 +15,12 @@ from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree, best_first, chain, root_only
 
 
-class Proposer:
+class Proposer(ABC):
     uses_drafter = True
 
+    @abstractmethod
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
-        raise NotImplementedError
+        """The tree to verify this round, rooted at the last committed token."""
 
     def observe(self, rnd: RoundStats) -> None:
         """Feedback after each round; only adaptive proposers use it."""
