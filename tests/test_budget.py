@@ -43,3 +43,38 @@ def test_curve_interpolates_and_is_monotone():
     curve = c.curve(2048)
     assert curve.shape == (96,) and np.all(np.diff(curve) >= 0)
     assert curve[15] == pytest.approx(1 + 0.1 * 16 + 1e-4 * 2048 * 16)  # n=16, halfway in context
+
+
+def test_stops_drafting_when_plain_rounds_are_faster_and_probes_again():
+    policy = AutoBudget(cost(0.02), probe_every=5)
+    for _ in range(4):  # drafted rounds commit 1 token per 10 ms; a plain round takes 4 ms
+        assert policy.drafts(0)
+        policy.choose(confident(), ctx=0)
+        policy.observe(RoundStats(0, 8, committed=1, draft_ms=5.0, verify_ms=5.0))
+    decisions = []
+    for _ in range(10):
+        decisions.append(policy.drafts(0))
+        if decisions[-1]:
+            policy.choose(confident(), ctx=0)
+            policy.observe(RoundStats(0, 8, committed=1, draft_ms=5.0, verify_ms=5.0))
+        else:
+            policy.observe(RoundStats(0, 0, committed=1, verify_ms=4.0))
+    assert decisions == [False] * 4 + [True] + [False] * 4 + [True]
+
+
+def test_keeps_drafting_when_it_pays():
+    policy = AutoBudget(cost(0.02))
+    for _ in range(8):
+        policy.choose(confident(), ctx=0)
+        policy.observe(RoundStats(0, 16, committed=6, draft_ms=5.0, verify_ms=5.0))
+    policy.observe(RoundStats(0, 0, committed=1, verify_ms=4.0))
+    assert policy.drafts(0)
+
+
+def test_auto_skips_drafts_for_a_useless_drafter_and_stays_lossless(tiny_engine):
+    prompt = [5, 6, 7, 8]
+    ref = tiny_engine.generate(prompt, max_new_tokens=120, method="ar", ignore_eos=True)
+    out = tiny_engine.generate(prompt, max_new_tokens=120, method="ddtree", budget="auto", ignore_eos=True)
+    assert out.token_ids == ref.token_ids
+    nodes = [r.nodes for r in out.stats.rounds]
+    assert 0 in nodes and any(nodes), "the random drafter should be dropped, with periodic probes"

@@ -97,12 +97,27 @@ class VerifyCost:
 
 
 class AutoBudget:
-    """Per-generation policy; `choose` before each verify, `observe` after it."""
+    """Per-generation policy: `drafts` and `choose` before each verify, `observe` after it.
 
-    def __init__(self, cost: VerifyCost, window: int = 16):
-        self.cost = cost
+    When recent drafted rounds commit tokens more slowly than plain rounds would (a drafter out of
+    its distribution), it stops drafting, and drafts again every `probe_every` rounds to re-check.
+    """
+
+    def __init__(self, cost: VerifyCost, window: int = 16, probe_every: int = 16):
+        self.cost, self.probe_every = cost, probe_every
         self.rounds: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
+        self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (committed, step ms)
+        self.plain: deque[float] = deque(maxlen=window)  # step ms of rounds without a draft
+        self.since_draft = 0
         self._predicted = (0.0, 0.0)
+
+    def drafts(self, ctx: int) -> bool:
+        if len(self.drafted) < 4 or self.since_draft + 1 >= self.probe_every:
+            return True
+        _, beta, _ = self._corrections()
+        plain_ms = float(np.median(self.plain)) if self.plain else beta * float(self.cost.curve(ctx)[0])
+        committed, step_ms = (sum(x) for x in zip(*self.drafted))
+        return committed / step_ms > 1.0 / plain_ms
 
     def _corrections(self) -> tuple[float, float, float]:
         """(alpha, beta, overhead ms) from the recent rounds; neutral before any."""
@@ -123,6 +138,12 @@ class AutoBudget:
         return best + 1
 
     def observe(self, rnd: RoundStats) -> None:
+        if rnd.nodes == 0:  # a plain round: only its cost is news
+            self.plain.append(rnd.step_ms)
+            self.since_draft += 1
+            return
+        self.since_draft = 0
+        self.drafted.append((rnd.committed, rnd.step_ms))
         pred_acc, pred_verify = self._predicted
         overhead = rnd.draft_ms + rnd.tree_ms + rnd.commit_ms
         self.rounds.append((rnd.committed - 1, pred_acc, rnd.verify_ms, pred_verify, overhead))

@@ -64,8 +64,9 @@ class Decoder:
         start, root = self.cache.length, self.tokens[-1]
         t0 = self.clock()
         draft_logits = None
-        if self.proposer.uses_drafter:
+        if self.proposer.drafts(start):
             draft_logits = self.drafter.draft(self.target, root, start, self.pending, self.draft_cache)
+            self.pending = self.pending[:0]  # now in the drafter's cache
         t1 = self.clock()
         tree = self.proposer.tree(root, draft_logits, self.sampling, start)
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
@@ -80,8 +81,8 @@ class Decoder:
         path, choices = self.accept(tree, self._suppress_early_eos(out.logits, positions - start))
         t3 = self.clock()
         self.cache.keep(start, torch.tensor(path, device=self.device))
-        if self.capture:
-            self.pending = out.features[path]
+        if self.capture:  # accumulates over rounds without a draft
+            self.pending = torch.cat([self.pending, out.features[path]])
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self.tokens += new
         t4 = self.clock()

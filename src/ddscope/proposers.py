@@ -18,6 +18,10 @@ from ddscope.tree import DraftTree, best_first, chain, root_only
 class Proposer(ABC):
     uses_drafter = True
 
+    def drafts(self, ctx_len: int) -> bool:
+        """Whether to run the drafter this round."""
+        return self.uses_drafter
+
     @abstractmethod
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
         """The tree to verify this round, rooted at the last committed token."""
@@ -44,11 +48,16 @@ class DDTree(Proposer):
         self.budget = "auto" if self.policy else budget
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
+        if draft_logits is None:  # the policy skipped drafting: verify the root alone
+            return root_only(root)
         logprobs = sampling.log_probs(draft_logits)
         if self.policy is None:
             return best_first(root, logprobs, self.budget)
         full = best_first(root, logprobs, MAX_AUTO_BUDGET)
         return full.prefix(self.policy.choose(full.scores[1:], ctx_len))
+
+    def drafts(self, ctx_len: int) -> bool:
+        return self.policy is None or self.policy.drafts(ctx_len)
 
     def observe(self, rnd: RoundStats) -> None:
         if self.policy is not None:
