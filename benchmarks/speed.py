@@ -123,27 +123,38 @@ def measure(args: argparse.Namespace, engine: Engine, hf, budgets: list[int]) ->
 
 
 def summarize(samples: list[Sample], cost: VerifyCost) -> list[dict]:
-    """Median and spread per (workload, T, context bucket, arm); speedups are paired per pass."""
-    groups: dict[tuple, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault((s.workload, s.temperature, round(s.context, -2), s.arm), []).append(s)
-    rows = []
-    for (wl, temp, ctx, arm), group in groups.items():
-        def paired(ref_arm: str) -> list[float]:
-            ref = {(r.repeat, r.prompt): r.tok_per_s for r in groups.get((wl, temp, ctx, ref_arm), [])}
-            return [s.tok_per_s / ref[(s.repeat, s.prompt)] for s in group if (s.repeat, s.prompt) in ref]
+    """Per (workload, T, context bucket, arm): the prompt set's throughput per pass, median over passes.
 
-        tps = [s.tok_per_s for s in group]
-        row = dict(workload=wl, temperature=temp, context=ctx, arm=arm, n=len(group),
+    A pass's tok/s is total tokens over total time across its prompts (the harmonic mean: prompts
+    of one set differ several-fold in speed, and a median over them would pick one prompt);
+    speedups are ratios within a pass; per-step figures are weighted by steps.
+    """
+    passes: dict[tuple, list[Sample]] = {}
+    for s in samples:
+        passes.setdefault((s.workload, s.temperature, round(s.context, -2), s.arm, s.repeat), []).append(s)
+    throughput = {key: statistics.harmonic_mean([s.tok_per_s for s in group]) for key, group in passes.items()}
+    rows = []
+    for group_key in sorted({key[:4] for key in passes}):
+        wl, temp, ctx, arm = group_key
+        reps = sorted(key[4] for key in passes if key[:4] == group_key)
+        tps = [throughput[(*group_key, r)] for r in reps]
+
+        def paired(ref_arm: str) -> list[float]:
+            ref = [throughput.get((wl, temp, ctx, ref_arm, r)) for r in reps]
+            return [t / rt for t, rt in zip(tps, ref) if rt]
+
+        row = dict(workload=wl, temperature=temp, context=ctx, arm=arm, n=len(reps),
                    tok_per_s=statistics.median(tps), tok_per_s_min=min(tps), tok_per_s_max=max(tps))
         vs_hf, vs_ar = paired("hf"), paired("ar")
         row["speedup_vs_hf"] = statistics.median(vs_hf) if vs_hf else None
+        group = [s for r in reps for s in passes[(*group_key, r)]]
         if group[0].tau is not None:
-            row |= dict(tau=statistics.median(s.tau for s in group),
-                        step_ms=statistics.median(s.step_ms for s in group),
-                        overhead_ms=statistics.median(s.overhead_ms for s in group),
-                        phase_ms={k: statistics.median(s.phase_ms[k] for s in group) for k in group[0].phase_ms},
-                        nodes=statistics.median(s.nodes for s in group))
+            steps = [1.0 / s.tau for s in group]  # per committed token: the samples' token counts are equal
+            mean = lambda xs: sum(w * x for w, x in zip(steps, xs)) / sum(steps)  # noqa: E731
+            row |= dict(tau=len(group) / sum(steps), step_ms=mean(s.step_ms for s in group),
+                        overhead_ms=mean(s.overhead_ms for s in group),
+                        phase_ms={k: mean(s.phase_ms[k] for s in group) for k in group[0].phase_ms},
+                        nodes=mean(s.nodes for s in group))
             curve = cost.curve(ctx)
             ideal = row["tau"] * curve[0] / curve[min(int(round(row["nodes"])), len(curve) - 1)]
             row["efficiency"] = statistics.median(vs_ar) / ideal if vs_ar else None

@@ -2,73 +2,126 @@
 import numpy as np
 import pytest
 
-from ddscope.budget import MAX_AUTO_BUDGET, AutoBudget, VerifyCost
+import torch
+
+from ddscope.budget import MAX_AUTO_BUDGET, Acceptance, AutoBudget, VerifyCost
+from ddscope.proposers import DDTree
+from ddscope.sampling import SamplingParams
 from ddscope.stats import RoundStats
+from ddscope.tree import DraftTree
 
 
 def cost(slope_per_node: float, slope_per_ctx: float = 0.0) -> VerifyCost:
     ctx, nodes = [0, 4096], [1, 16, 32, 64, 96]
-    return VerifyCost(ctx, nodes, [[1 + slope_per_node * n + slope_per_ctx * c * n for n in nodes] for c in ctx])
+    return VerifyCost(ctx, nodes, [[1 + slope_per_node * (n - 1) + slope_per_ctx * c * n for n in nodes] for c in ctx])
 
 
-def confident(n: int = 95) -> list[float]:
-    return (np.arange(1, n + 1) * np.log(0.95)).tolist()  # node i accepted with probability 0.95^i
+def drafter_logits(top1: float, depths: int = 15, vocab: int = 64) -> torch.Tensor:
+    """Each depth: the top token has probability `top1`, the rest share what is left, decreasingly."""
+    rest = torch.arange(vocab - 1, 0, -1, dtype=torch.float)
+    probs = torch.cat([torch.tensor([top1]), (1 - top1) * rest / rest.sum()])
+    return probs.log().expand(depths, vocab)
+
+
+def round_tree(policy: AutoBudget, top1: float = 0.95, ctx: int = 0) -> DraftTree:
+    return DDTree(policy).tree(0, drafter_logits(top1), SamplingParams(), ctx)
 
 
 def test_free_verification_takes_the_whole_tree():
-    assert AutoBudget(cost(0.0)).choose(confident(), ctx=0) == MAX_AUTO_BUDGET
+    assert round_tree(AutoBudget(cost(0.0))).size == MAX_AUTO_BUDGET
 
 
 def test_costly_verification_takes_a_small_tree():
-    assert AutoBudget(cost(5.0)).choose(confident(), ctx=0) <= 4
+    assert round_tree(AutoBudget(cost(5.0))).size <= 4
 
 
 def test_longer_context_shrinks_the_tree():
-    policy = AutoBudget(cost(0.02, slope_per_ctx=2e-5))
-    short, long = policy.choose(confident(), ctx=0), policy.choose(confident(), ctx=4096)
-    assert long < short
+    policy = AutoBudget(cost(0.02, slope_per_ctx=1e-4))
+    assert round_tree(policy, ctx=4096).size < round_tree(policy, ctx=0).size
 
 
 def test_observed_rejections_shrink_the_tree():
     policy = AutoBudget(cost(0.02))
-    before = policy.choose(confident(), ctx=0)
+    before = round_tree(policy).size
     for _ in range(16):  # the drafter was confident but nothing was ever accepted
-        policy.choose(confident(), ctx=0)
-        policy.observe(RoundStats(0, before, committed=1, verify_ms=2.0))
-    assert policy.choose(confident(), ctx=0) < before
+        nodes = round_tree(policy).size
+        policy.observe(RoundStats(0, nodes, committed=1, verify_ms=2.0), path=[0])
+    assert round_tree(policy).size < before
+
+
+def test_underconfident_drafter_is_recalibrated_to_a_deep_chain():
+    policy = AutoBudget(cost(0.02))
+    assert max(round_tree(policy, top1=0.3).depths) < 4  # taken at its word, 0.3^d dies out fast
+    for _ in range(30):  # ... but the target accepts every top-1 token
+        tree = round_tree(policy, top1=0.3)
+        path = [0]
+        while (nxt := next((i for i, p in enumerate(tree.parents) if p == path[-1]), None)) is not None:
+            path.append(nxt)
+        policy.observe(RoundStats(0, tree.size, committed=len(path), verify_ms=2.0), path=path)
+    assert max(round_tree(policy, top1=0.3).depths) == 15
+
+
+def test_acceptance_keeps_rank_order_and_learns_per_bin():
+    acc = Acceptance()
+    logp = np.log([[0.3, 0.2, 0.1]])
+    np.testing.assert_allclose(np.exp(acc.log_chance(logp)), [[0.3, 0.2, 0.1]])  # no evidence: the drafter's word
+    for _ in range(50):
+        acc.update(np.log([0.3, 0.2]), np.array([True, False]), np.array([1.0, 0.0]))
+    top1, second, third = np.exp(acc.log_chance(logp))[0]
+    assert top1 > 0.9 and second < 0.1 and third <= second
 
 
 def test_curve_interpolates_and_is_monotone():
     c = cost(0.1, 1e-4)
     curve = c.curve(2048)
     assert curve.shape == (96,) and np.all(np.diff(curve) >= 0)
-    assert curve[15] == pytest.approx(1 + 0.1 * 16 + 1e-4 * 2048 * 16)  # n=16, halfway in context
+    assert curve[15] == pytest.approx(1 + 0.1 * 15 + 1e-4 * 2048 * 16)  # n=16, halfway in context
 
 
-def test_stops_drafting_when_plain_rounds_are_faster_and_probes_again():
-    policy = AutoBudget(cost(0.02), probe_every=5)
-    for _ in range(4):  # drafted rounds commit 1 token per 10 ms; a plain round takes 4 ms
-        assert policy.drafts(0)
-        policy.choose(confident(), ctx=0)
-        policy.observe(RoundStats(0, 8, committed=1, draft_ms=5.0, verify_ms=5.0))
+def drafted(policy: AutoBudget, committed: int, step_ms: float = 10.0) -> None:
+    nodes = round_tree(policy).size
+    policy.observe(RoundStats(0, nodes, committed=committed, draft_ms=step_ms / 2, verify_ms=step_ms / 2),
+                   path=list(range(min(committed, nodes + 1))))
+
+
+def run_plain_or_drafted(policy: AutoBudget, rounds: int, committed: int) -> list[bool]:
     decisions = []
-    for _ in range(10):
+    for _ in range(rounds):
         decisions.append(policy.drafts(0))
         if decisions[-1]:
-            policy.choose(confident(), ctx=0)
-            policy.observe(RoundStats(0, 8, committed=1, draft_ms=5.0, verify_ms=5.0))
+            drafted(policy, committed)
         else:
-            policy.observe(RoundStats(0, 0, committed=1, verify_ms=4.0))
-    assert decisions == [False] * 4 + [True] + [False] * 4 + [True]
+            policy.observe(RoundStats(0, 0, committed=1, verify_ms=4.0), path=[0])
+    return decisions
+
+
+def test_stops_drafting_when_plain_rounds_are_faster_and_probes_with_backoff():
+    policy = AutoBudget(cost(0.02), probe_every=4)
+    assert run_plain_or_drafted(policy, 4, committed=1) == [True] * 4  # warm-up: 1 token per 10 ms
+    decisions = run_plain_or_drafted(policy, 16, committed=1)  # a plain round takes 4 ms
+    probes_after = [len(gap) for gap in "".join("x" if d else "." for d in decisions).split("x")[:-1]]
+    assert probes_after == [1, 2, 4, 4]
+
+
+def test_a_probe_that_pays_resumes_drafting():
+    policy = AutoBudget(cost(0.02))
+    assert run_plain_or_drafted(policy, 5, committed=1)[-1] is False
+    assert run_plain_or_drafted(policy, 8, committed=12) == [True] * 8  # a probe, then the drafter has its footing
 
 
 def test_keeps_drafting_when_it_pays():
     policy = AutoBudget(cost(0.02))
     for _ in range(8):
-        policy.choose(confident(), ctx=0)
-        policy.observe(RoundStats(0, 16, committed=6, draft_ms=5.0, verify_ms=5.0))
-    policy.observe(RoundStats(0, 0, committed=1, verify_ms=4.0))
+        drafted(policy, committed=6)
+    policy.observe(RoundStats(0, 0, committed=1, verify_ms=4.0), path=[0])
     assert policy.drafts(0)
+
+
+def test_candidate_tree_follows_the_last_choice():
+    policy = AutoBudget(cost(0.5))
+    assert policy.candidates() == MAX_AUTO_BUDGET
+    chosen = round_tree(policy).size
+    assert chosen < 20 and policy.candidates() == max(16, chosen * 3 // 2 + 4)
 
 
 def test_auto_skips_drafts_for_a_useless_drafter_and_stays_lossless(tiny_engine):

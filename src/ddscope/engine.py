@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from ddscope.budget import AutoBudget, VerifyCost
+from ddscope.budget import AutoBudget, Learned, VerifyCost
 from ddscope.config import CheckpointError, read_json
 from ddscope.decoding import Decoder
 from ddscope.drafter import Drafter
@@ -51,6 +51,7 @@ class Engine:
         self.source, self.model_name = str(source.resolve()), source.name
         self.max_model_len, self.default_budget = max_model_len, default_budget
         self.verify_cost: VerifyCost | None = None  # calibrated on first use of budget="auto"
+        self.learned: dict[tuple, Learned] = {}  # auto's model of the pair, per sampler, across requests
         self.device = target.lm_head.weight.device
         self.cache = target.new_cache(max_model_len + MAX_BUDGET + 1)
         self.draft_cache = drafter.new_cache(max_model_len + 1) if drafter is not None else None
@@ -100,7 +101,7 @@ class Engine:
             raise ValueError("prompt is empty")
         return ids
 
-    def proposer(self, method: str, budget: int | None) -> Proposer:
+    def proposer(self, method: str, budget: int | None, sampling: SamplingParams = SamplingParams()) -> Proposer:
         if method not in self.methods:
             raise ValueError(f"unknown or unavailable method {method!r}; available: {', '.join(self.methods)}")
         if method == "ar":
@@ -111,10 +112,17 @@ class Engine:
         if budget == "auto":
             if self.verify_cost is None:
                 self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
-            return DDTree(AutoBudget(self.verify_cost))
+            return DDTree(AutoBudget(self.verify_cost, self._learned(sampling)))
         if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET:
             raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
         return DDTree(budget)
+
+    def _learned(self, sampling: SamplingParams) -> Learned:
+        """What `auto` learned under this sampler, kept across requests (the 16 latest samplers)."""
+        key = (sampling.temperature, sampling.top_p, sampling.top_k)
+        if key not in self.learned and len(self.learned) >= 16:
+            del self.learned[next(iter(self.learned))]
+        return self.learned.setdefault(key, Learned())
 
     def stream(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
                budget: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -133,7 +141,7 @@ class Engine:
         if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], got {min_tokens!r}")
         sampling = SamplingParams(temperature, top_p, top_k, seed)
-        proposer = self.proposer(method, budget)
+        proposer = self.proposer(method, budget, sampling)
         generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
         decoder = Decoder(self.target, self.drafter, proposer, self.cache, self.draft_cache, sampling, generator,
                           () if ignore_eos else self.eos_ids, min_tokens)

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ddscope.budget import MAX_AUTO_BUDGET, AutoBudget
+from ddscope.budget import AutoBudget
 from ddscope.sampling import SamplingParams
 from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree, best_first, chain, root_only
@@ -26,8 +26,8 @@ class Proposer(ABC):
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
         """The tree to verify this round, rooted at the last committed token."""
 
-    def observe(self, rnd: RoundStats) -> None:
-        """Feedback after each round; only adaptive proposers use it."""
+    def observe(self, rnd: RoundStats, path: list[int]) -> None:
+        """Feedback after each round (its stats and accepted node indices); only adaptive proposers use it."""
 
 
 class AR(Proposer):
@@ -53,12 +53,11 @@ class DDTree(Proposer):
         logprobs = sampling.log_probs(draft_logits)
         if self.policy is None:
             return best_first(root, logprobs, self.budget)
-        full = best_first(root, logprobs, MAX_AUTO_BUDGET)
-        return full.prefix(self.policy.choose(full.scores[1:], ctx_len))
+        return self.policy.tree(root, logprobs, ctx_len)
 
     def drafts(self, ctx_len: int) -> bool:
         return self.policy is None or self.policy.drafts(ctx_len)
 
-    def observe(self, rnd: RoundStats) -> None:
+    def observe(self, rnd: RoundStats, path: list[int]) -> None:
         if self.policy is not None:
-            self.policy.observe(rnd)
+            self.policy.observe(rnd, path)

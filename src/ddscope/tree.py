@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -17,11 +18,12 @@ class DraftTree:
     parents: list[int]  # parents[0] == -1
     depths: list[int]   # depths[0] == 0
     scores: list[float] = field(default_factory=list)  # best_first only: log-prob of each node's prefix
+    ranks: list[int] = field(default_factory=list)     # best_first only: rank of the token at its depth
 
     def prefix(self, size: int) -> "DraftTree":
         """The first `size` draft nodes: a valid tree, since parents precede children."""
         n = size + 1
-        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], self.ranks[:n])
 
     @property
     def size(self) -> int:
@@ -57,17 +59,29 @@ def chain(root: int, tokens: list[int]) -> DraftTree:
     return DraftTree([root, *tokens], list(range(-1, n)), list(range(n + 1)))
 
 
+def top_k(logprobs: torch.Tensor, k: int) -> tuple[np.ndarray, list[list[int]]]:
+    """Each depth's `k` best log-probs [depths, k] and their token ids, in rank order."""
+    vals, idx = torch.topk(logprobs.float(), min(k, logprobs.shape[1]), dim=-1)
+    return vals.cpu().numpy(), idx.tolist()
+
+
 def best_first(root: int, logprobs: torch.Tensor, budget: int) -> DraftTree:
-    """The `budget` highest-scoring prefixes, score = sum of per-depth log-probs.
+    """The `budget` highest-scoring prefixes, score = sum of per-depth log-probs."""
+    vals, idx = top_k(logprobs, budget)
+    return grow(root, vals, idx, budget)
+
+
+def grow(root: int, vals: np.ndarray, idx: list[list[int]], budget: int) -> DraftTree:
+    """Best-first tree over per-depth candidates: `vals` [depths, k] non-increasing along each row.
 
     Depths are treated as independent, so a pop of (depth d, rank r) can only be followed by its
     next sibling (d, r+1) or its first child (d+1, 0): the heap never holds more than B+1 items.
     """
-    depth_max = logprobs.shape[0]
-    k = min(budget, logprobs.shape[1])
-    vals, idx = (t.tolist() for t in torch.topk(logprobs.float(), k, dim=-1))
+    depth_max, k = vals.shape
+    vals = vals.tolist()
     tree = root_only(root)
     tree.scores.append(0.0)
+    tree.ranks.append(0)
     heap = [(-vals[0][0], 1, 0, 0, 0.0)]  # (-score, depth, rank, parent, parent score)
     while heap and tree.size < budget:
         neg, depth, rank, parent, parent_score = heapq.heappop(heap)
@@ -76,6 +90,7 @@ def best_first(root: int, logprobs: torch.Tensor, budget: int) -> DraftTree:
         tree.parents.append(parent)
         tree.depths.append(depth)
         tree.scores.append(-neg)
+        tree.ranks.append(rank)
         if rank + 1 < k:
             heapq.heappush(heap, (-(parent_score + vals[depth - 1][rank + 1]), depth, rank + 1, parent, parent_score))
         if depth < depth_max:
