@@ -4,7 +4,7 @@ import pytest
 
 import torch
 
-from ddscope.budget import MAX_AUTO_BUDGET, Acceptance, AutoBudget, VerifyCost
+from ddscope.budget import MAX_AUTO_BUDGET, Acceptance, AutoBudget, SizeRatio, VerifyCost
 from ddscope.proposers import DDTree
 from ddscope.sampling import SamplingParams
 from ddscope.stats import RoundStats
@@ -54,27 +54,46 @@ def test_underconfident_drafter_is_recalibrated_to_a_deep_chain():
     assert max(round_tree(policy, top1=0.3).depths) < 4  # taken at its word, 0.3^d dies out fast
     for _ in range(30):  # ... but the target accepts every top-1 token
         tree = round_tree(policy, top1=0.3)
-        path = [0]
-        while (nxt := next((i for i, p in enumerate(tree.parents) if p == path[-1]), None)) is not None:
-            path.append(nxt)
+        path = top1_chain(tree)
         policy.observe(RoundStats(0, tree.size, committed=len(path), verify_ms=2.0), path=path)
     assert max(round_tree(policy, top1=0.3).depths) == 15
 
 
-def test_acceptance_keeps_rank_order_and_learns_per_bin():
-    acc = Acceptance()
-    logp = np.log([[0.3, 0.2, 0.1]])
-    np.testing.assert_allclose(np.exp(acc.log_chance(logp)), [[0.3, 0.2, 0.1]])  # no evidence: the drafter's word
-    for _ in range(50):
-        acc.update(np.log([0.3, 0.2]), np.array([True, False]), np.array([1.0, 0.0]))
-    top1, second, third = np.exp(acc.log_chance(logp))[0]
-    assert top1 > 0.9 and second < 0.1 and third <= second
+def top1_chain(tree: DraftTree) -> list[int]:
+    """The accepted path when the target agrees with every top-ranked draft token."""
+    path = [0]
+    while (nxt := next((i for i, p in enumerate(tree.parents) if p == path[-1]), None)) is not None:
+        path.append(nxt)
+    return path
+
+
+def test_size_ratio_learns_cost_per_tree_size_and_falls_back_to_the_overall_ratio():
+    ratio = SizeRatio()
+    assert ratio.at(1) == ratio.at(65) == 1.0
+    for _ in range(40):
+        ratio.update(65, measured=20.0, predicted=10.0)
+        ratio.update(2, measured=5.0, predicted=5.0)
+    small, unseen, big = ratio.at(2), ratio.at(16), ratio.at(65)
+    assert small == pytest.approx(1.0, abs=0.15) and big > 1.8 and small < unseen < big
+
+
+def test_underpriced_big_trees_shrink_once_measured():
+    def settle(per_node_ms: float) -> int:
+        policy = AutoBudget(cost(0.02))
+        for _ in range(20):  # same drafter and acceptance; only the measured step cost differs
+            tree = round_tree(policy, top1=0.6)
+            path = top1_chain(tree)[:4]  # the target agrees for three tokens
+            policy.observe(RoundStats(0, tree.size, committed=len(path), draft_ms=1.0,
+                                      verify_ms=1 + per_node_ms * tree.size), path=path)
+        return round_tree(policy, top1=0.6).size
+
+    assert settle(per_node_ms=0.2) < settle(per_node_ms=0.02)  # ten times the calibrated price per node
 
 
 def test_curve_interpolates_and_is_monotone():
     c = cost(0.1, 1e-4)
     curve = c.curve(2048)
-    assert curve.shape == (96,) and np.all(np.diff(curve) >= 0)
+    assert len(curve) == 96 and np.all(np.diff(curve) >= 0)
     assert curve[15] == pytest.approx(1 + 0.1 * 15 + 1e-4 * 2048 * 16)  # n=16, halfway in context
 
 

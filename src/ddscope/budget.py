@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 
 from ddscope.model import Target
 from ddscope.stats import RoundStats
-from ddscope.tree import DraftTree, grow, top_k
+from ddscope.tree import DraftTree, Score, grow, top_k
 
 NODE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 65)
 CTX_GRID = (0, 512, 1024, 2048, 4096, 6144, 8192, 16384, 32768)
@@ -50,15 +51,19 @@ class VerifyCost:
     def __init__(self, ctx: list[int], nodes: list[int], ms: list[list[float]]):
         self.ctx, self.nodes, self.ms = np.array(ctx, float), np.array(nodes, float), np.array(ms, float)
         every_n = np.arange(1, self.nodes[-1] + 1)
-        self._rows = np.array([np.interp(every_n, self.nodes, row) for row in self.ms])  # [ctx, every n]
+        self._rows = [np.interp(every_n, self.nodes, row).tolist() for row in self.ms]  # [ctx][n - 1]
 
-    def curve(self, ctx: int) -> np.ndarray:
-        """Cost of every n in 1..max(nodes) at this context (called every round: kept to one blend)."""
-        j = min(max(bisect.bisect_right(self.ctx, ctx) - 1, 0), len(self.ctx) - 2)
+    def at(self, ctx: int, n: int) -> float:
+        """Cost of one forward of `n` tokens at this context."""
+        return float(np.interp(ctx, self.ctx, [row[n - 1] for row in self._rows]))
+
+    def curve(self, ctx: int) -> list[float]:
+        """Cost of every n in 1..max(nodes) at this context (called every round: one blend of two rows)."""
         if len(self.ctx) == 1:
             return self._rows[0]
+        j = min(max(bisect.bisect_right(self.ctx, ctx) - 1, 0), len(self.ctx) - 2)
         f = min(max((ctx - self.ctx[j]) / (self.ctx[j + 1] - self.ctx[j]), 0.0), 1.0)
-        return (1 - f) * self._rows[j] + f * self._rows[j + 1]
+        return [a + f * (b - a) for a, b in zip(self._rows[j], self._rows[j + 1])]
 
     def to_dict(self) -> dict:
         return {"ctx": self.ctx.tolist(), "nodes": self.nodes.tolist(), "ms": self.ms.tolist()}
@@ -105,7 +110,7 @@ class VerifyCost:
         return cost
 
 
-CHANCE_EDGES = np.log([0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
+CHANCE_EDGES = [math.log(p) for p in (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)]
 
 
 class Acceptance:
@@ -113,30 +118,55 @@ class Acceptance:
 
     Drafters are miscalibrated: at T=0 a token the drafter gives 0.15 is accepted about a third of
     the time (acceptance needs only the argmax to match). So each (top-1 or sibling, probability
-    bin) keeps decayed counts of such tokens verified and accepted, with `prior` pseudo-tokens at the
-    drafter's own probability. It outlives a generation: calibration is a property of the pair.
+    bin) keeps slowly decayed counts of such tokens tested and accepted, with `prior` pseudo-tokens
+    at the drafter's own probability; it outlives a generation, as a property of the pair. On top,
+    a fast logit `offset`, a damped Newton step per round, follows the regime of the moment (the
+    text turning repetitive, or leaving the drafter's distribution).
+
+    Plain Python on purpose: a handful of scalars per round, where numpy's per-call cost, with
+    caches cold after the forwards, was most of the policy's time.
     """
 
-    def __init__(self, decay: float = 0.98, prior: float = 2.0):
-        self.decay, self.prior = decay, prior
-        self.verified = np.zeros((2, len(CHANCE_EDGES) + 1))
-        self.accepted = np.zeros((2, len(CHANCE_EDGES) + 1))
+    def __init__(self, decay: float = 0.98, prior: float = 2.0, step: float = 0.5, ridge: float = 2.0):
+        self.decay, self.prior, self.step, self.ridge = decay, prior, step, ridge
+        self.tested = [[0.0] * (len(CHANCE_EDGES) + 1) for _ in range(2)]  # [top-1, sibling][bin]
+        self.accepted = [[0.0] * (len(CHANCE_EDGES) + 1) for _ in range(2)]
+        self.offset = 0.0
 
-    def log_chance(self, logp: np.ndarray) -> np.ndarray:
-        """[depths, k] drafter log-probs in rank order (column 0 the top-1) -> calibrated log-chances.
+    def logit(self, logp: float, top1: bool) -> float:
+        """The binned estimate, before the offset."""
+        c, b = 1 - top1, bisect.bisect_left(CHANCE_EDGES, logp)
+        q = (self.accepted[c][b] + self.prior * math.exp(logp)) / (self.tested[c][b] + self.prior)
+        q = min(max(q, 1e-6), 1 - 1e-6)
+        return math.log(q / (1 - q))
 
-        Kept non-increasing along each row: the tree builder relies on siblings coming in order.
-        """
-        cell = (np.minimum(np.arange(logp.shape[-1]), 1), np.searchsorted(CHANCE_EDGES, logp))
-        q = (self.accepted[cell] + self.prior * np.exp(logp)) / (self.verified[cell] + self.prior)
-        return np.log(np.maximum(np.minimum.accumulate(q, axis=-1), 1e-12))
+    def scorer(self, drafted: list[list[float]]) -> Score:
+        """Log-chance of the rank-r candidate at depth d, for `grow`; siblings kept in rank order."""
+        logits: dict[tuple[int, int], float] = {}
 
-    def update(self, logp: np.ndarray, top1: np.ndarray, accepted: np.ndarray) -> None:
-        self.verified *= self.decay
-        self.accepted *= self.decay
-        cell = (np.where(top1, 0, 1), np.searchsorted(CHANCE_EDGES, logp))
-        np.add.at(self.verified, cell, 1.0)
-        np.add.at(self.accepted, cell, accepted)
+        def score(d: int, r: int) -> float:
+            if (d, r) not in logits:  # rank r-1 at depth d was always asked for first
+                x = self.logit(drafted[d][r], r == 0)
+                logits[d, r] = min(x, logits[d, r - 1]) if r else x
+            return -math.log1p(math.exp(-(logits[d, r] + self.offset)))
+
+        return score
+
+    def update(self, tested: list[tuple[float, bool, bool]]) -> None:
+        """(drafter log-p, top-1, accepted) of each token the target tested this round."""
+        if not tested:
+            return
+        grad, curv = self.ridge * self.offset, self.ridge
+        for logp, top1, ok in tested:  # predicted before the counts learn this round
+            s = 1.0 / (1.0 + math.exp(-(self.logit(logp, top1) + self.offset)))
+            grad, curv = grad + s - ok, curv + s * (1 - s)
+        self.offset = min(max(self.offset - self.step * grad / curv, -4.0), 4.0)
+        for row in (*self.tested, *self.accepted):
+            row[:] = [x * self.decay for x in row]
+        for logp, top1, ok in tested:
+            c, b = 1 - top1, bisect.bisect_left(CHANCE_EDGES, logp)
+            self.tested[c][b] += 1.0
+            self.accepted[c][b] += ok
 
 
 class SizeRatio:
@@ -144,27 +174,31 @@ class SizeRatio:
 
     Corrects what the offline calibration gets wrong by tree size: tree and commit work that grows
     with the tree, cache effects a calibration loop does not see (the drafter runs in between), and
-    drift (load, thermal). A size without evidence falls back to the overall ratio (`prior` ms).
+    drift (load, thermal). A size without evidence falls back to the overall ratio (`prior` rounds).
     """
 
-    def __init__(self, prior: float = 10.0, decay: float = 0.95):
+    def __init__(self, prior: float = 2.0, decay: float = 0.95):
         self.prior, self.decay = prior, decay
-        self.measured = np.zeros(len(NODE_GRID))
-        self.predicted = np.zeros(len(NODE_GRID))
+        self.ratios = [0.0] * len(NODE_GRID)   # decayed sums of measured/predicted per grid size
+        self.weights = [0.0] * len(NODE_GRID)  # ... and of rounds
+        self._by_tokens: list[float] | None = None
 
-    def at(self, tokens: np.ndarray) -> np.ndarray:
-        overall = (self.measured.sum() + self.prior) / (self.predicted.sum() + self.prior)
-        ratio = (self.measured + self.prior * overall) / (self.predicted + self.prior)
-        return np.interp(tokens, NODE_GRID, ratio)
+    def at(self, tokens: int) -> float:
+        if self._by_tokens is None:
+            overall = (sum(self.ratios) + self.prior) / (sum(self.weights) + self.prior)
+            grid = [(r + self.prior * overall) / (w + self.prior) for r, w in zip(self.ratios, self.weights)]
+            self._by_tokens = np.interp(np.arange(NODE_GRID[-1] + 1), NODE_GRID, grid).tolist()
+        return self._by_tokens[tokens]
 
     def update(self, tokens: int, measured: float, predicted: float) -> None:
-        self.measured *= self.decay
-        self.predicted *= self.decay
+        self.ratios = [x * self.decay for x in self.ratios]
+        self.weights = [x * self.decay for x in self.weights]
         j = min(bisect.bisect_right(NODE_GRID, tokens), len(NODE_GRID) - 1)  # split between grid j-1 and j
         f = min(max((tokens - NODE_GRID[j - 1]) / (NODE_GRID[j] - NODE_GRID[j - 1]), 0.0), 1.0)
         for i, w in ((j - 1, 1 - f), (j, f)):
-            self.measured[i] += w * measured
-            self.predicted[i] += w * predicted
+            self.ratios[i] += w * measured / predicted
+            self.weights[i] += w
+        self._by_tokens = None
 
 
 @dataclass
@@ -196,7 +230,7 @@ class AutoBudget:
         self.drafted_rounds = 0
         self.since_draft, self.probe_gap = 0, 1
         self.last_choice = MAX_AUTO_BUDGET
-        self._chosen: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # parents, drafter log-p, top-1
+        self._chosen: list[tuple[int, float, bool]] = []  # per chosen node: parent, drafter log-p, top-1
         self._predicted_verify = 0.0  # calibrated ms for the chosen tree, before SizeRatio
 
     @property
@@ -213,7 +247,7 @@ class AutoBudget:
         return False
 
     def _drafting_pays(self, ctx: int) -> bool:
-        plain_ms = self.plain_ms or float(self.cost.curve(ctx)[0] * self.learned.cost.at(1))
+        plain_ms = self.plain_ms or self.cost.at(ctx, 1) * self.learned.cost.at(1)
         return self.committed / self.drafted_ms > self.skip_below / plain_ms
 
     def candidates(self) -> int:
@@ -224,26 +258,29 @@ class AutoBudget:
         """Best-first on calibrated acceptance chances; then the prefix with the best expected tok/s."""
         budget = self.candidates()
         drafted, idx = top_k(logprobs, budget)
-        full = grow(root, self.acceptance.log_chance(drafted), idx, budget)
-        n = self._size(np.cumsum(np.exp(full.scores[1:])), ctx)
-        depths, ranks = np.array(full.depths[1:n + 1]), np.array(full.ranks[1:n + 1])
-        self._chosen = np.array(full.parents[1:n + 1]), drafted[depths - 1, ranks], ranks == 0
+        full = grow(root, idx, budget, self.acceptance.scorer(drafted))
+        n = self._size(full.scores[1:], ctx)
+        self._chosen = [(full.parents[i], drafted[full.depths[i] - 1][full.ranks[i]], full.ranks[i] == 0)
+                        for i in range(1, n + 1)]
         return full.prefix(n)
 
-    def _size(self, accepted: np.ndarray, ctx: int) -> int:
+    def _size(self, log_chances: list[float], ctx: int) -> int:
         """argmax over B of (1 + expected accepted tokens) / expected step ms."""
-        curve = self.cost.curve(ctx)
-        verify = curve[1:len(accepted) + 1]
-        draft = self.draft_ms or float(curve[0])  # before any draft: a forward's worth
-        rate = (1.0 + accepted) / (draft + verify * self.learned.cost.at(np.arange(2, len(accepted) + 2)))
-        n = int(np.argmax(rate)) + 1
-        self.last_choice, self._predicted_verify = n, float(verify[n - 1])
-        return n
+        verify = self.cost.curve(ctx)
+        draft = self.draft_ms or verify[0]  # before any draft: a forward's worth
+        best, best_rate, accepted = 1, 0.0, 1.0
+        for n, log_chance in enumerate(log_chances, start=1):  # n draft nodes + the root
+            accepted += math.exp(log_chance)
+            rate = accepted / (draft + verify[n] * self.learned.cost.at(n + 1))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        self.last_choice, self._predicted_verify = best, verify[best]
+        return best
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
         if rnd.nodes == 0:  # a plain round: only its cost is news
             self.plain_ms = _average(self.plain_ms, rnd.step_ms)
-            self.learned.cost.update(1, rnd.step_ms, float(self.cost.curve(rnd.ctx_len)[0]))
+            self.learned.cost.update(1, rnd.step_ms, self.cost.at(rnd.ctx_len, 1))
             self.since_draft += 1
             return
         self.since_draft = 0
@@ -252,11 +289,9 @@ class AutoBudget:
         self.drafted_ms = _average(self.drafted_ms, rnd.step_ms)
         self.draft_ms = _average(self.draft_ms, rnd.draft_ms)
         self.learned.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self._predicted_verify)
-        parents, drafted, top1 = self._chosen
-        on_path = np.zeros(len(parents) + 1, dtype=bool)
-        on_path[path] = True
-        seen = on_path[parents]  # a token is tested only if its parent was accepted
-        self.acceptance.update(drafted[seen], top1[seen], on_path[1:][seen].astype(float))
+        on_path = set(path)  # a token is tested only if its parent was accepted
+        self.acceptance.update([(logp, top1, i in on_path) for i, (parent, logp, top1)
+                                in enumerate(self._chosen, start=1) if parent in on_path])
 
 
 def _average(old: float | None, new: float, weight: float = 0.3) -> float:

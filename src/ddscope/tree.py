@@ -6,9 +6,9 @@ than its children's, so masks and walks can go in index order.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 
@@ -59,30 +59,33 @@ def chain(root: int, tokens: list[int]) -> DraftTree:
     return DraftTree([root, *tokens], list(range(-1, n)), list(range(n + 1)))
 
 
-def top_k(logprobs: torch.Tensor, k: int) -> tuple[np.ndarray, list[list[int]]]:
-    """Each depth's `k` best log-probs [depths, k] and their token ids, in rank order."""
+Score = Callable[[int, int], float]  # (depth index, rank) -> the token's log-score, non-increasing in rank
+
+
+def top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Each depth's `k` best log-probs and their token ids, in rank order."""
     vals, idx = torch.topk(logprobs.float(), min(k, logprobs.shape[1]), dim=-1)
-    return vals.cpu().numpy(), idx.tolist()
+    return vals.tolist(), idx.tolist()
 
 
 def best_first(root: int, logprobs: torch.Tensor, budget: int) -> DraftTree:
     """The `budget` highest-scoring prefixes, score = sum of per-depth log-probs."""
     vals, idx = top_k(logprobs, budget)
-    return grow(root, vals, idx, budget)
+    return grow(root, idx, budget, lambda d, r: vals[d][r])
 
 
-def grow(root: int, vals: np.ndarray, idx: list[list[int]], budget: int) -> DraftTree:
-    """Best-first tree over per-depth candidates: `vals` [depths, k] non-increasing along each row.
+def grow(root: int, idx: list[list[int]], budget: int, score: Score) -> DraftTree:
+    """Best-first tree over per-depth candidates `idx` [depths][k], scored by `score`.
 
     Depths are treated as independent, so a pop of (depth d, rank r) can only be followed by its
-    next sibling (d, r+1) or its first child (d+1, 0): the heap never holds more than B+1 items.
+    next sibling (d, r+1) or its first child (d+1, 0): the heap never holds more than B+1 items,
+    and `score` is asked for only the candidates the heap reaches.
     """
-    depth_max, k = vals.shape
-    vals = vals.tolist()
+    depth_max, k = len(idx), len(idx[0])
     tree = root_only(root)
     tree.scores.append(0.0)
     tree.ranks.append(0)
-    heap = [(-vals[0][0], 1, 0, 0, 0.0)]  # (-score, depth, rank, parent, parent score)
+    heap = [(-score(0, 0), 1, 0, 0, 0.0)]  # (-score, depth, rank, parent, parent score)
     while heap and tree.size < budget:
         neg, depth, rank, parent, parent_score = heapq.heappop(heap)
         node = len(tree.tokens)
@@ -92,7 +95,7 @@ def grow(root: int, vals: np.ndarray, idx: list[list[int]], budget: int) -> Draf
         tree.scores.append(-neg)
         tree.ranks.append(rank)
         if rank + 1 < k:
-            heapq.heappush(heap, (-(parent_score + vals[depth - 1][rank + 1]), depth, rank + 1, parent, parent_score))
+            heapq.heappush(heap, (-(parent_score + score(depth - 1, rank + 1)), depth, rank + 1, parent, parent_score))
         if depth < depth_max:
-            heapq.heappush(heap, (neg - vals[depth][0], depth + 1, 0, node, -neg))
+            heapq.heappush(heap, (neg - score(depth, 0), depth + 1, 0, node, -neg))
     return tree
