@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ddscope import Engine, engine as engine_mod
+from engine_args import add_engine_args, load_engine
 from ddscope.model import rope
 
 
@@ -79,14 +80,11 @@ def step_ms(engine: Engine, prompt: list[int], method: str, budget: int | None, 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target")
-    p.add_argument("--drafter")
+    add_engine_args(p)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=600)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    engine = Engine.load(args.target, args.drafter)
+    engine = load_engine(args)
     prompt = engine.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     rng = random.Random(0)
     print("| optimisation | method | before ms/step | after ms/step | after/before |\n|---|---|---|---|---|")

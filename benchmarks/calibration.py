@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ddscope import Engine
+from engine_args import add_engine_args, load_engine
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.decoding import Decoder
 from ddscope.proposers import DDTree
@@ -73,17 +74,14 @@ def table(rows: list[tuple[float, bool, bool]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="target dir (default: bundled demo target)")
-    p.add_argument("--drafter", help="drafter dir (default: bundled demo drafter)")
+    add_engine_args(p)
     p.add_argument("--workloads", default="code,math,chat")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--prompts", type=int, default=3, help="prompts per workload")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    engine = Engine.load(args.target, args.drafter)
+    engine = load_engine(args)
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         rows = []
         for name in args.workloads.split(","):

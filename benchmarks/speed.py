@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
+from engine_args import add_engine_args, load_engine
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.budget import VerifyCost
 
@@ -31,7 +32,8 @@ from ddscope.budget import VerifyCost
 class Sample:
     workload: str
     temperature: float
-    context: int
+    context: int     # prompt tokens
+    requested: int   # the --contexts entry it was fitted to; 0 = the prompt as it is
     repeat: int
     prompt: int
     arm: str
@@ -45,8 +47,7 @@ class Sample:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="target dir (default: bundled demo target)")
-    p.add_argument("--drafter", help="drafter dir (default: bundled demo drafter)")
+    add_engine_args(p)
     p.add_argument("--workloads", default="code,math,chat")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--contexts", default="0,1024,4096", help="prompt tokens; 0 = the prompt as it is")
@@ -55,7 +56,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload")
     p.add_argument("--budgets", default="4,8,16,32,64")
     p.add_argument("--no-hf", action="store_true", help="skip the two HF transformers arms")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="code, T=0, context 0, 32 tokens, 1 repeat, 2 budgets")
     p.add_argument("--out", type=Path, default=Path("bench-out/speed.json"))
     args = p.parse_args(argv)
@@ -109,8 +109,8 @@ def measure(args: argparse.Namespace, engine: Engine, hf, budgets: list[int]) ->
                         ids = fit_ids(workload, i, context or natural, engine.tokenizer)
                         for arm in rng.sample(names, len(names)):
                             seed = 1000 * rep + i
-                            key = dict(workload=wl_name, temperature=temperature, context=len(ids), repeat=rep,
-                                       prompt=i, arm=arm)
+                            key = dict(workload=wl_name, temperature=temperature, context=len(ids),
+                                       requested=context, repeat=rep, prompt=i, arm=arm)
                             if arm.startswith("hf"):
                                 samples.append(Sample(**key, tok_per_s=run_hf(hf, ids, arm, args.max_tokens,
                                                                                temperature, seed)))
@@ -123,7 +123,7 @@ def measure(args: argparse.Namespace, engine: Engine, hf, budgets: list[int]) ->
 
 
 def summarize(samples: list[Sample], cost: VerifyCost) -> list[dict]:
-    """Per (workload, T, context bucket, arm): the prompt set's throughput per pass, median over passes.
+    """Per (workload, T, requested context, arm): the prompt set's throughput per pass, median over passes.
 
     A pass's tok/s is total tokens over total time across its prompts (the harmonic mean: prompts
     of one set differ several-fold in speed, and a median over them would pick one prompt);
@@ -131,7 +131,7 @@ def summarize(samples: list[Sample], cost: VerifyCost) -> list[dict]:
     """
     passes: dict[tuple, list[Sample]] = {}
     for s in samples:
-        passes.setdefault((s.workload, s.temperature, round(s.context, -2), s.arm, s.repeat), []).append(s)
+        passes.setdefault((s.workload, s.temperature, s.requested, s.arm, s.repeat), []).append(s)
     throughput = {key: statistics.harmonic_mean([s.tok_per_s for s in group]) for key, group in passes.items()}
     rows = []
     for group_key in sorted({key[:4] for key in passes}):
@@ -155,7 +155,7 @@ def summarize(samples: list[Sample], cost: VerifyCost) -> list[dict]:
                         overhead_ms=mean(s.overhead_ms for s in group),
                         phase_ms={k: mean(s.phase_ms[k] for s in group) for k in group[0].phase_ms},
                         nodes=mean(s.nodes for s in group))
-            curve = cost.curve(ctx)
+            curve = cost.curve(statistics.fmean(s.context for s in group))
             ideal = row["tau"] * curve[0] / curve[min(int(round(row["nodes"])), len(curve) - 1)]
             row["efficiency"] = statistics.median(vs_ar) / ideal if vs_ar else None
         rows.append(row)
@@ -182,8 +182,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    engine = Engine.load(args.target, args.drafter)
+    engine = load_engine(args)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(engine.source, dtype=torch.float32).eval()
     budgets = [int(b) for b in args.budgets.split(",")]
     cost = VerifyCost.cached(engine.target, engine.max_model_len, engine.source)

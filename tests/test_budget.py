@@ -90,6 +90,30 @@ def test_underpriced_big_trees_shrink_once_measured():
     assert settle(per_node_ms=0.2) < settle(per_node_ms=0.02)  # ten times the calibrated price per node
 
 
+def chances(acc: Acceptance, probs: list[float]) -> list[float]:
+    score = acc.scorer([np.log(probs).tolist()])
+    return [float(np.exp(score(0, r))) for r in range(len(probs))]
+
+
+def test_acceptance_keeps_rank_order_and_learns_per_bin():
+    acc = Acceptance()
+    assert chances(acc, [0.3, 0.2, 0.1]) == pytest.approx([0.3, 0.2, 0.1])  # no evidence: the drafter's word
+    for _ in range(50):
+        acc.update([(np.log(0.3), True, True), (np.log(0.2), False, False)])
+    top1, second, third = chances(acc, [0.3, 0.2, 0.1])
+    assert top1 > 0.9 and second < 0.1 and third <= second
+
+
+def test_acceptance_offset_follows_the_regime_of_the_moment():
+    acc = Acceptance()
+    for _ in range(8):  # the drafter's word holds on average ...
+        acc.update([(np.log(0.5), True, True), (np.log(0.5), True, False)])
+    steady = chances(acc, [0.5])[0]
+    for _ in range(4):  # ... then the text turns predictable: everything is accepted
+        acc.update([(np.log(0.5), True, True), (np.log(0.5), True, True)])
+    assert acc.offset > 0.2 and chances(acc, [0.5])[0] > steady + 0.15
+
+
 def test_curve_interpolates_and_is_monotone():
     c = cost(0.1, 1e-4)
     curve = c.curve(2048)

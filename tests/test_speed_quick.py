@@ -21,3 +21,27 @@ def test_speed_quick_runs_every_arm(tmp_path):
         if row["arm"] not in ("hf", "hf-lookup"):
             assert row["tau"] >= 1.0 and row["step_ms"] > 0 and 0 <= row["overhead_ms"] < row["step_ms"]
     assert "| ddtree-auto |" in proc.stdout
+
+
+def run_benchmark(name: str, *args: str, tmp_path: Path) -> str:
+    env = {"DDSCOPE_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--threads", "1", *args],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_calibration_table_counts_tested_tokens(tmp_path):
+    out = run_benchmark("calibration.py", "--workloads", "code", "--temperatures", "0", "--prompts", "1",
+                        "--max-tokens", "24", tmp_path=tmp_path)
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 0.")]
+    assert rows, out
+    assert sum(int(r[1]) + int(r[4]) for r in rows) > 0  # the root's children are tested every round
+    for r in rows:  # shares are probabilities
+        assert all(c.strip() == "-" or 0 <= float(c) <= 1 for c in (r[2], r[3], r[5], r[6]))
+
+
+def test_policy_overhead_reports_both_budgets(tmp_path):
+    out = run_benchmark("policy_overhead.py", "--prompts", "1", "--max-tokens", "32", tmp_path=tmp_path)
+    labels = {tuple(c.strip() for c in line.split("|")[1:3]) for line in out.splitlines()[2:]}
+    assert {("16", "tree"), ("auto", "tree"), ("auto", "observe")} <= labels

@@ -1,0 +1,62 @@
+"""What `--budget auto` costs per round, measured inside real generations.
+
+Times the tree proposer (`tree`: log-probs, build, and for auto the sizing) for a fixed budget and
+for auto, and auto's other calls (`drafts`, `observe`), while the engine decodes, so the numbers
+include the cold caches that follow each model forward (the same call timed in a tight loop is
+several times faster and would understate the cost).
+
+    python benchmarks/policy_overhead.py [--prompts 3] [--max-tokens 256]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+
+from engine_args import add_engine_args, load_engine
+from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.budget import AutoBudget
+from ddscope.proposers import DDTree
+
+TIMED = {"tree": (DDTree, "tree"), "drafts": (AutoBudget, "drafts"), "observe": (AutoBudget, "observe")}
+
+
+def timed(fn: Callable, sink: list[float]) -> Callable:
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sink.append((time.perf_counter() - t0) * 1000)
+        return out
+    return wrapper
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=256)
+    args = p.parse_args(argv)
+    engine = load_engine(args)
+    workload = load_workload("code")
+    sinks: dict[str, list[float]] = {label: [] for label in TIMED}
+    for label, (cls, name) in TIMED.items():
+        setattr(cls, name, timed(getattr(cls, name), sinks[label]))
+    print("| budget | call | calls | median ms | mean ms |\n|---|---|---|---|---|")
+    for budget in (16, "auto"):
+        for sink in sinks.values():
+            sink.clear()
+        for i in range(args.prompts):
+            ids = fit_ids(workload, i, len(engine.encode(workload.prompts[i])), engine.tokenizer)
+            engine.generate(ids, max_new_tokens=args.max_tokens, method="ddtree", budget=budget, ignore_eos=True)
+        for label, sink in sinks.items():
+            if sink:
+                print(f"| {budget} | {label} | {len(sink)} | {statistics.median(sink):.3f} | "
+                      f"{statistics.fmean(sink):.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
