@@ -147,6 +147,8 @@ def summarize(samples: list[Sample], cost: VerifyCost) -> list[dict]:
                    tok_per_s=statistics.median(tps), tok_per_s_min=min(tps), tok_per_s_max=max(tps))
         vs_hf, vs_ar = paired("hf"), paired("ar")
         row["speedup_vs_hf"] = statistics.median(vs_hf) if vs_hf else None
+        if arm != "ddtree-auto" and (auto_over := [1 / r for r in paired("ddtree-auto")]):
+            row["auto_over_arm"] = [statistics.median(auto_over), min(auto_over), max(auto_over)]
         group = [s for r in reps for s in passes[(*group_key, r)]]
         if group[0].tau is not None:
             steps = [1.0 / s.tau for s in group]  # per committed token: the samples' token counts are equal
@@ -180,6 +182,17 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def auto_table(rows: list[dict]) -> str:
+    """`ddtree` auto against each other engine arm: median per-pass ratio, the side-by-side measure."""
+    lines = ["| workload | T | ctx | arm | auto / arm, median per pass (min-max) |", "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["workload"], r["temperature"], r["context"], r["arm"])):
+        if "auto_over_arm" in r and not r["arm"].startswith("hf"):
+            med, lo, hi = r["auto_over_arm"]
+            lines.append(f"| {r['workload']} | {r['temperature']:g} | {r['context']} | {r['arm']} | "
+                         f"{med:.3f} ({lo:.2f}-{hi:.2f}) |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine = load_engine(args)
@@ -194,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                torch=torch.__version__, python=platform.python_version(), argv=sys.argv[1:])
     args.out.write_text(json.dumps(dict(env=env, summary=rows, samples=[asdict(s) for s in samples]), indent=1))
     print(table)
+    print("\n" + auto_table(rows))
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 

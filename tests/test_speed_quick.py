@@ -21,6 +21,8 @@ def test_speed_quick_runs_every_arm(tmp_path):
         if row["arm"] not in ("hf", "hf-lookup"):
             assert row["tau"] >= 1.0 and row["step_ms"] > 0 and 0 <= row["overhead_ms"] < row["step_ms"]
     assert "| ddtree-auto |" in proc.stdout
+    assert {r["arm"] for r in summary if "auto_over_arm" in r} == arms - {"ddtree-auto"}
+    assert "| code | 0 | 0 | ddtree-8 |" in proc.stdout.split("auto / arm")[1]
 
 
 def run_benchmark(name: str, *args: str, tmp_path: Path) -> str:
