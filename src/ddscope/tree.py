@@ -17,8 +17,8 @@ class DraftTree:
     tokens: list[int]   # [root, n1..nB]
     parents: list[int]  # parents[0] == -1
     depths: list[int]   # depths[0] == 0
-    scores: list[float] = field(default_factory=list)  # best_first only: log-prob of each node's prefix
-    ranks: list[int] = field(default_factory=list)     # best_first only: rank of the token at its depth
+    scores: list[float] = field(default_factory=list)  # grow only: log-score of each node's prefix
+    ranks: list[int] = field(default_factory=list)     # grow only: rank of the node's token at its depth
 
     def prefix(self, size: int) -> "DraftTree":
         """The first `size` draft nodes: a valid tree, since parents precede children."""
