@@ -7,7 +7,6 @@ interleaved (shuffled per repeat) and the table reports median ms per step and t
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import random
 import statistics
@@ -18,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ddscope import Engine, engine as engine_mod
-from engine_args import add_engine_args, load_engine
+from engine_args import load_engine, parser
 from ddscope.model import rope
 
 
@@ -79,8 +78,7 @@ def step_ms(engine: Engine, prompt: list[int], method: str, budget: int | None, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
+    p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=600)
     args = p.parse_args(argv)

@@ -9,14 +9,13 @@ table per temperature: probability bin -> acceptance rate, top-1 tokens and sibl
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
 import torch
 
 from ddscope import Engine
-from engine_args import add_engine_args, load_engine
+from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.decoding import Decoder
 from ddscope.proposers import DDTree
@@ -73,8 +72,7 @@ def table(rows: list[tuple[float, bool, bool]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
+    p = parser(__doc__)
     p.add_argument("--workloads", default="code,math,chat")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--budget", type=int, default=64)

@@ -9,14 +9,13 @@ several times faster and would understate the cost).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 
-from engine_args import add_engine_args, load_engine
+from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.budget import AutoBudget
 from ddscope.proposers import DDTree
@@ -34,8 +33,7 @@ def timed(fn: Callable, sink: list[float]) -> Callable:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
+    p = parser(__doc__)
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256)
     args = p.parse_args(argv)

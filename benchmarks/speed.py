@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
-from engine_args import add_engine_args, load_engine
+from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.budget import VerifyCost
 
@@ -46,8 +46,7 @@ class Sample:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
+    p = parser(__doc__)
     p.add_argument("--workloads", default="code,math,chat")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--contexts", default="0,1024,4096", help="prompt tokens; 0 = the prompt as it is")
