@@ -6,33 +6,7 @@ import json
 import sys
 
 from ddscope.config import CheckpointError
-
-
-def budget_arg(value: str) -> int | str:
-    """A DDTree node budget: an integer >= 1, or 'auto'."""
-    if value == "auto":
-        return value
-    try:
-        budget = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be an integer >= 1 or 'auto', got {value!r}") from None
-    if budget < 1:
-        raise argparse.ArgumentTypeError(f"budget must be >= 1, got {budget}")
-    return budget
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--target/--drafter/--device/--dtype, shared by every command that loads an engine."""
-    p.add_argument("--target", help="target checkpoint directory (HF layout; default: the bundled demo target)")
-    p.add_argument("--drafter", help="DFlash drafter directory (z-lab layout; default: the demo drafter with the "
-                                     "demo target, none with --target, which allows only --method ar)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="torch dtype (default: %(default)s)")
-
-
-def load_engine(args: argparse.Namespace, **kw):
-    from ddscope.engine import Engine
-    return Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype, **kw)
+from ddscope.options import add_model_args, budget_arg, load_engine
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
-from ddscope.cli import add_model_args, budget_arg
+from ddscope.options import add_model_args, budget_arg
 
 # The experiment. On the embedded demo pair (a 2-core CPU) the output is shorter, so the
 # main job ends in about two minutes; contexts that do not fit max_model_len shrink to fit.

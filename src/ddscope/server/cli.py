@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ddscope.cli import add_model_args, budget_arg
+from ddscope.options import add_model_args, budget_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
