@@ -4,15 +4,21 @@
 #   2. target pretraining (Qwen3) -> $RUN/target   (resumes from $RUN/target_ckpt if present)
 #   3. copy tokenizer + target    -> src/ddscope/assets/demo/target
 # Needs: pip install -e '.[data]'  and  apt-get install python3.11-doc (docs corpus).
-#   4. drafter self-distillation + training -> src/ddscope/assets/demo/drafter (resumes from $RUN/drafter.work)
-# Env: RUN (default runs/demo), TARGET_MIN (target budget, minutes, default 60), DISTILL_MIN (12) and
-#      DRAFTER_MIN (28). A finished stage is skipped on a rerun (delete its output to redo it).
+#   4. short-context drafter: self-distillation + training -> src/ddscope/assets/demo/drafter-short
+#      (resumes from $RUN/drafter.work)
+#   5. long-context drafter: stage 4's drafter fine-tuned on continuations distilled at prompt lengths
+#      spread up to 5.9k tokens -> src/ddscope/assets/demo/drafter (resumes from $RUN/drafter-long.work)
+# Env: RUN (default runs/demo), TARGET_MIN (target budget, minutes, default 60), DISTILL_MIN (12),
+#      DRAFTER_MIN (28), LONG_DISTILL_MIN (25), LONG_DRAFTER_MIN (35).
+#      A finished stage is skipped on a rerun (delete its output to redo it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/demo}
 TARGET_MIN=${TARGET_MIN:-60}
 DISTILL_MIN=${DISTILL_MIN:-12}
 DRAFTER_MIN=${DRAFTER_MIN:-28}
+LONG_DISTILL_MIN=${LONG_DISTILL_MIN:-25}
+LONG_DRAFTER_MIN=${LONG_DRAFTER_MIN:-35}
 ASSETS=src/ddscope/assets/demo
 SEED=1234
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,16 +44,30 @@ mkdir -p "$ASSETS/target"
 install -m 644 "$RUN"/target/*.json "$RUN"/target/*.jinja "$RUN"/target/model.safetensors "$ASSETS/target/"
 du -sh "$ASSETS/target"
 
-echo "[$(date -u +%T)] drafter: self-distillation (${DISTILL_MIN} min) and training (${DRAFTER_MIN} min)"
+echo "[$(date -u +%T)] short-context drafter: self-distillation (${DISTILL_MIN} min) and training (${DRAFTER_MIN} min)"
 resume=()
 [ -f "$RUN/drafter.work/ckpt.pt" ] && resume=(--resume)
 [ -f "$RUN/drafter/model.safetensors" ] || python -m ddscope.cli train-drafter --target "$ASSETS/target" --out "$RUN/drafter" --work-dir "$RUN/drafter.work" \
   --prompts 4000 --distill-min "$DISTILL_MIN" --distill-workers 2 --sampled-frac 0.3 --max-new-tokens 256 \
   --layers 2 --block-size 16 --time-budget-min "$DRAFTER_MIN" --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
+bundle() {  # bundle RUN_DIR ASSET_NAME
+  rm -rf "$ASSETS/$2"
+  mkdir -p "$ASSETS/$2"
+  install -m 644 "$1"/config.json "$1"/model.safetensors "$ASSETS/$2/"
+}
+echo "[$(date -u +%T)] bundling it into $ASSETS/drafter-short"
+bundle "$RUN/drafter" drafter-short
 
-echo "[$(date -u +%T)] bundling drafter into $ASSETS/drafter"
-rm -rf "$ASSETS/drafter"
-mkdir -p "$ASSETS/drafter"
-install -m 644 "$RUN"/drafter/config.json "$RUN"/drafter/model.safetensors "$ASSETS/drafter/"
+echo "[$(date -u +%T)] long-context drafter: distillation (${LONG_DISTILL_MIN} min) and fine-tuning (${LONG_DRAFTER_MIN} min)"
+resume=()
+[ -f "$RUN/drafter-long.work/ckpt.pt" ] && resume=(--resume)
+[ -f "$RUN/drafter-long/model.safetensors" ] || python -m ddscope.cli train-drafter --target "$ASSETS/target" \
+  --out "$RUN/drafter-long" --work-dir "$RUN/drafter-long.work" --init-drafter "$ASSETS/drafter-short" \
+  --data code:0.35,docs:0.15,chat:0.25,padding:0.25 --context-lengths 16-512:0.35,512-2048:0.3,2048-5888:0.35 \
+  --prompts 2400 --distill-min "$LONG_DISTILL_MIN" --distill-workers 2 --sampled-frac 0.3 --max-new-tokens 256 \
+  --layers 2 --block-size 16 --lr 4e-4 --time-budget-min "$LONG_DRAFTER_MIN" --feature-cache-gb 8 \
+  --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
+echo "[$(date -u +%T)] bundling it into $ASSETS/drafter"
+bundle "$RUN/drafter-long" drafter
 du -sh "$ASSETS"
 echo "[$(date -u +%T)] done"

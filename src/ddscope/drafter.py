@@ -34,14 +34,11 @@ class Drafter(nn.Module):
     def load(cls, directory: Path, target: Target) -> "Drafter":
         cfg = DrafterConfig.load(directory)
         check_compatible(cfg, target, directory)
-        state = {k.removeprefix("model."): v for k, v in read_state_dict(directory).items()}
-        # Some exports carry the shared embedding/head; the target's copies are the ones used.
-        state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
         p = target.lm_head.weight
         with torch.device("meta"):
             drafter = cls(cfg)
         drafter.to_empty(device=p.device)
-        load_into(drafter, state, directory)
+        load_into(drafter, drafter_state(directory), directory)
         return drafter.to(p.dtype).eval()
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -98,6 +95,13 @@ class Drafter(nn.Module):
         block[0] = last_token
         h = self.forward_block(target.embed(block), start, self.context(features), cache)
         return target.logits(h[1:])
+
+
+def drafter_state(directory: Path) -> dict[str, torch.Tensor]:
+    """A drafter checkpoint's own weights, unprefixed. Some exports carry the shared embedding/head and
+    a `model.` prefix; the target's embedding/head are the ones used."""
+    state = {k.removeprefix("model."): v for k, v in read_state_dict(directory).items()}
+    return {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
 
 
 def check_compatible(cfg: DrafterConfig, target: Target, directory: Path) -> None:

@@ -42,7 +42,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
                      anchors=args.anchors, lr=args.lr, gamma=args.gamma, steps=args.steps,
                      time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
     dspec = DistillSpec(data=args.data, prompts=args.prompts, max_prompt_tokens=args.max_prompt_tokens,
-                        max_new_tokens=args.max_new_tokens, sampled_frac=args.sampled_frac, seed=args.seed)
+                        max_new_tokens=args.max_new_tokens, sampled_frac=args.sampled_frac, seed=args.seed,
+                        context_lengths=args.context_lengths or "")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     target = Target.load(Path(args.target), torch.device(args.device), torch.float32)
@@ -60,7 +61,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
           f"generated tokens in {work}", file=sys.stderr)
     result = train(Path(args.target), target, records, spec, mask_id, layer_ids, args.out, work,
                    resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
-                   feature_cache_gb=args.feature_cache_gb)
+                   feature_cache_gb=args.feature_cache_gb, init=args.init_drafter)
     print(f"drafter written to {args.out}: {result['steps']} steps in {result['train_s'] / 60:.1f} min, "
           f"loss {result['loss']:.3f}, offline accept {result['accept']:.2f} (mean of the last steps)",
           file=sys.stderr)
@@ -111,10 +112,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-min", type=float, default=5.0, help="minutes between checkpoints (default: 5)")
     d = p.add_argument_group("distillation")
     d.add_argument("--data", default=DEFAULT_DATA,
-                   help="prompt sources with shares: corpus domains code, docs, chat and/or file:PATH (.jsonl with "
+                   help="prompt sources with shares: corpus domains code, docs, chat, padding (a repeated sentence) and/or file:PATH (.jsonl with "
                         "a 'prompt' or 'text' field, or a text file) (default: %(default)s)")
     d.add_argument("--prompts", type=int, default=512, help="distilled sequences (default: %(default)s)")
-    d.add_argument("--max-prompt-tokens", type=int, default=192, help="longer prompts keep their tail")
+    d.add_argument("--max-prompt-tokens", type=int, default=192,
+                   help="longer prompts keep their tail (without --context-lengths)")
+    d.add_argument("--context-lengths", metavar="LO-HI:W,...",
+                   help="prompt-length mix in tokens, e.g. 16-512:0.4,512-2048:0.3,2048-5888:0.3: each prompt is "
+                        "grown to a drawn length with earlier text of its kind (files, documents, conversations; "
+                        "the repeated sentence for the 'padding' source), so the drafter learns long contexts. "
+                        "Keep HI + --max-new-tokens within the target's trained length")
     d.add_argument("--max-new-tokens", type=int, default=256, help="continuation length (default: %(default)s)")
     d.add_argument("--sampled-frac", type=float, default=0.5, help="share sampled at T=1; the rest is greedy")
     d.add_argument("--distill-method", choices=("ar", "ddtree"), default="ar",
@@ -129,6 +136,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--target-layer-ids", type=_int_list,
                    help="target layers whose outputs feed the drafter (default: one per drafter layer, spread)")
     t.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's <|mask|>)")
+    t.add_argument("--init-drafter", type=Path,
+                   help="start from this drafter's weights (fine-tuning; same block size, layers and layer ids)")
     t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget)")
     t.add_argument("--time-budget-min", type=float, help="training minutes, summed over resumes (distillation not included)")
     t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step (default: %(default)s)")

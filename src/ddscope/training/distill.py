@@ -5,6 +5,10 @@ token ids, with `prompt_len` so training can mask the prompt. Generation goes th
 (`ar`, or `ddtree` with an existing drafter: both lossless), greedy for some items and sampled at
 T=1 for the others, so the drafter sees both the argmax path and the spread around it. The prompt
 list is a pure function of (data, seed), so a rerun appends only the items still missing.
+
+With a context-length mix (`context_lengths`), each prompt is grown to a drawn length by prepending
+earlier text of its own kind (whole files, documents or conversations; the sentence itself for
+`padding`), so the target's continuation, and with it the drafter's anchors, sit deep in a context.
 """
 from __future__ import annotations
 
@@ -12,18 +16,23 @@ import json
 import random
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from ddscope.training.contexts import parse_context_lengths, sample_length
 from ddscope.training.corpus import DOMAINS, IM_START, iter_documents
 
 ASSISTANT_HEADER = f"{IM_START}assistant\n"
 # Corpus prompts: code and docs are windows of a document (code often ending at a docstring), chat is
 # a conversation up to its first reply.
 DEFAULT_DATA = "code:0.5,docs:0.2,chat:0.3"
+# `padding`: one prose sentence repeated, then a short instruction, like the bench's padding prompts.
+SOURCES = (*DOMAINS, "padding")
+PADDING_SUFFIXES = ("\nContinue:", "\n", "", "\nRepeat the text above:")
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class DistillSpec:
     max_new_tokens: int = 256
     sampled_frac: float = 0.5
     seed: int = 0
+    context_lengths: str = ""   # "" = prompts of up to max_prompt_tokens; else a LO-HI:WEIGHT mix
 
     def __post_init__(self) -> None:
         if self.prompts < 1 or self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
@@ -43,6 +53,8 @@ class DistillSpec:
         if not 0 <= self.sampled_frac <= 1:
             raise ValueError(f"sampled_frac must be in [0, 1], got {self.sampled_frac}")
         parse_data(self.data)
+        if self.context_lengths:
+            parse_context_lengths(self.context_lengths)
 
 
 def parse_data(spec: str) -> dict[str, float]:
@@ -52,8 +64,8 @@ def parse_data(spec: str) -> dict[str, float]:
         name, sep, weight = item.rpartition(":")
         if not sep or not weight.replace(".", "", 1).isdigit():
             name, weight = item, "1"
-        if not (name in DOMAINS or name.startswith("file:")):
-            raise ValueError(f"--data entry {item!r}: expected one of {', '.join(DOMAINS)} or file:PATH, "
+        if not (name in SOURCES or name.startswith("file:")):
+            raise ValueError(f"--data entry {item!r}: expected one of {', '.join(SOURCES)} or file:PATH, "
                              "optionally with :WEIGHT")
         shares[name] = float(weight)
     total = sum(shares.values())
@@ -90,37 +102,81 @@ def _chat_prompt(text: str) -> str | None:
     return text[:cut + len(ASSISTANT_HEADER)] if cut > 0 else None
 
 
-def _source_prompts(name: str, n: int, rng: random.Random, window_chars: int) -> list[str]:
-    """`n` prompt texts from one source (fewer if the source runs dry)."""
+# A prompt text and the texts that may precede it when it is grown to a long context.
+Prompt = tuple[str, Sequence[str]]
+_SENTENCE = re.compile(r"(?<![^\s])[A-Z][a-z]+ [a-z][a-z ,]{30,140}\. ")
+
+
+def _padding_prompts(n: int, rng: random.Random) -> list[Prompt]:
+    """A plain prose sentence of the docs, repeated (filler is the sentence itself), then an instruction."""
+    sentences = sorted({m.group() for d in iter_documents("docs", "train") for m in _SENTENCE.finditer(d.text)})
+    if not sentences:
+        raise ValueError("the docs corpus has no plain sentences for padding prompts")
+    out = []
+    for _ in range(n):
+        sentence = rng.choice(sentences)
+        out.append((sentence * rng.randint(1, 8) + rng.choice(PADDING_SUFFIXES), (sentence,)))
+    return out
+
+
+def _source_prompts(name: str, n: int, rng: random.Random, window_chars: int) -> list[Prompt]:
+    """`n` prompts from one source (fewer if the source runs dry), each with its filler pool."""
+    if name == "padding":
+        return _padding_prompts(n, rng)
     if name.startswith("file:"):
         from ddscope.bench.workloads import load_workload
         prompts = list(load_workload(name).prompts)
         rng.shuffle(prompts)
-        return prompts[:n]
+        pool = [p + "\n\n" for p in prompts]
+        return [(p, pool) for p in prompts[:n]]
     if name == "chat":  # the ShareGPT file is large: take conversations in order, stop early
-        out = []
+        out, pool = [], []
         for doc in iter_documents("chat", "train"):
+            pool.append(doc.text)
             if (p := _chat_prompt(doc.text)) is not None and len(p) < 4 * window_chars:
                 out.append(p)
             if len(out) == n:
                 break
-        return out
-    docs = [d.text for d in iter_documents(name, "train") if len(d.text) > 2 * window_chars]
-    if not docs:
+        return [(p, pool) for p in out]
+    docs = [d.text for d in iter_documents(name, "train")]
+    long_docs = [d for d in docs if len(d) > 2 * window_chars]
+    if not long_docs:
         raise ValueError(f"corpus domain {name!r} has no documents longer than {2 * window_chars} characters")
     cut = _code_prompt if name == "code" else _window
-    return [cut(rng.choice(docs), rng, window_chars) for _ in range(n)]
+    pool = [d + "\n\n" for d in docs]
+    return [(cut(rng.choice(long_docs), rng, window_chars), pool) for _ in range(n)]
+
+
+def grow_to(tokenizer: Any, prompt: Prompt, n_tokens: int, rng: random.Random) -> list[int]:
+    """Exactly `n_tokens` ids that end like the prompt: filler texts are prepended whole (a long file,
+    document or conversation before it), and the head is cut to the exact length."""
+    text, pool = prompt
+    parts = [text]
+    for _ in range(64):  # each pass adds at least the missing characters, so a few passes suffice
+        ids = tokenizer.encode("".join(parts), add_special_tokens=False, verbose=False)
+        if len(ids) >= n_tokens:
+            return ids[-n_tokens:]
+        missing = 4 * (n_tokens - len(ids)) + 64
+        while missing > 0:
+            parts.insert(0, rng.choice(pool))
+            missing -= max(1, len(parts[0]))
+    raise ValueError(f"could not grow a prompt to {n_tokens} tokens from its filler")
 
 
 def build_prompts(spec: DistillSpec, tokenizer: Any) -> list[tuple[str, list[int]]]:
-    """(source, prompt ids) for every item, deterministic in `spec`; long prompts keep their tail."""
+    """(source, prompt ids) for every item, deterministic in `spec`. Without a context-length mix long
+    prompts keep their tail; with one, each prompt is grown or cut to a drawn length."""
     rng = random.Random(spec.seed)
+    buckets = parse_context_lengths(spec.context_lengths) if spec.context_lengths else None
     window_chars = 4 * spec.max_prompt_tokens  # ~4 chars per BPE token; clipped to tokens below
     items: list[tuple[str, list[int]]] = []
     for name, share in parse_data(spec.data).items():
         count = max(1, round(share * spec.prompts))
-        for text in _source_prompts(name, count, rng, window_chars):
-            ids = tokenizer.encode(text, add_special_tokens=False)[-spec.max_prompt_tokens:]
+        for prompt in _source_prompts(name, count, rng, window_chars):
+            if buckets:
+                ids = grow_to(tokenizer, prompt, sample_length(buckets, rng), rng)
+            else:
+                ids = tokenizer.encode(prompt[0], add_special_tokens=False)[-spec.max_prompt_tokens:]
             if ids:
                 items.append((name, ids))
     rng.shuffle(items)
@@ -142,7 +198,7 @@ def read_cache(out_dir: Path) -> list[dict[str, Any]]:
 def _check_meta(out_dir: Path, spec: DistillSpec) -> None:
     meta = out_dir / "distill.meta.json"
     if meta.is_file():
-        old = json.loads(meta.read_text())
+        old = {**asdict(DistillSpec()), **json.loads(meta.read_text())}  # fields added later take defaults
         if old != asdict(spec):
             raise ValueError(f"{out_dir} holds distillation data made with {old}; the current settings are "
                              f"{asdict(spec)}. Use another --work-dir or the same settings.")

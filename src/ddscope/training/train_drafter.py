@@ -6,6 +6,10 @@ block `[tok[a], MASK x (B-1)]`: block position k predicts tok[a+k] (no shift), s
 strictly before `a` and its own block bidirectionally, never another block. That is exactly what
 the drafter sees at inference, where the root (last committed token) sits at position `start`
 and the drafter cache holds features for `[0, start)`.
+
+Under torchrun every rank runs `train`: DDP over the drafter, the frozen target on each rank, and each
+step's global batch split across ranks. The batch and its anchors are functions of (seed, step), so a
+run resumes on any world size, and N ranks compute the same step as one process.
 """
 from __future__ import annotations
 
@@ -13,25 +17,31 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from ddscope.config import DrafterConfig, read_json
-from ddscope.drafter import Drafter
+from ddscope.drafter import Drafter, drafter_state
 from ddscope.model import KVCache, Target
 from ddscope.training.drafter_ckpt import drafter_config, save_drafter
+from ddscope.weights import load_into
 
 
 @dataclass(frozen=True)
 class TrainSpec:
     block_size: int = 16
     layers: int = 1
-    batch_seqs: int = 8          # distilled sequences per optimizer step
+    batch_seqs: int = 8          # distilled sequences per optimizer step, over all ranks
+    grad_accum: int = 1          # micro-batches per rank and step (memory, not maths: the step is the same)
     anchors: int = 16            # anchor blocks per sequence (fewer if the sequence is short)
     lr: float = 6e-4
     warmup: float = 0.04         # share of the schedule spent warming up
@@ -45,8 +55,8 @@ class TrainSpec:
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise ValueError(f"block size must be >= 2, got {self.block_size}")
-        if self.layers < 1 or self.batch_seqs < 1 or self.anchors < 1:
-            raise ValueError("layers, batch_seqs and anchors must be >= 1")
+        if self.layers < 1 or self.batch_seqs < 1 or self.anchors < 1 or self.grad_accum < 1:
+            raise ValueError("layers, batch_seqs, anchors and grad_accum must be >= 1")
         if self.steps is None and self.time_budget_s is None:
             raise ValueError("give a step count or a time budget (or both)")
         if (self.steps is not None and self.steps < 1) or (self.time_budget_s is not None and self.time_budget_s <= 0):
@@ -100,6 +110,23 @@ def sample_anchors(prompt_len: int, n: int, count: int, gen: torch.Generator) ->
     return first + torch.randperm(span, generator=gen)[:count].sort().values
 
 
+def batch_indices(n: int, batch: int, step: int, seed: int) -> list[int]:
+    """The global batch of `step`: items [step*batch, +batch) of a stream of per-epoch shuffles of range(n)."""
+    orders: dict[int, list[int]] = {}
+    picks = []
+    for pos in range(step * batch, (step + 1) * batch):
+        epoch, k = divmod(pos, n)
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        picks.append(orders[epoch][k])
+    return picks
+
+
+def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
+    """The anchors of the j-th sequence of a step's batch, whichever rank draws them."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + j)
+
+
 def target_features(target: Target, cache: KVCache, ids: list[int], capture: tuple[int, ...]) -> torch.Tensor:
     """The frozen target's hidden states at `capture` for a whole sequence, [n, k*H]."""
     dev = target.lm_head.weight.device
@@ -146,113 +173,200 @@ class FeatureStore:
         return features
 
 
-def block_loss(drafter: Drafter, target: Target, batch: list[Blocks], weights: torch.Tensor
-               ) -> tuple[torch.Tensor, float]:
-    """(weighted cross-entropy, offline acceptance estimate) over the blocks of a batch.
+class BlockDrafter(nn.Module):
+    """The drafter over the anchor blocks of a batch, once per sequence (blocks never see other sequences,
+    so packing them would only add masked-out attention). This is the module DDP wraps: DDP syncs the
+    gradients of what runs through its forward. The frozen target stays outside (DDP would broadcast it)."""
 
-    The drafter runs once per sequence (blocks never see other sequences, so packing them would only
-    add masked-out attention); the shared head and the loss run once over all blocks. The estimate
-    is tau of the greedy chain: per anchor the commit c = 1 (bonus) + leading block positions whose
-    argmax equals the label. Decoding visits one anchor per c tokens, so tau (tokens per step) is the
-    harmonic mean of c over uniformly drawn anchors; the plain mean overweights easy stretches.
+    def __init__(self, drafter: Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, embeds: list[torch.Tensor], batch: list[Blocks]) -> torch.Tensor:
+        d = self.drafter
+        return torch.cat([d.run(e, b.block_pos, d.context(b.features), b.ctx_pos, b.mask) for e, b in zip(embeds, batch)])
+
+
+def block_weight(batch: list[Blocks], weights: torch.Tensor) -> torch.Tensor:
+    """Total position weight of the labelled block positions: the loss's normaliser."""
+    B = weights.numel()
+    return sum((weights.to(b.labels.device).repeat(b.labels.numel() // B)[b.labels >= 0].sum() for b in batch),
+               torch.zeros((), device=batch[0].labels.device))
+
+
+def block_loss(model: nn.Module, target: Target, batch: list[Blocks], weights: torch.Tensor,
+               norm: torch.Tensor | None = None) -> tuple[torch.Tensor, float, int]:
+    """(weighted cross-entropy over `norm` (default: this batch's own weight), sum of 1/commit, anchors).
+
+    `model` is a BlockDrafter (or DDP of one); the shared head and the loss run once over all blocks. The
+    acceptance estimate is tau of the greedy chain: per anchor the commit c = 1 (bonus) + leading block
+    positions whose argmax equals the label. Decoding visits one anchor per c tokens, so tau (tokens per
+    step) is the harmonic mean of c over uniformly drawn anchors, anchors / sum(1/c); the plain mean
+    overweights easy stretches.
     """
-    B = drafter.block_size
-    h = torch.cat([drafter.run(target.embed(b.block_ids), b.block_pos, drafter.context(b.features), b.ctx_pos,
-                               b.mask) for b in batch])
+    B = weights.numel()
+    h = model([target.embed(b.block_ids) for b in batch], batch)
     labels = torch.cat([b.labels for b in batch])
     valid = labels >= 0
     logits = target.logits(h[valid])
     w = weights.to(h.device).repeat(labels.numel() // B)[valid]
     ce = F.cross_entropy(logits, labels[valid], reduction="none")
-    loss = (ce * w).sum() / w.sum()
+    loss = (ce * w).sum() / (w.sum() if norm is None else norm)
     with torch.no_grad():
         hit = torch.zeros_like(valid)
         hit[valid] = logits.argmax(-1) == labels[valid]
         commit = 1 + hit.view(-1, B)[:, 1:].long().cumprod(1).sum(1)
-    return loss, 1.0 / commit.float().reciprocal().mean().item()
+    return loss, commit.float().reciprocal().sum().item(), commit.numel()
+
+
+def _world() -> tuple[int, int]:
+    """(world size, rank): (1, 0) unless torch.distributed is initialised (torchrun)."""
+    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op)
+    return t
+
+
+def _optimizer_step(model: nn.Module, target: Target, batch: list[Blocks], weights: torch.Tensor,
+                    opt: torch.optim.Optimizer, spec: TrainSpec) -> tuple[float, float, int]:
+    """One step over this rank's share of the global batch, in `grad_accum` micro-batches. Returns the global
+    batch's (loss, offline acceptance, block tokens).
+
+    Every micro-batch loss is normalised by the global batch's total weight and scaled by the world size,
+    which DDP's gradient mean divides out: the gradient is that of one process on the whole batch."""
+    world = _world()[0]
+    dev = batch[0].labels.device
+    norm = _all_reduce(block_weight(batch, weights))
+    opt.zero_grad(set_to_none=True)
+    stats = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, sum of 1/commit, anchors, block tokens
+    parts = [batch[k::spec.grad_accum] for k in range(spec.grad_accum)]
+    for k, part in enumerate(parts):
+        # Gradients are all-reduced once per step, in the last micro-batch's backward.
+        sync = k == len(parts) - 1 or not isinstance(model, DDP)
+        with nullcontext() if sync else model.no_sync():
+            loss, inv_commit, anchors = block_loss(model, target, part, weights, norm)
+            (loss * world).backward()
+        stats += torch.tensor([loss.item(), inv_commit, anchors, sum(b.labels.numel() for b in part)],
+                              dtype=torch.float64, device=dev)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+    opt.step()
+    loss, inv_commit, anchors, tokens = _all_reduce(stats).tolist()
+    return loss, anchors / inv_commit, int(tokens)
 
 
 def new_drafter(target_dir: Path, target: Target, spec: TrainSpec, mask_token_id: int,
-                layer_ids: list[int]) -> tuple[Drafter, dict[str, Any]]:
-    """A freshly initialised drafter (seeded) and the z-lab config.json it will be saved with."""
+                layer_ids: list[int], init: Path | None = None) -> tuple[Drafter, dict[str, Any]]:
+    """A freshly initialised drafter (seeded), or one starting from the weights of drafter `init`
+    (fine-tuning), and the z-lab config.json it will be saved with."""
     config = drafter_config(read_json(target_dir / "config.json"), spec.layers, spec.block_size, mask_token_id,
                             layer_ids)
     torch.manual_seed(spec.seed)
-    drafter = Drafter(DrafterConfig.from_dict(config, str(target_dir))).to(target.lm_head.weight.device)
+    cfg = DrafterConfig.from_dict(config, str(target_dir))
+    drafter = Drafter(cfg).to(target.lm_head.weight.device)
+    if init is not None:
+        old = DrafterConfig.load(init)
+        mine = (cfg.block_size, list(cfg.target_layer_ids), cfg.mask_token_id)
+        theirs = (old.block_size, list(old.target_layer_ids), old.mask_token_id)
+        if mine != theirs:
+            raise ValueError(f"--init-drafter {init}: (block size, target layer ids, mask id) {theirs} differ "
+                             f"from this run's {mine}")
+        load_into(drafter, drafter_state(init), init)
     return drafter, config
 
 
 def _save_checkpoint(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.optim.Optimizer,
-                     gen: torch.Generator, step: int, train_s: float) -> None:
-    """Everything a resumed run needs (the schedule is a function of step and train_s)."""
+                     step: int, train_s: float) -> None:
+    """Everything a resumed run needs: the schedule, the data order and the anchors are functions of step
+    (and train_s), and DDP keeps the drafter and optimizer identical on every rank."""
     state = {"config": config, "model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-             "train_s": train_s, "rng": gen.get_state()}
+             "train_s": train_s}
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
 
 
-def _restore(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.optim.Optimizer,
-             gen: torch.Generator) -> tuple[int, float]:
+def _restore(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.optim.Optimizer) -> tuple[int, float]:
     if not path.is_file():
         raise ValueError(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location=drafter.fc.weight.device, weights_only=False)
     if state["config"] != config:
         raise ValueError(f"{path} was trained with a different drafter config; drop --resume or delete it")
     drafter.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    gen.set_state(state["rng"])
     return state["step"], state["train_s"]
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """Drop log lines past the checkpoint: a killed run may have logged steps it never saved."""
+    if path.is_file():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))
 
 
 def train(target_dir: Path, target: Target, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
           layer_ids: list[int], out_dir: Path, work_dir: Path, resume: bool = False,
-          checkpoint_every_s: float = 300.0, feature_cache_gb: float = 2.0) -> dict[str, float]:
+          checkpoint_every_s: float = 300.0, feature_cache_gb: float = 2.0,
+          init: Path | None = None) -> dict[str, float]:
     """Train, checkpointing to `work_dir/ckpt.pt` and logging to `work_dir/train_log.jsonl`, then export
-    the drafter to `out_dir`. Returns the step count and the mean loss/acceptance of the last steps."""
+    the drafter to `out_dir` (rank 0 writes). Returns the step count and the mean loss/acceptance of the
+    last steps."""
     usable = [r for r in records if len(r["ids"]) - r["prompt_len"] >= 1]
     if not usable:
         raise ValueError("no distilled sequence has generated tokens to train on")
+    world, rank = _world()
+    if world > len(usable):
+        raise ValueError(f"world size {world} is larger than the data: {len(usable)} usable sequences")
+    if spec.batch_seqs < world * spec.grad_accum:
+        raise ValueError(f"--batch-seqs {spec.batch_seqs} < world size {world} x --grad-accum {spec.grad_accum}: "
+                         "every rank needs a sequence per micro-batch")
     target.requires_grad_(False)
-    drafter, config = new_drafter(target_dir, target, spec, mask_token_id, layer_ids)
+    drafter, config = new_drafter(target_dir, target, spec, mask_token_id, layer_ids, init)
     opt = torch.optim.AdamW(drafter.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
-    gen = torch.Generator().manual_seed(spec.seed)
     work_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = work_dir / "ckpt.pt"
-    step, train_s = _restore(ckpt_path, config, drafter, opt, gen) if resume else (0, 0.0)
+    ckpt_path, log_path, lead = work_dir / "ckpt.pt", work_dir / "train_log.jsonl", rank == 0
+    step, train_s = _restore(ckpt_path, config, drafter, opt) if resume else (0, 0.0)
+    if lead and resume:
+        _trim_log(log_path, step)
+    elif lead:
+        log_path.unlink(missing_ok=True)
+    model = DDP(BlockDrafter(drafter)) if world > 1 else BlockDrafter(drafter)
+    dev = drafter.fc.weight.device
     store = FeatureStore(target, tuple(layer_ids), max(len(r["ids"]) for r in usable), int(feature_cache_gb * 2**30))
     weights = spec.position_weights
     drafter.train()
     last_ckpt, losses, accepts = time.monotonic(), [], []
-    with tqdm(total=spec.steps, initial=step, desc="train-drafter", unit="step", dynamic_ncols=True) as bar, \
-            (work_dir / "train_log.jsonl").open("a" if resume else "w") as log:
+    with tqdm(total=spec.steps, initial=step, desc="train-drafter", unit="step", dynamic_ncols=True,
+              disable=not lead) as bar, (log_path.open("a") if lead else nullcontext()) as log:
         while spec.progress(step, train_s) < 1.0:
             t0 = time.monotonic()
             lr = spec.lr_at(spec.progress(step, train_s))
             for group in opt.param_groups:
                 group["lr"] = lr
-            picks = torch.randint(len(usable), (spec.batch_seqs,), generator=gen).tolist()
-            batch = [make_blocks(store.get(i, usable[i]["ids"]), usable[i], spec, mask_token_id, gen) for i in picks]
-            loss, accept = block_loss(drafter, target, batch, weights)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), spec.grad_clip)
-            opt.step()
-            step, dt = step + 1, time.monotonic() - t0
-            train_s += dt
-            losses.append(loss.item())
+            picks = list(enumerate(batch_indices(len(usable), spec.batch_seqs, step, spec.seed)))[rank::world]
+            batch = [make_blocks(store.get(i, usable[i]["ids"]), usable[i], spec, mask_token_id,
+                                 anchor_generator(spec.seed, step, j)) for j, i in picks]
+            loss, accept, n_tok = _optimizer_step(model, target, batch, weights, opt, spec)
+            # The slowest rank's time, so a time budget ends every rank at the same step.
+            dt = _all_reduce(torch.tensor(time.monotonic() - t0, device=dev), dist.ReduceOp.MAX).item()
+            step, train_s = step + 1, train_s + dt
+            losses.append(loss)
             accepts.append(accept)
-            n_tok = sum(b.labels.numel() for b in batch)
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", accept=f"{accept:.2f}", tok_s=f"{n_tok / dt:.0f}",
+            bar.set_postfix(loss=f"{loss:.3f}", accept=f"{accept:.2f}", tok_s=f"{n_tok / dt:.0f}",
                             done=f"{100 * spec.progress(step, train_s):.0f}%")
-            log.write(json.dumps({"step": step, "loss": losses[-1], "accept": accept, "lr": lr,
-                                  "block_tokens": n_tok, "step_s": dt, "train_s": train_s}) + "\n")
-            if time.monotonic() - last_ckpt > checkpoint_every_s:
-                _save_checkpoint(ckpt_path, config, drafter, opt, gen, step, train_s)
-                last_ckpt = time.monotonic()
-    _save_checkpoint(ckpt_path, config, drafter, opt, gen, step, train_s)
-    save_drafter(out_dir, config, drafter.state_dict())
+            if lead:
+                log.write(json.dumps({"step": step, "loss": loss, "accept": accept, "lr": lr, "block_tokens": n_tok,
+                                      "step_s": dt, "train_s": train_s, "world_size": world}) + "\n")
+                log.flush()
+                if time.monotonic() - last_ckpt > checkpoint_every_s:
+                    _save_checkpoint(ckpt_path, config, drafter, opt, step, train_s)
+                    last_ckpt = time.monotonic()
+    if lead:
+        _save_checkpoint(ckpt_path, config, drafter, opt, step, train_s)
+        save_drafter(out_dir, config, drafter.state_dict())
     tail = min(20, len(losses))  # 0 when a resumed run had nothing left to do
     mean = (lambda xs: sum(xs[-tail:]) / tail) if tail else (lambda xs: float("nan"))
     return {"steps": step, "train_s": train_s, "loss": mean(losses), "accept": mean(accepts)}
