@@ -28,44 +28,35 @@ def _float_list(text: str) -> list[float]:
 
 def _train_drafter(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
 
     from ddscope.engine import Engine
-    from ddscope.model import Target
     from ddscope.training.distill import DistillSpec, distill
-    from ddscope.training.drafter_ckpt import mask_token_id, pick_layer_ids
-    from ddscope.training.train_drafter import TrainSpec, train
+    from ddscope.training.train import launch, plan, train_from_args
 
-    if args.distill_workers < 1:
-        raise ValueError("--distill-workers must be >= 1")
-    spec = TrainSpec(block_size=args.block_size, layers=args.layers, batch_seqs=args.batch_seqs,
-                     anchors=args.anchors, lr=args.lr, gamma=args.gamma, steps=args.steps,
-                     time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
+    if args.distill_workers < 1 or args.nproc < 1:
+        raise ValueError("--distill-workers and --nproc must be >= 1")
+    work = plan(args).work  # checks the training options before distilling
     dspec = DistillSpec(data=args.data, prompts=args.prompts, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, sampled_frac=args.sampled_frac, seed=args.seed,
                         context_lengths=args.context_lengths or "")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    target = Target.load(Path(args.target), torch.device(args.device), torch.float32)
-    n_layers = target.cfg.geometry.num_layers
-    layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
-    if not all(0 <= i < n_layers for i in layer_ids):
-        raise ValueError(f"--target-layer-ids {layer_ids}: the target has layers 0..{n_layers - 1}")
-    mask_id = mask_token_id(AutoTokenizer.from_pretrained(args.target), args.mask_token_id, target.cfg.vocab_size)
-    work = args.work_dir or args.out.with_name(args.out.name + ".work")
     records = distill(args.target, dspec, work, drafter=args.distill_drafter, method=args.distill_method,
                       time_budget_s=args.distill_min * 60 if args.distill_min else None,
                       workers=args.distill_workers, threads=max(1, threads // args.distill_workers),
                       device=args.device)
     print(f"distilled: {len(records)} sequences, {sum(len(r['ids']) - r['prompt_len'] for r in records)} "
           f"generated tokens in {work}", file=sys.stderr)
-    result = train(Path(args.target), target, records, spec, mask_id, layer_ids, args.out, work,
-                   resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
-                   feature_cache_gb=args.feature_cache_gb, init=args.init_drafter)
-    print(f"drafter written to {args.out}: {result['steps']} steps in {result['train_s'] / 60:.1f} min, "
-          f"loss {result['loss']:.3f}, offline accept {result['accept']:.2f} (mean of the last steps)",
-          file=sys.stderr)
-    Engine.load(args.target, args.out, device=args.device)  # the z-lab loader must read it back
+    if args.nproc > len(records):
+        raise ValueError(f"--nproc {args.nproc} is larger than the data: {len(records)} distilled sequences")
+    if args.nproc > 1:
+        launch(args, args.nproc)
+    else:
+        result = train_from_args(args, records)
+        print(f"drafter written to {args.out}: {result['steps']} steps in {result['train_s'] / 60:.1f} min, "
+              f"loss {result['loss']:.3f}, offline accept {result['accept']:.2f} (mean of the last steps)",
+              file=sys.stderr)
+    Engine.load(args.target, args.out, device=args.device, target_backend=args.target_backend)  # must read back
     return 0
 
 
@@ -79,7 +70,7 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     spec = EvalSpec(workloads=tuple(w for w in args.workloads.split(",") if w), methods=parse_methods(args.methods),
                     temperatures=tuple(args.temperatures), prompts=args.prompts, max_new_tokens=args.max_tokens,
-                    chat_template=args.chat_template)
+                    chat_template=args.chat_template, contexts=tuple(args.contexts))
     engine = Engine.load(args.target, args.drafter, device=args.device)
     report = evaluate(engine, spec)
     print_table(report)
@@ -110,6 +101,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue training from WORK_DIR/ckpt.pt "
                                                          "(distillation always resumes)")
     p.add_argument("--checkpoint-min", type=float, default=5.0, help="minutes between checkpoints (default: 5)")
+    p.add_argument("--target-backend", choices=("auto", "native", "transformers"), default="auto",
+                   help="auto: ddscope's native model for Qwen3/Llama targets, transformers (AutoModelForCausalLM) "
+                        "for any other architecture (default: %(default)s)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="training processes on this machine: runs `torchrun --nproc-per-node N -m "
+                        "ddscope.training.train` after distillation (DDP; gloo on CPU, one GPU per rank on cuda)")
     d = p.add_argument_group("distillation")
     d.add_argument("--data", default=DEFAULT_DATA,
                    help="prompt sources with shares: corpus domains code, docs, chat, padding (a repeated sentence) and/or file:PATH (.jsonl with "
@@ -140,7 +137,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start from this drafter's weights (fine-tuning; same block size, layers and layer ids)")
     t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget)")
     t.add_argument("--time-budget-min", type=float, help="training minutes, summed over resumes (distillation not included)")
-    t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step (default: %(default)s)")
+    t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step, over all ranks (default: %(default)s)")
+    t.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per rank and step: less memory, the same step (default: %(default)s)")
     t.add_argument("--anchors", type=int, default=16, help="anchor blocks per sequence (default: %(default)s)")
     t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (default: %(default)s)")
     t.add_argument("--gamma", type=float, help="position-weight decay exp(-(k-1)/gamma) (default: 7*B/16)")
@@ -166,5 +165,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--chat-template", choices=("auto", "never"), default="auto",
                    help="auto: wrap math and chat prompts in the tokenizer's chat template when it has one; code "
                         "prompts stay raw (HumanEval is a completion task) (default: %(default)s)")
+    e.add_argument("--contexts", type=_int_list, default=[0],
+                   help="prompt lengths in tokens, e.g. 0,1024,4096: each prompt is fitted to each length (earlier "
+                        "prompts of the set prepended, as the bench does), tau is reported per length; 0 = the "
+                        "prompt as it is (default: 0)")
     e.add_argument("--json", type=Path, help="also write the full report here")
     e.set_defaults(func=_eval_acceptance)

@@ -195,6 +195,16 @@ def read_cache(out_dir: Path) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["i"])
 
 
+def _append_whole_lines(path: Path) -> Any:
+    """Open a record file for appending after dropping a torn last line (a run killed mid-write), so new
+    records never glue onto it."""
+    if path.is_file():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            path.write_bytes(data[:data.rfind(b"\n") + 1])
+    return path.open("a")
+
+
 def _check_meta(out_dir: Path, spec: DistillSpec) -> None:
     meta = out_dir / "distill.meta.json"
     if meta.is_file():
@@ -222,7 +232,7 @@ def _worker(worker: int, items: list[tuple[int, str, list[int]]], spec: DistillS
     torch.set_num_threads(threads)
     engine = Engine.load(target, drafter, device=device)
     written, generated, t0 = 0, 0, time.monotonic()
-    with (out_dir / f"distill.{worker}.jsonl").open("a") as f, \
+    with _append_whole_lines(out_dir / f"distill.{worker}.jsonl") as f, \
             tqdm(items, desc=f"distill[{worker}]", unit="seq", position=worker, dynamic_ncols=True) as bar:
         for i, source, ids in bar:
             if time.time() > deadline:

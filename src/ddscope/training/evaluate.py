@@ -4,6 +4,9 @@ Prompt sets are the bench's offline workloads (code = HumanEval, math = GSM8K te
 first turns). Math and chat prompts go through the tokenizer's chat template when it has one (the
 demo target learned chat in ChatML); code prompts stay raw, since HumanEval is a completion task.
 At T=0, when `ar` is among the methods, every method's output is checked against ar's token for token.
+With `contexts`, each prompt is also fitted to those token counts the way the bench and
+benchmarks/speed.py build long contexts (earlier prompts of the set prepended, no chat template),
+so tau per context bucket shows how a drafter holds up at long context.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ddscope.bench.workloads import load_workload
+from ddscope.bench.workloads import fit_ids, load_workload
 
 TEMPLATED = ("math", "chat")
 
@@ -32,6 +35,7 @@ class EvalSpec:
     prompts: int = 20
     max_new_tokens: int = 128
     chat_template: str = "auto"   # "auto" | "never"
+    contexts: tuple[int, ...] = (0,)  # prompt tokens; 0 = each prompt as it is
 
 
 def parse_methods(text: str) -> tuple[Method, ...]:
@@ -50,16 +54,21 @@ def parse_methods(text: str) -> tuple[Method, ...]:
     return tuple(out)
 
 
-def workload_prompts(engine: Any, workload: str, n: int, chat_template: str, max_new_tokens: int) -> list[list[int]]:
-    """The first `n` prompts of a workload as token ids, templated where chosen, clipped to fit."""
+def workload_prompts(engine: Any, workload: str, n: int, chat_template: str, max_new_tokens: int,
+                     context: int = 0) -> list[list[int]]:
+    """The first `n` prompts of a workload as token ids: as they are (templated where chosen, clipped to
+    fit) for context 0, else fitted to exactly `context` tokens."""
     tok = engine.tokenizer
-    use_template = chat_template == "auto" and workload in TEMPLATED and getattr(tok, "chat_template", None)
     room = engine.max_model_len - max_new_tokens
-    if room < 1:
-        raise ValueError(f"--max-tokens {max_new_tokens} leaves no room for a prompt (max_model_len "
-                         f"{engine.max_model_len})")
+    if room < max(1, context):
+        raise ValueError(f"--max-tokens {max_new_tokens} leaves room for {room} prompt tokens (max_model_len "
+                         f"{engine.max_model_len}), fewer than context {context}")
+    spec = load_workload(workload)
+    if context:
+        return [fit_ids(spec, i, context, tok) for i in range(min(n, len(spec.prompts)))]
+    use_template = chat_template == "auto" and workload in TEMPLATED and getattr(tok, "chat_template", None)
     out = []
-    for text in load_workload(workload).prompts[:n]:
+    for text in spec.prompts[:n]:
         if use_template:
             text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            tokenize=False)
@@ -71,50 +80,54 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+Key = tuple[str, int, float, str]  # (workload, context, temperature, method label)
+
+
 def evaluate(engine: Any, spec: EvalSpec) -> dict[str, Any]:
-    """Run every workload x temperature x prompt x method; return results and lossless mismatches."""
+    """Run every workload x context x temperature x prompt x method; return results and lossless mismatches."""
     missing = sorted({m.name for m in spec.methods} - set(engine.methods))
     if missing:
         raise ValueError(f"methods {missing} need a drafter; this engine offers {', '.join(engine.methods)}")
-    prompts = {w: workload_prompts(engine, w, spec.prompts, spec.chat_template, spec.max_new_tokens)
-               for w in spec.workloads}
-    totals: dict[tuple[str, float, str], dict[str, float]] = {}
-    mismatches = []
+    prompts = {(w, c): workload_prompts(engine, w, spec.prompts, spec.chat_template, spec.max_new_tokens, c)
+               for w in spec.workloads for c in spec.contexts}
+    totals: dict[Key, dict[str, float]] = {}
+    mismatches: list[dict[str, Any]] = []
     runs = sum(len(p) for p in prompts.values()) * len(spec.temperatures) * len(spec.methods)
     with tqdm(total=runs, desc="eval-acceptance", unit="gen", dynamic_ncols=True) as bar:
-        for workload, ids_list in prompts.items():
+        for (workload, context), ids_list in prompts.items():
             for temp in spec.temperatures:
                 for i, ids in enumerate(ids_list):
                     outputs = {}
                     for m in spec.methods:
                         out = engine.generate(ids, max_new_tokens=spec.max_new_tokens, method=m.name,
                                               budget=m.budget, temperature=temp, seed=i)
-                        t = totals.setdefault((workload, temp, m.label), dict.fromkeys(
-                            ("prompts", "tokens", "steps", "decode_s"), 0.0))
-                        t["prompts"] += 1
-                        t["tokens"] += out.stats.committed_tokens
-                        t["steps"] += out.stats.verify_steps
-                        t["decode_s"] += out.stats.decode_s
+                        _add(totals.setdefault((workload, context, temp, m.label), {}), out.stats)
                         outputs[m.label] = out.token_ids
                         bar.update(1)
                     if temp == 0 and "ar" in outputs:
                         for label, ids_out in outputs.items():
                             if ids_out != outputs["ar"]:
-                                mismatches.append({"workload": workload, "prompt": i, "method": label,
-                                                   "first_diff": _first_diff(ids_out, outputs["ar"])})
-                                bar.write(f"MISMATCH: {workload} prompt {i}: {label} differs from ar at token "
-                                          f"{mismatches[-1]['first_diff']}")
+                                mismatches.append({"workload": workload, "context": context, "prompt": i,
+                                                   "method": label, "first_diff": _first_diff(ids_out, outputs["ar"])})
+                                bar.write(f"MISMATCH: {workload} ctx {context} prompt {i}: {label} differs from ar "
+                                          f"at token {mismatches[-1]['first_diff']}")
     return {"model": engine.model_name, "spec": {**asdict(spec), "methods": [m.label for m in spec.methods]},
             "results": _summarise(totals), "mismatches": mismatches}
 
 
-def _summarise(totals: dict[tuple[str, float, str], dict[str, float]]) -> list[dict[str, Any]]:
+def _add(total: dict[str, float], stats: Any) -> None:
+    for key, value in (("prompts", 1), ("tokens", stats.committed_tokens), ("steps", stats.verify_steps),
+                       ("decode_s", stats.decode_s)):
+        total[key] = total.get(key, 0.0) + value
+
+
+def _summarise(totals: dict[Key, dict[str, float]]) -> list[dict[str, Any]]:
     rows = []
-    for (workload, temp, label), t in totals.items():
+    for (workload, context, temp, label), t in totals.items():
         tok_s = t["tokens"] / t["decode_s"] if t["decode_s"] else 0.0
-        ar = totals.get((workload, temp, "ar"))
+        ar = totals.get((workload, context, temp, "ar"))
         ar_tok_s = ar["tokens"] / ar["decode_s"] if ar and ar["decode_s"] else None
-        rows.append({"workload": workload, "temperature": temp, "method": label,
+        rows.append({"workload": workload, "context": context, "temperature": temp, "method": label,
                      "tau": t["tokens"] / t["steps"] if t["steps"] else 0.0, "tok_per_s": tok_s,
                      "speedup_vs_ar": tok_s / ar_tok_s if ar_tok_s else None, "prompts": int(t["prompts"]),
                      "tokens": int(t["tokens"]), "verify_steps": int(t["steps"])})
@@ -126,11 +139,11 @@ def print_table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"acceptance: {report['model']} (tau = tokens per verify step, bonus included)")
-    for col in ("workload", "T", "method", "tau", "tok/s", "vs ar", "prompts", "tokens"):
+    for col in ("workload", "ctx", "T", "method", "tau", "tok/s", "vs ar", "prompts", "tokens"):
         table.add_column(col, justify="left" if col in ("workload", "method") else "right")
     for r in report["results"]:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
-        table.add_row(r["workload"], f"{r['temperature']:g}", r["method"], f"{r['tau']:.2f}",
+        table.add_row(r["workload"], str(r["context"] or "as is"), f"{r['temperature']:g}", r["method"], f"{r['tau']:.2f}",
                       f"{r['tok_per_s']:.1f}", speedup, str(r["prompts"]), str(r["tokens"]))
     console = Console(stderr=False)
     console.print(table)
