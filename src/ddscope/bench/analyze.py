@@ -45,6 +45,7 @@ class Point:
     avg_commit_sd: float = 0.0
     step_ms_sd: float = 0.0
     engine_step_ms: float | None = None
+    log_lines: int | None = None  # server log lines behind avg_commit, over the repeats
 
     @property
     def step_ms(self) -> float | None:
@@ -106,11 +107,13 @@ def _aggregate(rows: list[dict[str, Any]]) -> list[Point]:
         steps = [1000.0 * r["avg_commit"] / r["tok_per_s"] for r in grp if r.get("avg_commit")]
         engine = [r["engine_step_ms"] for r in grp if r.get("engine_step_ms")]
         tps = [r["tok_per_s"] for r in grp]
+        logged = [int(r["log_lines"]) for r in grp if r.get("log_lines") is not None]
         points.append(Point(
             label=label, prompt_tokens=median(r["prompt_tokens"] for r in grp), tok_per_s=median(tps),
             avg_commit=median(commits) if len(commits) == len(grp) else None, n=len(grp),
             tok_per_s_sd=pstdev(tps), avg_commit_sd=pstdev(commits) if commits else 0.0,
-            step_ms_sd=pstdev(steps) if steps else 0.0, engine_step_ms=median(engine) if engine else None))
+            step_ms_sd=pstdev(steps) if steps else 0.0, engine_step_ms=median(engine) if engine else None,
+            log_lines=sum(logged) if logged else None))
     return sorted(points, key=lambda p: (p.label, p.prompt_tokens))
 
 
@@ -131,7 +134,7 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
     if raw.get("error"):
         return None
     row = {"label": str(raw.get("label") or default_label), "context": raw.get("context")}
-    for key in ("prompt_tokens", "tok_per_s", "avg_commit", "engine_step_ms"):
+    for key in ("prompt_tokens", "tok_per_s", "avg_commit", "engine_step_ms", "log_lines"):
         row[key] = _num(raw.get(key), key, where)
     if not row["prompt_tokens"] or not row["tok_per_s"]:
         raise AnalysisError(f"{where}: prompt_tokens and tok_per_s must both be > 0")
@@ -154,7 +157,8 @@ def load_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
             raise AnalysisError(f"{path} is not a ddscope bench results.json (no 'records' list)")
         raw_rows = doc["records"]
-        meta = {k: doc.get(k) for k in ("backend", "acceptance_source", "status", "errors")}
+        meta = {k: doc.get(k) for k in ("backend", "acceptance_source", "acceptance_refused", "tok_per_s",
+                                        "server_log", "status", "errors")}
     else:
         with path.open(newline="") as f:
             reader = csv.DictReader(f)

@@ -1,170 +1,96 @@
-"""Which server is at the URL, and where its acceptance (tokens committed per verify step) lives.
+"""Which server is at the URL, and how to read acceptance from its responses and counters.
 
-Every number the bench reports as acceptance comes from one `AcceptanceSource`, recorded with its
-definition: with or without the bonus token, per request, counter difference, windowed gauge or
-lifetime average, and whether it is an approximation. When a server gives nothing, the sweep says
-so and reports tok/s only: acceptance is never invented. Gauges are never differenced.
+Support is detected from what comes back, never from HTTP errors: SGLang and vLLM ignore request
+fields they do not know, so a field the response does not answer is a feature the server lacks.
 See docs/bench.md for the per-engine references.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from ddscope.bench.sources import SOURCES, Acceptance
+
 BACKENDS = ("ddscope", "sglang", "vllm", "llamacpp", "openai")
 Metrics = dict[str, list[float]]  # sample name -> values over label sets
+Reading = Acceptance | str  # an acceptance, or why the source gives none
 
 
-@dataclass(frozen=True)
-class AcceptanceSource:
-    name: str
-    kind: str             # per_request | counter_delta | windowed_gauge | lifetime | none
-    includes_bonus: bool  # whether avg_commit counts the target's own (bonus) token
-    approximate: bool
-    definition: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    avg_commit: float
-    verify_steps: float | None
-    source: AcceptanceSource
-
-
-def _src(name: str, kind: str, definition: str, approximate: bool = False) -> AcceptanceSource:
-    # Every source below is normalised to include the bonus token, the convention of all four engines.
-    return AcceptanceSource(name, kind, True, approximate, definition)
-
-
-NONE = AcceptanceSource("none", "none", False, False, "the server reports no acceptance: tok/s only")
-SOURCES = {s.name: s for s in (
-    _src("ddscope.response", "per_request",
-         "response extension ddscope.avg_commit = committed_tokens / verify_steps"),
-    _src("ddscope.counters", "counter_delta",
-         "delta ddscope:committed_tokens_total / delta ddscope:verify_steps_total around the request"),
-    _src("sglang.sglext", "per_request",
-         "usage.completion_tokens / sglext.spec_tokens_details.spec_verify_ct (return_spec_tokens_details)"),
-    _src("sglang.meta_info", "per_request",
-         "usage.completion_tokens / meta_info.spec_verify_ct (return_meta_info or /generate)"),
-    _src("sglang.gauge", "windowed_gauge",
-         "gauge sglang:spec_accept_length read after the request: an average over the server's last "
-         "log window, possibly including other traffic; never differenced", approximate=True),
-    _src("sglang.server_info", "lifetime",
-         "/get_server_info internal_states[].avg_spec_accept_length: averaged over the server's "
-         "whole lifetime, not this request", approximate=True),
-    _src("vllm.response", "per_request",
-         "metrics.speculative_decoding.mean_acceptance_length = 1 + num_accepted_draft_tokens / "
-         "num_spec_steps (--per-request-spec-decode-metrics)"),
-    _src("vllm.counters", "counter_delta",
-         "1 + delta vllm:spec_decode_num_accepted_tokens_total / delta vllm:spec_decode_num_drafts_total"),
-    _src("llamacpp.timings", "per_request",
-         "timings.predicted_n / (predicted_n - draft_n_accepted): llama.cpp gives no verify-step "
-         "count, so steps are approximated as predicted_n - draft_n_accepted", approximate=True),
-    _src("llamacpp.counters", "counter_delta",
-         "1 + delta llamacpp:spec_decode_num_accepted_tokens_total / delta "
-         "llamacpp:spec_decode_num_drafts_total"),
-    _src("llamacpp.legacy_counters", "counter_delta",
-         "delta llamacpp:tokens_predicted_total / (delta tokens_predicted_total - delta "
-         "tokens_drafted_accepted_total): steps approximated as in timings", approximate=True),
-)}
-
-# Request fields that switch per-request telemetry on, tried in order until the server accepts one.
-REQUEST_EXTRAS: dict[str, list[dict[str, Any]]] = {
-    "ddscope": [{"return_rounds": True}, {}],
-    "sglang": [{"return_spec_tokens_details": True}, {"return_meta_info": True}, {}],
-}
-
-
-def _num(value: Any) -> float | None:
+def num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _per_request(backend: str, body: dict[str, Any], completion_tokens: int) -> Acceptance | None:
-    """Acceptance carried by the response body itself."""
-    if backend == "ddscope":
-        ext = body.get("ddscope") or {}
-        avg, steps = _num(ext.get("avg_commit")), _num(ext.get("verify_steps"))
-        return Acceptance(avg, steps, SOURCES["ddscope.response"]) if avg and steps else None
-    if backend == "sglang":
-        choice = (body.get("choices") or [{}])[0]
-        places = (("sglang.sglext", (body.get("sglext") or {}).get("spec_tokens_details")),
-                  ("sglang.meta_info", choice.get("meta_info") or body.get("meta_info")))
-        for name, details in places:
-            steps = _num((details or {}).get("spec_verify_ct"))
-            if steps:
-                return Acceptance(completion_tokens / steps, steps, SOURCES[name])
-        return None
-    if backend == "vllm":
-        spec = (body.get("metrics") or {}).get("speculative_decoding") or {}
-        avg, steps = _num(spec.get("mean_acceptance_length")), _num(spec.get("num_spec_steps"))
-        return Acceptance(avg, steps, SOURCES["vllm.response"]) if avg and steps else None
-    if backend == "llamacpp":
-        t = body.get("timings") or {}
-        predicted, accepted = _num(t.get("predicted_n")), _num(t.get("draft_n_accepted"))
-        if t.get("draft_n") is None or not predicted or accepted is None or predicted <= accepted:
-            return None
-        steps = predicted - accepted
-        return Acceptance(predicted / steps, steps, SOURCES["llamacpp.timings"])
-    return None
+# ---- per request ---------------------------------------------------------------------------------
+
+def _per_step(tokens: float | None, steps: float | None) -> tuple[float, float] | None:
+    return (tokens / steps, steps) if tokens and steps else None
 
 
-def _delta(before: Metrics, after: Metrics, name: str) -> float | None:
-    if name not in before or name not in after:
-        return None
-    return sum(after[name]) - sum(before[name])
+def _choice(body: dict[str, Any]) -> dict[str, Any]:
+    choices = body.get("choices")
+    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
 
 
-def _bonus_ratio(accepted: float | None, drafts: float | None) -> tuple[float, float] | None:
-    return (1.0 + accepted / drafts, drafts) if accepted is not None and drafts else None
+def _ddscope(body: dict[str, Any], _: int) -> tuple[float, float] | None:
+    ext = body.get("ddscope") or {}
+    avg, steps = num(ext.get("avg_commit")), num(ext.get("verify_steps"))
+    return (avg, steps) if avg and steps else None
 
 
-Delta = Callable[[str], "float | None"]
+def _vllm(body: dict[str, Any], _: int) -> tuple[float, float] | None:
+    spec = (body.get("metrics") or {}).get("speculative_decoding") or {}
+    avg, steps = num(spec.get("mean_acceptance_length")), num(spec.get("num_spec_steps"))
+    return (avg, steps) if avg and steps else None
 
 
-def _ddscope_rule(d: Delta) -> tuple[float, float] | None:
-    steps, committed = d("ddscope:verify_steps_total"), d("ddscope:committed_tokens_total")
-    return (committed / steps, steps) if steps and committed is not None else None
-
-
-def _llamacpp_legacy_rule(d: Delta) -> tuple[float, float] | None:
-    # Older builds count drafted/accepted tokens only; steps ~ predicted - accepted, as for timings.
-    predicted, accepted = d("llamacpp:tokens_predicted_total"), d("llamacpp:tokens_drafted_accepted_total")
-    if not predicted or accepted is None or predicted <= accepted:
+def _llamacpp_timings(body: dict[str, Any], _: int) -> tuple[float, float] | None:
+    t = body.get("timings") or {}
+    predicted, accepted = num(t.get("predicted_n")), num(t.get("draft_n_accepted"))
+    if t.get("draft_n") is None or not predicted or accepted is None or predicted <= accepted:
         return None
     return predicted / (predicted - accepted), predicted - accepted
 
 
-# backend -> [(source name, rule)] in order of preference; a rule maps counter deltas to
-# (avg_commit, verify_steps).
-COUNTER_RULES: dict[str, list[tuple[str, Callable[[Delta], tuple[float, float] | None]]]] = {
-    "ddscope": [("ddscope.counters", _ddscope_rule)],
-    "vllm": [("vllm.counters", lambda d: _bonus_ratio(
-        d("vllm:spec_decode_num_accepted_tokens_total"), d("vllm:spec_decode_num_drafts_total")))],
-    "llamacpp": [
-        ("llamacpp.counters", lambda d: _bonus_ratio(
-            d("llamacpp:spec_decode_num_accepted_tokens_total"), d("llamacpp:spec_decode_num_drafts_total"))),
-        ("llamacpp.legacy_counters", _llamacpp_legacy_rule),
-    ],
+# source -> (what the response must carry, reader(body, completion_tokens) -> (avg_commit, steps))
+PER_REQUEST: dict[str, tuple[str, Callable[[dict[str, Any], int], tuple[float, float] | None]]] = {
+    "ddscope.response": ("ddscope.avg_commit", _ddscope),
+    "sglang.sglext": ("sglext.spec_tokens_details.spec_verify_ct", lambda b, n: _per_step(
+        n, num(((b.get("sglext") or {}).get("spec_tokens_details") or {}).get("spec_verify_ct")))),
+    "sglang.meta_info": ("choices[0].meta_info.spec_verify_ct", lambda b, n: _per_step(
+        n, num((_choice(b).get("meta_info") or {}).get("spec_verify_ct")))),
+    "sglang.generate": ("meta_info.spec_verify_ct", lambda b, n: _per_step(
+        n, num((b.get("meta_info") or {}).get("spec_verify_ct")))),
+    "vllm.response": ("metrics.speculative_decoding", _vllm),
+    "llamacpp.timings": ("timings.draft_n_accepted", _llamacpp_timings),
 }
 
 
-def _counter_delta(backend: str, before: Metrics, after: Metrics, only: str | None = None) -> Acceptance | None:
-    for name, rule in COUNTER_RULES.get(backend, []):
-        if only in (None, name):
-            got = rule(lambda metric: _delta(before, after, metric))
-            if got:
-                return Acceptance(got[0], got[1], SOURCES[name])
-    return None
+def per_request(name: str, body: dict[str, Any], completion_tokens: int) -> Reading:
+    what, reader = PER_REQUEST[name]
+    got = reader(body, completion_tokens)
+    return Acceptance(got[0], got[1], SOURCES[name]) if got else f"the response has no {what}"
 
 
-def parse_metrics(text: str) -> Metrics:
-    """Prometheus text -> {sample name: [values over label sets]}; `_created` samples are dropped."""
+# ---- counters ------------------------------------------------------------------------------------
+
+@dataclass
+class Scrape:
+    """One /metrics read: summed values per sample name, and the names printed `%g`-rounded."""
+    values: Metrics
+    rounded: set[str] = field(default_factory=set)
+
+
+# C++ streams print doubles with 6 significant digits: 1234567 -> 1.23457e+06 (llama.cpp's /metrics).
+# Prometheus clients print full precision and never use an exponent below 1e16.
+_ROUNDED = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+[-+]?\d(?:\.\d{1,5})?[eE]\+\d+\s*$", re.M)
+
+
+def parse_metrics(text: str) -> Scrape:
+    """Prometheus text -> values per sample name (`_created` samples dropped) and rounded names."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: Metrics = {}
@@ -172,11 +98,101 @@ def parse_metrics(text: str) -> Metrics:
         for sample in family.samples:
             if not sample.name.endswith("_created"):
                 out.setdefault(sample.name, []).append(float(sample.value))
-    return out
+    return Scrape(out, {m.group(1) for m in _ROUNDED.finditer(text)})
 
+
+def _bonus(accepted: float, drafts: float) -> tuple[float, float] | None:
+    return (1.0 + accepted / drafts, drafts) if drafts else None
+
+
+def _legacy(predicted: float, accepted: float) -> tuple[float, float] | None:
+    # Older llama.cpp builds count drafted/accepted tokens only: steps ~ predicted - accepted.
+    return (predicted / (predicted - accepted), predicted - accepted) if predicted > accepted else None
+
+
+# source -> (counter names, rule(delta of each) -> (avg_commit, verify_steps))
+COUNTERS: dict[str, tuple[tuple[str, str], Callable[[float, float], tuple[float, float] | None]]] = {
+    "ddscope.counters": (("ddscope:committed_tokens_total", "ddscope:verify_steps_total"), _per_step),
+    # source: sglang/srt/observability/metrics_collector.py:1861,1866
+    "sglang.counters": (("sglang:generation_tokens_total", "sglang:spec_verify_calls_total"), _per_step),
+    "vllm.counters": (("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"), _bonus),
+    # source: llama.cpp tools/server/server-task.cpp:1558,1562 (drafts_total counts verify steps)
+    "llamacpp.counters": (("llamacpp:spec_decode_num_accepted_tokens_total",
+                           "llamacpp:spec_decode_num_drafts_total"), _bonus),
+    "llamacpp.legacy_counters": (("llamacpp:tokens_predicted_total", "llamacpp:tokens_drafted_accepted_total"),
+                                 _legacy),
+}
+
+
+def counter_delta(name: str, before: Scrape | None, after: Scrape | None) -> Reading:
+    if before is None or after is None:
+        return "no readable /metrics"
+    metrics, rule = COUNTERS[name]
+    for metric in metrics:
+        if metric not in before.values or metric not in after.values:
+            return f"/metrics has no {metric}"
+        if metric in before.rounded or metric in after.rounded:
+            return (f"{metric} is printed %g-rounded to 6 significant digits (e.g. 1.23457e+06): deltas "
+                    f"would be off by tens of tokens")
+    got = rule(*(sum(after.values[m]) - sum(before.values[m]) for m in metrics))
+    return Acceptance(got[0], got[1], SOURCES[name]) if got else f"{metrics[1]} did not move over the request"
+
+
+# ---- timing --------------------------------------------------------------------------------------
+
+def server_prefill_s(backend: str, body: dict[str, Any]) -> float | None:
+    """Prefill time the server reports, so decode tok/s can exclude it."""
+    if backend == "ddscope":
+        ms = num((body.get("ddscope") or {}).get("prefill_ms"))
+    elif backend == "llamacpp":
+        ms = num((body.get("timings") or {}).get("prompt_ms"))
+    else:
+        ms = None
+    return ms / 1000.0 if ms is not None else None
+
+
+def server_decode(backend: str, body: dict[str, Any], completion_tokens: int) -> tuple[int, float] | None:
+    """(tokens, seconds) of the decode phase alone, first to last output token, where the server
+    times it per request; the first token belongs to prefill."""
+    if backend == "vllm":  # --enable-per-request-metrics; vllm/entrypoints/generate/base/serving.py:76
+        seconds = num((body.get("metrics") or {}).get("generation_time_ms"))
+        seconds = seconds / 1000.0 if seconds is not None else None
+    elif backend == "sglang":  # /generate with --enable-metrics; sglang/srt/observability/req_time_stats.py:516
+        meta = body.get("meta_info") or {}
+        e2e, first = num(meta.get("e2e_latency")), num(meta.get("first_token_latency"))
+        seconds = e2e - first if e2e is not None and first is not None else None
+    else:
+        seconds = None
+    return (completion_tokens - 1, seconds) if seconds and completion_tokens > 1 else None
+
+
+def engine_step_ms(backend: str, body: dict[str, Any]) -> float | None:
+    """The engine's own mean verify-step time, where it reports one (ddscope)."""
+    return num((body.get("ddscope") or {}).get("mean_step_ms")) if backend == "ddscope" else None
+
+
+def step_commits(backend: str, body: dict[str, Any]) -> list[int] | None:
+    """Tokens committed at each verify step, in order, where the server reports per-step data."""
+    if backend == "ddscope":
+        rounds = (body.get("ddscope") or {}).get("rounds")
+        return [int(r["committed"]) for r in rounds] if isinstance(rounds, list) and rounds else None
+    if backend == "vllm":  # --per-request-spec-decode-metrics detailed; +1 for the bonus token
+        accepted = ((body.get("metrics") or {}).get("speculative_decoding") or {}).get("per_step_accepted")
+        return [int(a) + 1 for a in accepted] if isinstance(accepted, list) and accepted else None
+    return None
+
+
+def usage_of(body: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt_tokens, completion_tokens): OpenAI `usage`, or SGLang /generate's `meta_info`."""
+    usage = body.get("usage") or body.get("meta_info") or {}
+    prompt, completion = num(usage.get("prompt_tokens")), num(usage.get("completion_tokens"))
+    return (int(prompt) if prompt else None), (int(completion) if completion else None)
+
+
+# ---- the server ----------------------------------------------------------------------------------
 
 class Server:
-    """HTTP access to an OpenAI-compatible server for detection and telemetry scrapes."""
+    """HTTP access to a server for detection and telemetry scrapes."""
 
     def __init__(self, base_url: str, client: httpx.Client):
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -189,7 +205,7 @@ class Server:
             return None
         return resp if resp.status_code == 200 else None
 
-    def metrics(self) -> Metrics | None:
+    def metrics(self) -> Scrape | None:
         resp = self._get("/metrics")
         if resp is None:
             return None
@@ -207,15 +223,22 @@ class Server:
         return body if isinstance(body, dict) else {}
 
     def models(self) -> dict[str, Any]:
-        """The first entry of /v1/models (id, owned_by, max_model_len where given)."""
+        """The first entry of /v1/models."""
         data = self._get_json("/v1/models").get("data")
         return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
 
+    @staticmethod
+    def context_limit(info: dict[str, Any]) -> int | None:
+        """Prompt + output tokens a request may hold: vLLM/SGLang `max_model_len`, llama.cpp
+        `meta.n_ctx` (per slot; tools/server/server-context.cpp:4537)."""
+        value = num(info.get("max_model_len")) or num((info.get("meta") or {}).get("n_ctx"))
+        return int(value) if value else None
+
     def lifetime_accept_length(self) -> float | None:
-        """SGLang's lifetime-cumulative average (both route spellings exist across versions)."""
-        for path in ("/get_server_info", "/server_info"):
+        """SGLang's lifetime average; /get_server_info is deprecated and warns on every call."""
+        for path in ("/server_info", "/get_server_info"):
             states = self._get_json(path).get("internal_states")
-            values = [_num(s.get("avg_spec_accept_length")) for s in states or [] if isinstance(s, dict)]
+            values = [num(s.get("avg_spec_accept_length")) for s in states or [] if isinstance(s, dict)]
             values = [v for v in values if v]
             if values:
                 return sum(values) / len(values)
@@ -231,74 +254,3 @@ class Server:
                 return name
         owner = str(self.models().get("owned_by", "")).lower().replace(".", "")
         return next((b for b in BACKENDS[:4] if b in owner), "openai")
-
-
-class AcceptanceReader:
-    """One source, chosen by a probe request, then read the same way for every request."""
-
-    def __init__(self, backend: str, server: Server):
-        self.backend, self.server, self.source = backend, server, NONE
-
-    def snapshot(self) -> Metrics | None:
-        """Counters before a request, when the source is a counter difference."""
-        return self.server.metrics() if self.source.kind == "counter_delta" else None
-
-    def choose(self, body: dict[str, Any], completion_tokens: int,
-               before: Metrics | None, after: Metrics | None) -> None:
-        """Pick the best source the probe's response and scrapes show: per request, counters,
-        windowed gauge, lifetime, or none."""
-        found = _per_request(self.backend, body, completion_tokens)
-        if found is None and before is not None and after is not None:
-            found = _counter_delta(self.backend, before, after)
-        if found is not None:
-            self.source = found.source
-        elif self.backend == "sglang" and after and "sglang:spec_accept_length" in after:
-            self.source = SOURCES["sglang.gauge"]
-        elif self.backend == "sglang" and self.server.lifetime_accept_length():
-            self.source = SOURCES["sglang.server_info"]
-        else:
-            self.source = NONE
-
-    def read(self, body: dict[str, Any], completion_tokens: int, before: Metrics | None) -> Acceptance | None:
-        kind = self.source.kind
-        if kind == "per_request":
-            got = _per_request(self.backend, body, completion_tokens)
-            return got if got and got.source == self.source else None
-        if kind == "counter_delta":
-            after = self.server.metrics()
-            return _counter_delta(self.backend, before, after, self.source.name) if before and after else None
-        if kind == "windowed_gauge":
-            values = (self.server.metrics() or {}).get("sglang:spec_accept_length") or []
-            values = [v for v in values if v > 0]  # idle ranks report 0
-            return Acceptance(sum(values) / len(values), None, self.source) if values else None
-        if kind == "lifetime":
-            value = self.server.lifetime_accept_length()
-            return Acceptance(value, None, self.source) if value else None
-        return None
-
-
-def server_prefill_s(backend: str, body: dict[str, Any]) -> float | None:
-    """Prefill time the server reports, so decode tok/s can exclude it."""
-    if backend == "ddscope":
-        ms = _num((body.get("ddscope") or {}).get("prefill_ms"))
-    elif backend == "llamacpp":
-        ms = _num((body.get("timings") or {}).get("prompt_ms"))
-    else:
-        ms = None
-    return ms / 1000.0 if ms is not None else None
-
-
-def engine_step_ms(backend: str, body: dict[str, Any]) -> float | None:
-    """The engine's own mean verify-step time, where it reports one (ddscope)."""
-    return _num((body.get("ddscope") or {}).get("mean_step_ms")) if backend == "ddscope" else None
-
-
-def step_commits(backend: str, body: dict[str, Any]) -> list[int] | None:
-    """Tokens committed at each verify step, in order, where the server reports per-step data."""
-    if backend == "ddscope":
-        rounds = (body.get("ddscope") or {}).get("rounds")
-        return [int(r["committed"]) for r in rounds] if isinstance(rounds, list) and rounds else None
-    if backend == "vllm":  # --per-request-spec-decode-metrics detailed; +1 for the bonus token
-        accepted = ((body.get("metrics") or {}).get("speculative_decoding") or {}).get("per_step_accepted")
-        return [int(a) + 1 for a in accepted] if isinstance(accepted, list) and accepted else None
-    return None

@@ -84,6 +84,13 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     s.add_argument("--timeout", type=_number(0.0, 86400.0, low_open=True), default=600.0, help="per-request timeout in seconds")
     s.add_argument("--window", type=_at_least(1), default=32,
                    help="generated tokens per window for acceptance against position")
+    lg = p.add_argument_group("server log (acceptance from the server's own log lines)")
+    src = lg.add_mutually_exclusive_group()
+    src.add_argument("--server-log", type=Path, metavar="PATH", help="a log file the server appends to")
+    src.add_argument("--log-cmd", metavar="CMD",
+                     help='a command whose stdout is the log stream, e.g. "journalctl -u sglang -f -o short-iso"')
+    lg.add_argument("--log-gap", type=_number(0.0, 600.0, low_open=True), default=2.0, metavar="S",
+                    help="idle seconds after each request so log lines never straddle two (default: 2)")
 
 
 def register(subparsers: Any) -> None:
@@ -101,7 +108,8 @@ def register(subparsers: Any) -> None:
 
     analyze = sub.add_parser("analyze", help="fit, predict and attribute from results.json or CSV files")
     analyze.add_argument("files", nargs="*", type=Path, metavar="FILE",
-                         help="results.json, or CSV with prompt_tokens,tok_per_s,avg_commit[,label]")
+                         help="results.json, or CSV with prompt_tokens,tok_per_s,avg_commit[,label]; several "
+                              "files with the same workload are overlaid, each labelled by its folder")
     analyze.add_argument("--baseline", help="label of the baseline curve (default: padding, else the first)")
     analyze.add_argument("--point", action="append", default=[], metavar="CTX:TPS:COMMIT[:LABEL]",
                          help='an observed point, e.g. 4000:45:3.1 for "45 tok/s at 4000 tokens, avg_commit 3.1"')
@@ -188,6 +196,21 @@ class _Progress:
         self.bar.refresh()
 
 
+def _server_log(args: argparse.Namespace) -> Any:
+    """The followed server log (--server-log / --log-cmd) as a context manager, or a null one."""
+    import contextlib
+
+    from ddscope.bench.serverlog import LogError, ServerLog
+
+    if args.server_log is None and args.log_cmd is None:
+        return contextlib.nullcontext(None)
+    try:
+        log = ServerLog(path=args.server_log, command=args.log_cmd)
+    except LogError as e:
+        raise BenchError(str(e)) from e
+    return contextlib.closing(log)
+
+
 def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]) -> list[Path]:
     """Run one sweep per workload on one server (embedded or --url); returns the results.json paths."""
     import contextlib
@@ -205,14 +228,14 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
                                      budget=args.budget, host="127.0.0.1", port=0, device=args.device,
                                      dtype=args.dtype)
     paths = []
-    with server as base_url, httpx.Client() as client:
+    with server as base_url, httpx.Client() as client, _server_log(args) as log:
         tokenizer = _load_tokenizer(args)
         for workload, out in zip(workloads, dirs):
             cfg = SweepConfig(contexts=args.contexts, max_tokens=args.max_tokens, repeats=args.repeats,
                               warmup=args.warmup, workload=workload, api=args.api, temperature=args.temperature,
                               stream=args.stream, model=args.model, backend=args.backend, timeout_s=args.timeout,
-                              clamp_contexts=args.clamp_contexts)
-            sweep = Sweep(cfg, base_url, client, tokenizer)
+                              clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap)
+            sweep = Sweep(cfg, base_url, client, tokenizer, log)
             total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)
             try:
                 with _Progress(total, f"{sweep.workload.label} on {sweep.backend}") as bar:
@@ -234,8 +257,13 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     rows: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     errors: dict[str, int] = {}
-    for path in paths:
-        file_rows, file_meta = load_rows(path)
+    loaded = [load_rows(path) for path in paths]
+    if _overlaid(loaded):
+        for (file_rows, _), tag in zip(loaded, _tags(paths)):
+            for row in file_rows:
+                row["label"] = f"{row['label']} [{tag}]"
+        baseline = baseline or next((r["label"] for r in loaded[0][0]), None)
+    for file_rows, file_meta in loaded:
         rows += file_rows
         for msg, count in (file_meta.pop("errors", None) or {}).items():
             errors[msg] = errors.get(msg, 0) + count
@@ -251,11 +279,28 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     if as_json:
         print(json.dumps(analysis.to_dict(predictions), indent=1))
     else:
-        print_report(analysis, Console(), errors, meta.get("acceptance_source"), predictions)
+        print_report(analysis, Console(), meta, predictions)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_outputs(analysis, meta, out)
     return 0
+
+
+def _overlaid(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]]) -> bool:
+    """Several files that share a workload label: runs to overlay (e.g. old and new drafter)."""
+    seen: set[str] = set()
+    for rows, _ in loaded:
+        labels = {r["label"] for r in rows}
+        if labels & seen:
+            return True
+        seen |= labels
+    return False
+
+
+def _tags(paths: list[Path]) -> list[str]:
+    """A short distinct name per file: its folder (old/results.json -> old), else its path."""
+    names = [p.resolve().parent.name or p.stem for p in paths]
+    return names if len(set(names)) == len(names) else [str(p) for p in paths]
 
 
 def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

@@ -17,14 +17,42 @@ def _pm(value: float | None, sd: float, digits: int) -> str:
     return f"{value:.{digits}f} ±{sd:.{digits}f}" if sd else f"{value:.{digits}f}"
 
 
-def _row(p: Point) -> list[str]:
+def _row(p: Point, with_log: bool) -> list[str]:
     engine = f"{p.engine_step_ms:.2f}" if p.engine_step_ms else "-"
-    return [p.label, f"{p.prompt_tokens:.0f}", _pm(p.tok_per_s, p.tok_per_s_sd, 1),
-            _pm(p.avg_commit, p.avg_commit_sd, 2), _pm(p.step_ms, p.step_ms_sd, 2), engine, str(p.n)]
+    row = [p.label, f"{p.prompt_tokens:.0f}", _pm(p.tok_per_s, p.tok_per_s_sd, 1),
+           _pm(p.avg_commit, p.avg_commit_sd, 2), _pm(p.step_ms, p.step_ms_sd, 2), engine, str(p.n)]
+    return row + ([str(p.log_lines) if p.log_lines is not None else "-"] if with_log else [])
 
 
 DECAY_NOTE = 0.1  # the terminal lists acceptance-by-position only where it moved this much
 HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine step_ms", "n"]
+LOG_HEADER = "log lines"  # shown when a server log was followed: the lines behind each avg_commit
+
+
+def _headers(a: Analysis) -> list[str]:
+    return HEADERS + ([LOG_HEADER] if any(p.log_lines is not None for p in a.points) else [])
+
+
+def setup_lines(meta: dict[str, Any]) -> list[str]:
+    """Where acceptance and tok/s come from, why other sources were refused, and the log totals."""
+    out = []
+    source = meta.get("acceptance_source") or {}
+    if source:
+        approx = " (approximate)" if source.get("approximate") else ""
+        out.append(f"acceptance: {source['name']} [{source['kind']}]{approx}: {source['definition']}")
+    for name, why in (meta.get("acceptance_refused") or {}).items():
+        out.append(f"  refused {name}: {why}")
+    rate = meta.get("tok_per_s") or {}
+    if rate:
+        prefill = "includes prefill" if rate.get("includes_prefill") else "decode only"
+        out.append(f"tok/s: {rate['basis']} ({prefill}): {rate['definition']}")
+    log = meta.get("server_log") or {}
+    if log:
+        out.append(f"server log ({log['origin']}): {log['lines_seen']} lines, {log['lines_recognised']} with "
+                   f"acceptance ({', '.join(log['formats']) or 'none'}), {log['lines_used']} used, "
+                   f"{log['lines_straddling']} straddling two requests (dropped), "
+                   f"{log['lines_outside_requests']} outside any request")
+    return out
 
 
 def _decay_rows(a: Analysis) -> list[dict[str, Any]]:
@@ -41,18 +69,18 @@ def fit_line(a: Analysis) -> str:
             f"{a.fit.n_points} points, R^2 = {r2})")
 
 
-def print_report(a: Analysis, console: Console, errors: dict[str, int] | None = None,
-                 source: dict[str, Any] | None = None, predictions: list[dict[str, float]] = ()) -> None:
-    """The terminal table (median ±sd over repeats), the fit, verdicts and notes."""
+def print_report(a: Analysis, console: Console, meta: dict[str, Any],
+                 predictions: list[dict[str, float]] = ()) -> None:
+    """The terminal table (median ±sd over repeats), the setup, the fit, verdicts and notes."""
     table = Table(title="ddscope bench: tok/s = avg_commit / step_time")
-    for h in HEADERS:
+    headers = _headers(a)
+    for h in headers:
         table.add_column(h, justify="left" if h == "workload" else "right")
     for p in a.points:
-        table.add_row(*_row(p))
+        table.add_row(*_row(p, LOG_HEADER in headers))
     console.print(table)
-    if source:
-        approx = " (approximate)" if source.get("approximate") else ""
-        console.print(f"acceptance: {source['name']} [{source['kind']}]{approx}: {source['definition']}")
+    for line in setup_lines(meta):
+        console.print(line, highlight=False, markup=False)
     console.print(fit_line(a))
     for pred in predictions:
         console.print(f"- predicted at {pred['prompt_tokens']:.0f} tokens with avg_commit {pred['avg_commit']:.2f}: "
@@ -69,7 +97,7 @@ def print_report(a: Analysis, console: Console, errors: dict[str, int] | None = 
         console.print(f"- acceptance holds over the generation (last window within {DECAY_NOTE:.0%} of the first)")
     for note in a.notes:
         console.print(f"note: {note}", highlight=False)
-    for message, count in (errors or {}).items():
+    for message, count in (meta.get("errors") or {}).items():
         console.print(f"[red]errors[/red]: {count} x {message}", highlight=False)
 
 
@@ -130,18 +158,15 @@ def plot(a: Analysis, path: Path) -> None:
 def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
     """report.md: setup, table, plot, fit and verdict."""
     backend = meta.get("backend") or {}
-    source = meta.get("acceptance_source") or {}
     lines = ["# ddscope bench report", ""]
     if backend:
         lines.append(f"- backend: {backend.get('name')} at {backend.get('url')}, model `{backend.get('model')}`")
-    if source:
-        approx = ", approximate" if source.get("approximate") else ""
-        lines.append(f"- acceptance source: `{source.get('name')}` ({source.get('kind')}{approx}): "
-                     f"{source.get('definition')}")
+    lines += [f"- {line.strip()}" for line in setup_lines(meta)]
     if meta.get("status"):
         lines.append(f"- status: {meta['status']}")
-    lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(_row(p)) + " |" for p in a.points]
+    headers = _headers(a)
+    lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_row(p, LOG_HEADER in headers)) + " |" for p in a.points]
     lines += ["", "Values are medians over repeats, ± the standard deviation."]
     if plot_name:
         lines += ["", f"![sweep]({plot_name})"]

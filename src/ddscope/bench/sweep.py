@@ -21,20 +21,38 @@ from typing import Any
 
 import httpx
 
+from ddscope.bench.acceptance import AcceptanceReader, Observation
 from ddscope.bench.backends import (
-    REQUEST_EXTRAS,
-    AcceptanceReader,
     Server,
     engine_step_ms,
+    server_decode,
     server_prefill_s,
     step_commits,
+    usage_of,
 )
+from ddscope.bench.serverlog import ServerLog
 from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
 
 SCHEMA = "ddscope.bench.results/1"
 CSV_FIELDS = ("label", "context", "repeat", "prompt_tokens", "completion_tokens", "latency_s", "prefill_s",
-              "tok_per_s", "e2e_tok_per_s", "avg_commit", "verify_steps", "step_ms", "engine_step_ms", "error")
+              "tok_per_s", "tok_per_s_basis", "e2e_tok_per_s", "avg_commit", "verify_steps", "step_ms",
+              "engine_step_ms", "log_lines", "log_straddling", "error")
 PROBE_TOKENS = 8
+
+# Request fields that switch per-request telemetry on. Servers that ignore unknown fields (SGLang,
+# vLLM) are read from the response; the next set is tried only when a server rejects the fields.
+REQUEST_EXTRAS: dict[str, list[dict[str, Any]]] = {
+    "ddscope": [{"return_rounds": True}, {}],
+    # source: sglang/srt/entrypoints/openai/protocol.py:393,961,964 (return_meta_info: chat only)
+    "sglang": [{"return_spec_tokens_details": True, "return_meta_info": True}, {}],
+}
+TOK_PER_S_BASIS = {
+    "server_decode": "(completion_tokens - 1) / the server's own decode time, first to last output token "
+                     "(vLLM metrics.generation_time_ms, SGLang /generate e2e_latency - first_token_latency)",
+    "client_minus_prefill": "completion_tokens / (client latency - prefill), prefill as the server reports it "
+                            "(ddscope prefill_ms, llama.cpp timings.prompt_ms) or the streamed time to first token",
+    "client_latency": "completion_tokens / client latency: includes prefill (the server gives no timing)",
+}
 
 
 class RequestFailed(RuntimeError):
@@ -55,6 +73,7 @@ class SweepConfig:
     backend: str = "auto"
     timeout_s: float = 600.0
     clamp_contexts: bool = False  # default contexts: shrink those that do not fit max_model_len
+    log_gap_s: float = 2.0        # idle time after each request when a server log is followed
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -167,31 +186,52 @@ def post(client: httpx.Client, url: str, payload: dict[str, Any], stream: bool,
         raise RequestFailed(f"unreadable response: {e}") from e
 
 
+def decode_rate(backend: str, body: dict[str, Any], completion: int, latency: float,
+                ttft: float | None) -> tuple[float, str, float | None]:
+    """(tok/s, basis, prefill s): the server's own decode timing, else client latency less prefill,
+    else the whole latency (which then includes prefill)."""
+    decode = server_decode(backend, body, completion)
+    if decode is not None:
+        return decode[0] / decode[1], "server_decode", None
+    prefill = server_prefill_s(backend, body)
+    prefill = prefill if prefill is not None else ttft
+    if prefill is not None and prefill < latency:
+        return completion / (latency - prefill), "client_minus_prefill", prefill
+    return completion / latency, "client_latency", prefill
+
+
 class Sweep:
     """One sweep against one server: probe, then warmup and timed repeats per context."""
 
-    def __init__(self, cfg: SweepConfig, base_url: str, client: httpx.Client, tokenizer: Tokenizer | None = None):
+    def __init__(self, cfg: SweepConfig, base_url: str, client: httpx.Client, tokenizer: Tokenizer | None = None,
+                 log: ServerLog | None = None):
         self.cfg = cfg
         self.client = client
         self.server = Server(base_url, client)
         self.tokenizer = tokenizer
+        self.log = log
         self.workload = load_workload(cfg.workload)
         self.backend = cfg.backend if cfg.backend != "auto" else self.server.detect()
         info = self.server.models()
         self.model = cfg.model or info.get("id")
-        self.max_model_len = info.get("max_model_len")
+        self.max_model_len = Server.context_limit(info)
         if cfg.clamp_contexts and self.max_model_len:
-            room = max(1, int(self.max_model_len) - cfg.max_tokens)
+            room = max(1, self.max_model_len - cfg.max_tokens)
             cfg.contexts = sorted({min(c, room) for c in cfg.contexts})
-        self.reader = AcceptanceReader(self.backend, self.server)
+        self.reader = AcceptanceReader(self.backend, self.server, log)
         self.extras: dict[str, Any] = {}
-        self.token_ids = cfg.api == "completions" and tokenizer is not None  # exact lengths
+        self.token_ids = tokenizer is not None and cfg.api == "completions"  # exact lengths
         self.chars_per_token = 4.0  # replaced by the probe when prompts are text
         self.template_tokens = 0  # chat template tokens around the content, measured by the probe
+        self.basis = "client_latency"
+
+    def url(self, route: str) -> str:
+        path = {"generate": "/generate", "chat": "/v1/chat/completions"}.get(route, "/v1/completions")
+        return self.server.base_url + path
 
     @property
-    def url(self) -> str:
-        return self.server.base_url + ("/v1/chat/completions" if self.cfg.api == "chat" else "/v1/completions")
+    def openai_route(self) -> str:
+        return "chat" if self.cfg.api == "chat" else "completions"
 
     def prompt(self, context: int, index: int) -> list[int] | str:
         """Token ids where possible (exact length); text for chat or without a tokenizer."""
@@ -200,22 +240,49 @@ class Sweep:
         ids = fit_ids(self.workload, index, max(1, context - self.template_tokens), self.tokenizer)
         return ids if self.token_ids else self.tokenizer.decode(ids)
 
-    def payload(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+    def payload(self, route: str, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+        if route == "generate":  # SGLang native; source: sglang/srt/managers/io_struct.py:185,188,227
+            return {"input_ids" if isinstance(prompt, list) else "text": prompt, "stream": False,
+                    "sampling_params": {"max_new_tokens": max_tokens, "temperature": self.cfg.temperature,
+                                        "ignore_eos": True}}
+        extras = {k: v for k, v in self.extras.items() if not (self.cfg.stream and k == "return_meta_info")}
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": self.cfg.temperature,
-                                "ignore_eos": True, "stream": self.cfg.stream, **self.extras}
+                                "ignore_eos": True, "stream": self.cfg.stream, **extras}
         if self.model:
             body["model"] = self.model
         if self.cfg.stream:
             body["stream_options"] = {"include_usage": True}
-        if self.cfg.api == "chat":
+        if route == "chat":
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
         return body
 
+    def _send(self, route: str, prompt: list[int] | str, max_tokens: int) -> tuple[dict[str, Any], float, float | None]:
+        stream = self.cfg.stream and route != "generate"
+        return post(self.client, self.url(route), self.payload(route, prompt, max_tokens), stream, self.cfg.timeout_s)
+
+    def _observe(self, route: str, prompt: list[int] | str) -> tuple[Observation, float | None, float]:
+        """One probe request on `route` with scrapes around it (and a log window when following one)."""
+        before, t0 = self.server.metrics(), time.time()
+        try:
+            body, latency, ttft = self._send(route, prompt, PROBE_TOKENS)
+        finally:
+            self._idle(t0)
+        completion = usage_of(body)[1] or 0
+        return Observation(body, completion, before, self.server.metrics()), ttft, latency
+
+    def _idle(self, started: float) -> int | None:
+        """Close the request's log window, then wait the idle gap so windows never touch."""
+        if self.log is None:
+            return None
+        window = self.log.window(started, time.time())
+        time.sleep(self.cfg.log_gap_s)
+        return window
+
     def probe(self) -> None:
-        """A short request that picks the request extras the server accepts, token-id or text
-        prompts, the acceptance source, and (for text prompts) the characters per token."""
+        """Short requests that pick the request extras the server accepts, token-id or text prompts,
+        the route and acceptance source, and (for text prompts) the characters per token."""
         last_error = "no request sent"
         for token_ids in dict.fromkeys((self.token_ids, False)):
             self.token_ids = token_ids
@@ -223,56 +290,74 @@ class Sweep:
             prompt = self.prompt(size, 0) if self.tokenizer else fit_text(self.workload, 0, size, 4.0)
             for extras in REQUEST_EXTRAS.get(self.backend, [{}]):
                 self.extras = extras
-                before = self.server.metrics()
                 try:
-                    body, _, _ = post(self.client, self.url, self.payload(prompt, PROBE_TOKENS), self.cfg.stream,
-                                      self.cfg.timeout_s)
+                    obs, ttft, latency = self._observe(self.openai_route, prompt)
                 except RequestFailed as e:
                     last_error = str(e)
                     continue
-                usage = body.get("usage") or {}
-                self.reader.choose(body, int(usage.get("completion_tokens") or 0), before, self.server.metrics())
-                if isinstance(prompt, str) and usage.get("prompt_tokens"):
-                    self.chars_per_token = len(prompt) / float(usage["prompt_tokens"])
-                    if self.tokenizer is not None and self.cfg.api == "chat":
-                        self.template_tokens = max(0, int(usage["prompt_tokens"]) - size)
+                seen = {"openai": obs, **self._probe_generate(prompt)}
+                self.reader.choose(seen)
+                chosen = seen[self.reader.route]
+                self.basis = decode_rate(self.backend, chosen.body, max(chosen.completion_tokens, 1),
+                                         latency, ttft)[1]
+                self._calibrate(prompt, size, obs.body)
                 return
         raise RequestFailed(f"the probe request failed: {last_error}")
+
+    def _probe_generate(self, prompt: list[int] | str) -> dict[str, Observation]:
+        """SGLang's native /generate, whose meta_info carries spec_verify_ct whenever it speculates."""
+        if self.backend != "sglang" or self.cfg.stream:
+            return {}
+        try:
+            return {"generate": self._observe("generate", prompt)[0]}
+        except RequestFailed:
+            return {}
+
+    def _calibrate(self, prompt: list[int] | str, size: int, body: dict[str, Any]) -> None:
+        prompt_tokens = usage_of(body)[0]
+        if isinstance(prompt, str) and prompt_tokens:
+            self.chars_per_token = len(prompt) / float(prompt_tokens)
+            if self.tokenizer is not None and self.cfg.api == "chat":
+                self.template_tokens = max(0, prompt_tokens - size)
 
     def measure(self, context: int, repeat: int, index: int) -> dict[str, Any]:
         """One timed request -> one record (with `error` set when it failed)."""
         record: dict[str, Any] = {"label": self.workload.label, "context": context, "repeat": repeat,
                                   "error": None}
-        if self.max_model_len and context + self.cfg.max_tokens > int(self.max_model_len):
-            record["error"] = f"context + max_tokens exceeds the server's max_model_len {self.max_model_len}"
+        if self.max_model_len and context + self.cfg.max_tokens > self.max_model_len:
+            record["error"] = f"context + max_tokens exceeds the server's context limit {self.max_model_len}"
             return record
-        payload = self.payload(self.prompt(context, index), self.cfg.max_tokens)
-        before = self.reader.snapshot()
+        route = self.openai_route if self.reader.route == "openai" else self.reader.route
+        prompt = self.prompt(context, index)
+        before, started = self.reader.snapshot(), time.time()
+        record["started_at"] = started  # wall clock, to match server log lines against
         try:
-            body, latency, ttft = post(self.client, self.url, payload, self.cfg.stream, self.cfg.timeout_s)
+            body, latency, ttft = self._send(route, prompt, self.cfg.max_tokens)
         except RequestFailed as e:
             record["error"] = str(e)
             return record
-        usage = body.get("usage") or {}
-        completion = usage.get("completion_tokens")
+        finally:
+            record["ended_at"] = time.time()
+            window = self._idle(started)
+        prompt_tokens, completion = usage_of(body)
         if not completion:
             record["error"] = "the response has no usage.completion_tokens"
             return record
-        prefill = server_prefill_s(self.backend, body)
-        prefill = prefill if prefill is not None else ttft
-        decode = latency - prefill if prefill is not None and prefill < latency else latency
-        acc = self.reader.read(body, int(completion), before)
-        tps = completion / decode
+        tps, basis, prefill = decode_rate(self.backend, body, completion, latency, ttft)
+        acc = self.reader.read(body, completion, before, window)
+        ok = not isinstance(acc, str)
         record.update(
-            prompt_tokens=usage.get("prompt_tokens") or context, completion_tokens=completion,
-            latency_s=round(latency, 6), prefill_s=None if prefill is None else round(prefill, 6),
-            tok_per_s=tps, e2e_tok_per_s=completion / latency,
-            avg_commit=acc.avg_commit if acc else None,
-            verify_steps=acc.verify_steps if acc else None,
-            step_ms=1000.0 * acc.avg_commit / tps if acc else None,
-            engine_step_ms=engine_step_ms(self.backend, body),
-            commits=step_commits(self.backend, body),
+            prompt_tokens=prompt_tokens or context, completion_tokens=completion, latency_s=round(latency, 6),
+            prefill_s=None if prefill is None else round(prefill, 6), tok_per_s=tps, tok_per_s_basis=basis,
+            e2e_tok_per_s=completion / latency,
+            avg_commit=acc.avg_commit if ok else None, verify_steps=acc.verify_steps if ok else None,
+            step_ms=1000.0 * acc.avg_commit / tps if ok else None, acceptance_note=None if ok else acc,
+            engine_step_ms=engine_step_ms(self.backend, body), commits=step_commits(self.backend, body),
         )
+        if self.log is not None and window is not None:
+            got = self.log.read(window)
+            record.update(log_avg_commit=got.avg_commit, log_lines=got.lines, log_straddling=got.straddling,
+                          log_formats=got.formats)
         return record
 
     def header(self) -> dict[str, Any]:
@@ -281,16 +366,28 @@ class Sweep:
             "environment": environment(),
             "backend": {"name": self.backend, "url": self.server.base_url, "model": self.model,
                         "max_model_len": self.max_model_len, "request_extras": self.extras,
+                        "route": self.url(self.openai_route if self.reader.route == "openai" else self.reader.route),
                         "prompt_format": "token_ids" if self.token_ids else "text"},
             "acceptance_source": self.reader.source.to_dict(),
-            "tok_per_s_definition": "completion_tokens / (client latency - prefill), prefill as the server "
-                                    "reports it (ddscope prefill_ms, llama.cpp timings.prompt_ms) or the "
-                                    "streamed time to first token; else the whole latency",
+            "acceptance_refused": self.reader.refused,
+            "tok_per_s": {"basis": self.basis, "includes_prefill": self.basis == "client_latency",
+                          "definition": TOK_PER_S_BASIS[self.basis]},
         }
+
+    def _bases(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The header's tok/s basis, from what the timed requests actually had."""
+        bases = sorted({r["tok_per_s_basis"] for r in records if r.get("tok_per_s_basis")}) or [self.basis]
+        if len(bases) == 1:
+            return {"basis": bases[0], "includes_prefill": bases[0] == "client_latency",
+                    "definition": TOK_PER_S_BASIS[bases[0]]}
+        return {"basis": "mixed", "includes_prefill": "client_latency" in bases,
+                "definition": "; ".join(f"{b}: {TOK_PER_S_BASIS[b]}" for b in bases)}
 
     def run(self, out_dir: Path, on_request: Callable[[str], None] = lambda note: None) -> None:
         """Probe, then per context `warmup` unrecorded and `repeats` recorded requests; Ctrl-C ends
         the sweep with the files marked interrupted."""
+        if self.log is not None:
+            time.sleep(self.cfg.log_gap_s)  # lines already in the pipe (a journal's backlog) arrive first
         self.probe()
         writer = ResultsWriter(out_dir, self.header())
         status = "complete"
@@ -305,7 +402,9 @@ class Sweep:
                     on_request(_note(record))
         except KeyboardInterrupt:
             status = "interrupted"
-        writer.update(status=status, finished_at=datetime.now(UTC).isoformat(timespec="seconds"))
+        extra = {"server_log": self.log.summary()} if self.log is not None else {}
+        writer.update(status=status, finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                      tok_per_s=self._bases(writer.records), **extra)
 
 
 def _note(record: dict[str, Any]) -> str:
