@@ -84,9 +84,9 @@ def test_target_errors_are_clear(tmp_path, target_dir):
         Engine.load(tmp_path / "nope")
     bad = make_target(tmp_path / "bad", "qwen3")
     edit = json.loads((bad / "config.json").read_text())
-    edit["architectures"] = ["MixtralForCausalLM"]
+    edit["architectures"], edit["model_type"] = ["NoSuchForCausalLM"], "no_such_model"  # neither native nor HF
     (bad / "config.json").write_text(json.dumps(edit))
-    with pytest.raises(CheckpointError, match="not supported"):
+    with pytest.raises(CheckpointError, match="not supported natively and transformers cannot load it"):
         Engine.load(bad)
 
 

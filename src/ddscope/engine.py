@@ -13,6 +13,7 @@ from ddscope.budget import AutoBudget, Learned, VerifyCost
 from ddscope.config import CheckpointError, read_json
 from ddscope.decoding import Decoder
 from ddscope.drafter import Drafter
+from ddscope.hf_target import HFTarget, load_target
 from ddscope.model import Target
 from ddscope.proposers import AR, DDTree, DFlash, Proposer
 from ddscope.sampling import SamplingParams
@@ -45,7 +46,7 @@ class Generation:
 class Engine:
     """Batch-1 engine; one generation at a time (the server serialises requests)."""
 
-    def __init__(self, target: Target, drafter: Drafter | None, tokenizer, source: Path, max_model_len: int,
+    def __init__(self, target: Target | HFTarget, drafter: Drafter | None, tokenizer, source: Path, max_model_len: int,
                  default_budget: int | str = 32):
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source, self.model_name = str(source.resolve()), source.name
@@ -62,7 +63,9 @@ class Engine:
 
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
-             dtype: str = "float32", max_model_len: int | None = None) -> "Engine":
+             dtype: str = "float32", max_model_len: int | None = None, target_backend: str = "auto") -> "Engine":
+        """`target_backend`: the native Qwen3/Llama model where it applies (auto), or transformers for any
+        other causal LM (ddscope.hf_target)."""
         if target is None:
             target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
         if dtype not in DTYPES:
@@ -70,7 +73,7 @@ class Engine:
         target_dir = Path(target)
         if not target_dir.is_dir():
             raise CheckpointError(f"target checkpoint directory not found: {target_dir}")
-        model = Target.load(target_dir, torch.device(device), getattr(torch, dtype))
+        model = load_target(target_dir, torch.device(device), getattr(torch, dtype), target_backend)
         draft = Drafter.load(Path(drafter), model) if drafter is not None else None
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir))

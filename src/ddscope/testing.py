@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
 
 from ddscope.config import DrafterConfig
 from ddscope.drafter import Drafter
@@ -36,7 +37,7 @@ def save_tiny_tokenizer(directory: Path, vocab_size: int = 320) -> PreTrainedTok
 
 def make_target(directory: Path, arch: str = "qwen3", seed: int = 0, hidden: int = 64, layers: int = 4,
                 vocab_size: int | None = None, max_len: int = 2048, init_std: float = 0.2) -> Path:
-    """A random Qwen3 or Llama checkpoint in HF layout, with a tokenizer beside it."""
+    """A random Qwen3, Llama or DeepSeek-V3 (MoE + MLA attention) checkpoint in HF layout, with a tokenizer."""
     directory.mkdir(parents=True, exist_ok=True)
     tok = save_tiny_tokenizer(directory)
     geometry = dict(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
@@ -48,6 +49,12 @@ def make_target(directory: Path, arch: str = "qwen3", seed: int = 0, hidden: int
         model = Qwen3ForCausalLM(Qwen3Config(**geometry, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**geometry, rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    elif arch == "deepseek_v3":  # no native path: served through transformers (ddscope.hf_target)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(
+            **{**geometry, "num_key_value_heads": 4, "head_dim": 8}, moe_intermediate_size=hidden // 2,
+            first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+            topk_group=1, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=hidden // 4, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
     else:
         raise ValueError(f"unknown arch {arch!r}")
     model.save_pretrained(str(directory))

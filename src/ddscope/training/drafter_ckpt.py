@@ -38,19 +38,28 @@ def mask_token_id(tokenizer: Any, override: int | None, vocab_size: int) -> int:
 
 
 def drafter_config(target_raw: dict[str, Any], layers: int, block_size: int, mask_token_id: int,
-                   target_layer_ids: list[int], nested_block_size: bool = False) -> dict[str, Any]:
-    """A z-lab DFlash config.json: the target's Qwen3 geometry with `layers` layers, plus `dflash_config`."""
+                   target_layer_ids: list[int], nested_block_size: bool = False,
+                   mask_token: str = MASK_TOKEN) -> dict[str, Any]:
+    """A z-lab DFlash config.json: the target's Qwen3 geometry with `layers` layers, plus `dflash_config`,
+    which also records what the drafter was trained against (SGLang's loader reads the mask token there)."""
     hidden, heads = int(target_raw["hidden_size"]), int(target_raw["num_attention_heads"])
+    # The drafter runs plain RoPE at the target's base, whatever scaling the target uses (YaRN in DeepSeek-V3).
+    plain_rope = {**target_raw, "rope_scaling": None,
+                  "rope_parameters": {**(target_raw.get("rope_parameters") or {}), "rope_type": "default"}}
     cfg: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": hidden, "intermediate_size": int(target_raw["intermediate_size"]),
         "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": int(target_raw.get("num_key_value_heads") or heads),
         "head_dim": int(target_raw.get("head_dim") or hidden // heads),
-        "rms_norm_eps": float(target_raw.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta_of(target_raw),
+        "rms_norm_eps": float(target_raw.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta_of(plain_rope),
         "max_position_embeddings": int(target_raw.get("max_position_embeddings", 4096)),
         "vocab_size": int(target_raw["vocab_size"]), "num_target_layers": int(target_raw["num_hidden_layers"]),
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "dflash_config": {"mask_token_id": mask_token_id, "mask_token": mask_token,
+                          "target_layer_ids": list(target_layer_ids),
+                          "num_target_layers": int(target_raw["num_hidden_layers"]),
+                          "target_architectures": list(target_raw.get("architectures") or []),
+                          "target_hidden_size": hidden},
     }
     if nested_block_size:
         cfg["dflash_config"]["block_size"] = block_size

@@ -1,0 +1,130 @@
+"""The training half of `ddscope train-drafter`, one process per rank: `python -m ddscope.training.train`.
+
+    torchrun --nproc-per-node N -m ddscope.training.train --target T --out D [train-drafter options]
+
+trains on the distilled cache already in WORK_DIR (distillation options are accepted and ignored), with
+DDP over the drafter (gloo on CPU, nccl on CUDA, one device per rank). `ddscope train-drafter --nproc N`
+distils first, then launches exactly this.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from ddscope.config import CheckpointError, read_json
+from ddscope.hf_target import load_target
+from ddscope.training.distill import read_cache
+from ddscope.training.drafter_ckpt import mask_token_id, pick_layer_ids
+from ddscope.training.train_drafter import TrainSpec, train
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The options checked against the target's config and tokenizer, before any weights load."""
+
+    spec: TrainSpec
+    layer_ids: list[int]
+    mask_id: int
+    work: Path
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    raw = read_json(Path(args.target) / "config.json")
+    n_layers, vocab = int(raw["num_hidden_layers"]), int(raw["vocab_size"])
+    layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
+    missing = [i for i in layer_ids if not 0 <= i < n_layers]
+    if missing:
+        raise ValueError(f"--target-layer-ids {missing}: the target has no such layer (it has 0..{n_layers - 1})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{args.target}: the target has no usable tokenizer ({str(e).splitlines()[0]})") from None
+    if len(tokenizer) <= len(tokenizer.all_special_tokens):  # transformers falls back to an empty vocabulary
+        raise CheckpointError(f"{args.target}: the target has no usable tokenizer (no tokenizer files found)")
+    spec = TrainSpec(block_size=args.block_size, layers=args.layers, batch_seqs=args.batch_seqs,
+                     grad_accum=args.grad_accum, anchors=args.anchors, lr=args.lr, gamma=args.gamma, steps=args.steps,
+                     time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
+    work = args.work_dir or args.out.with_name(args.out.name + ".work")
+    return Plan(spec, layer_ids, mask_token_id(tokenizer, args.mask_token_id, vocab), work)
+
+
+def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | None = None) -> dict[str, float]:
+    """Load the target on this rank's device and train (on `records`, or the cache in WORK_DIR)."""
+    p = plan(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "cuda" and dist.is_initialized():  # one GPU per rank
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    target = load_target(Path(args.target), torch.device(device), torch.float32, args.target_backend)
+    records = read_cache(p.work) if records is None else records
+    return train(Path(args.target), target, records, p.spec, p.mask_id, p.layer_ids, args.out, p.work,
+                 resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
+                 feature_cache_gb=args.feature_cache_gb, init=args.init_drafter)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """`train-drafter`'s own parser, so both entry points take the same options."""
+    from ddscope.training.cli import register
+
+    root = argparse.ArgumentParser(prog="python -m ddscope.training.train")
+    sub = root.add_subparsers()
+    register(sub)
+    return sub.choices["train-drafter"]
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The options of `args` that differ from the defaults, as a train-drafter command line (no --nproc)."""
+    argv: list[str] = []
+    for action in _parser()._actions:
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or action.dest in ("help", "nproc") or value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true
+            argv.append(flag)
+        else:
+            argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return argv
+
+
+def launch(args: argparse.Namespace, nproc: int) -> None:
+    """Run this module under torchrun with `nproc` ranks on this machine; raises if any rank fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "ddscope.training.train", *to_argv(args)]
+    code = subprocess.run(cmd, check=False).returncode
+    if code:
+        raise ValueError(f"torchrun with {nproc} ranks failed (exit {code}); the ranks' errors are above")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    distributed = "WORLD_SIZE" in os.environ  # set by torchrun
+    if distributed:
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    try:
+        result = train_from_args(args)
+    except ValueError as e:  # CheckpointError included: one line per rank, no traceback
+        print(f"ddscope: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    if not distributed or int(os.environ["RANK"]) == 0:
+        print(f"drafter written to {args.out}: {result['steps']} steps, loss {result['loss']:.3f}, "
+              f"offline accept {result['accept']:.2f} (mean of the last steps)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
