@@ -199,3 +199,30 @@ def test_sweep_flag_errors(argv, message, capsys):
 def test_sweep_workload_errors(workload, message, capsys):
     code, _, err = run_cli(["bench", "sweep", "--url", "http://127.0.0.1:9", "--workload", workload], capsys)
     assert code == 2 and message in err
+
+
+def test_analyze_overlays_results_files_labelled_by_folder(tmp_path, capsys):
+    """`analyze old/results.json new/results.json`: the same workload from two runs (say two drafters)
+    becomes two curves on one figure, each labelled by its folder; the first file is the baseline."""
+    old_rows = [row("padding", c, 9.0 if c == 13 else 1.5, step(c)) for c in CONTEXTS]
+    new_rows = [row("padding", c, 8.0, step(c)) for c in CONTEXTS]
+    paths = []
+    for name, rows in (("old", old_rows), ("new", new_rows)):
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "results.json"
+        path.write_text(json.dumps({"records": [{**r, "error": None} for r in rows]}))
+        paths.append(str(path))
+    code, out, _ = run_cli(["bench", "analyze", *paths, "--json", "--out", str(tmp_path / "overlay")], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["baseline"] == "padding [old]"
+    curves = {}
+    for p in doc["points"]:
+        curves.setdefault(p["label"], {})[p["prompt_tokens"]] = p["avg_commit"]
+    assert curves == {"padding [old]": {c: 9.0 if c == 13 else 1.5 for c in CONTEXTS},
+                      "padding [new]": {c: 8.0 for c in CONTEXTS}}
+    new_long = next(p for p in doc["points"] if p["label"] == "padding [new]" and p["prompt_tokens"] == 5553)
+    assert new_long["tok_per_s"] > next(p["tok_per_s"] for p in doc["points"]
+                                        if p["label"] == "padding [old]" and p["prompt_tokens"] == 5553)
+    assert (tmp_path / "overlay" / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert "padding [new]" in (tmp_path / "overlay" / "report.md").read_text()
