@@ -41,10 +41,17 @@ def _train_drafter(args: argparse.Namespace) -> int:
                         context_lengths=args.context_lengths or "")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    records = distill(args.target, dspec, work, drafter=args.distill_drafter, method=args.distill_method,
-                      time_budget_s=args.distill_min * 60 if args.distill_min else None,
-                      workers=args.distill_workers, threads=max(1, threads // args.distill_workers),
-                      device=args.device)
+    budget_s = args.distill_min * 60 if args.distill_min else None
+    if args.distill_url:
+        from ddscope.training.remote_distill import remote_distill
+
+        records, counts = remote_distill(args.distill_url, args.target, dspec, work, args.distill_concurrency,
+                                         budget_s)
+        print(f"distilled from {args.distill_url}: {counts.summary()}", file=sys.stderr)
+    else:
+        records = distill(args.target, dspec, work, drafter=args.distill_drafter, method=args.distill_method,
+                          time_budget_s=budget_s, workers=args.distill_workers,
+                          threads=max(1, threads // args.distill_workers), device=args.device)
     print(f"distilled: {len(records)} sequences, {sum(len(r['ids']) - r['prompt_len'] for r in records)} "
           f"generated tokens in {work}", file=sys.stderr)
     if args.nproc > len(records):
@@ -127,6 +134,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--distill-workers", type=int, default=1,
                    help="parallel generation processes; use the core count on an otherwise idle CPU")
     d.add_argument("--distill-min", type=float, help="stop distilling after this many minutes")
+    d.add_argument("--distill-url", metavar="http://HOST:PORT",
+                   help="generate with a live server of the same target instead (SGLang, vLLM, llama.cpp or "
+                        "ddscope serve): same prompts, mix, seeds and cache; failed responses are counted and "
+                        "retried by the next run, never trained on")
+    d.add_argument("--distill-concurrency", type=int, default=8,
+                   help="requests in flight with --distill-url (default: %(default)s)")
     t = p.add_argument_group("drafter and training")
     t.add_argument("--block-size", type=int, default=16, help="drafter block size B (default: %(default)s)")
     t.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default: %(default)s)")

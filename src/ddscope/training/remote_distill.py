@@ -1,0 +1,180 @@
+"""Self-distillation from a live server (SGLang, vLLM, llama.cpp or `ddscope serve`): `--distill-url`.
+
+The prompts, the greedy/sampled mix, the seeds and the cache records are distill.py's, so a cache may be
+filled by either and a rerun sends only the items still missing. Requests run concurrently up to a bound.
+Token ids come from the server where it gives them (SGLang `/generate` `output_ids`, vLLM logprobs as
+`token_id:N`, llama.cpp `/completion` `tokens`); otherwise the text is re-tokenised with the target's
+tokenizer and kept only if it decodes back to the same text and counts as many tokens as the server
+generated. A failed, truncated or inconsistent response is counted and dropped, never trained on.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from ddscope.bench.backends import Server
+from ddscope.training.distill import (DistillSpec, _append_whole_lines, _check_meta, _temperature, build_prompts,
+                                      read_cache)
+
+ATTEMPTS = 3  # per item and run; what still fails is left for the next run
+
+
+class BadResponse(ValueError):
+    """A response that cannot be trusted as the target's continuation; `kind` names the counter."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Counts:
+    cached: int = 0     # already in the cache before this run
+    written: int = 0
+    dropped: int = 0    # items given up on in this run (retried by the next)
+    problems: dict[str, int] = field(default_factory=dict)  # per failed attempt: http_error, bad_body, ...
+
+    def summary(self) -> str:
+        issues = ", ".join(f"{k} {v}" for k, v in sorted(self.problems.items())) or "none"
+        return (f"{self.written} written, {self.cached} already cached, {self.dropped} dropped "
+                f"(failed attempts: {issues})")
+
+
+class Protocol:
+    """One server dialect: the request for (prompt ids, sampling), and the generated ids in its answer."""
+
+    def __init__(self, backend: str, tokenizer: Any, eos_ids: set[int]):
+        self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, eos_ids
+
+    def request(self, ids: list[int], spec: DistillSpec, temperature: float, seed: int) -> tuple[str, dict[str, Any]]:
+        n = spec.max_new_tokens
+        if self.backend == "sglang":
+            return "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": temperature,
+                                                                      "sampling_seed": seed}}
+        if self.backend == "llamacpp":
+            return "/completion", {"prompt": ids, "n_predict": n, "temperature": temperature, "seed": seed,
+                                   "return_tokens": True}
+        body = {"prompt": ids, "max_tokens": n, "temperature": temperature, "seed": seed}
+        if self.backend == "vllm":
+            body |= {"logprobs": 1, "return_tokens_as_token_ids": True}
+        return "/v1/completions", body
+
+    def generated(self, body: dict[str, Any]) -> list[int]:
+        """The generated ids, ending with EOS when the target stopped there (as in-process records do)."""
+        if self.backend == "sglang":
+            meta = body.get("meta_info") or {}
+            stop, count = (meta.get("finish_reason") or {}).get("type"), meta.get("completion_tokens")
+            ids = body.get("output_ids")
+        elif self.backend == "llamacpp":
+            stop = {"eos": "stop", "limit": "length"}.get(body.get("stop_type"))
+            count, ids = (body.get("timings") or {}).get("predicted_n"), body.get("tokens")
+        else:
+            choice = (body.get("choices") or [{}])[0]
+            stop, count = choice.get("finish_reason"), (body.get("usage") or {}).get("completion_tokens")
+            tokens = (choice.get("logprobs") or {}).get("tokens")
+            ids = [int(t.removeprefix("token_id:")) for t in tokens] if tokens else None
+            if ids is None:
+                ids = self._retokenise(choice.get("text"))
+        if ids is None:
+            ids = self._retokenise(body.get("text"))
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise BadResponse("bad_body", "no generated tokens in the response")
+        if stop not in ("stop", "length"):
+            raise BadResponse("bad_body", f"unexpected finish reason {stop!r}")
+        counted = {len(ids)}
+        if stop == "stop" and (not ids or ids[-1] not in self.eos_ids):
+            ids = ids + [self.tokenizer.eos_token_id]  # left out of the ids or the text; servers may count it
+            counted.add(len(ids))
+        if count is not None and count not in counted:  # e.g. a re-tokenisation that merged generated tokens
+            raise BadResponse("token_mismatch", f"{len(ids)} ids for {count} generated tokens")
+        return ids
+
+    def _retokenise(self, text: Any) -> list[int]:
+        if not isinstance(text, str):
+            raise BadResponse("bad_body", "no completion text in the response")
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if self.tokenizer.decode(ids) != text:
+            raise BadResponse("retokenise_mismatch", "the text does not survive a tokenizer round trip")
+        return ids
+
+
+async def _generate(client: httpx.AsyncClient, url: str, proto: Protocol, ids: list[int], spec: DistillSpec,
+                    temperature: float, seed: int) -> list[int]:
+    path, body = proto.request(ids, spec, temperature, seed)
+    try:
+        resp = await client.post(url + path, json=body)
+    except httpx.HTTPError as e:
+        raise BadResponse("transport_error", str(e)) from None
+    if resp.status_code != 200:
+        raise BadResponse("http_error", f"HTTP {resp.status_code}")
+    try:
+        answer = resp.json()
+    except ValueError:
+        raise BadResponse("bad_body", "the body is not JSON (truncated?)") from None
+    if not isinstance(answer, dict):
+        raise BadResponse("bad_body", "the body is not a JSON object")
+    return proto.generated(answer)
+
+
+async def _run(url: str, proto: Protocol, todo: list[tuple[int, str, list[int]]], spec: DistillSpec,
+               out_dir: Path, concurrency: int, deadline: float, timeout_s: float, counts: Counts) -> None:
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def one(client: httpx.AsyncClient, i: int, source: str, ids: list[int]) -> dict[str, Any] | None:
+        temperature = _temperature(spec, i)
+        async with gate:
+            for _ in range(ATTEMPTS):
+                if time.time() > deadline:
+                    return None
+                try:
+                    new = await _generate(client, url, proto, ids, spec, temperature, spec.seed + i)
+                except BadResponse as e:
+                    counts.problems[e.kind] = counts.problems.get(e.kind, 0) + 1
+                    continue
+                return {"i": i, "source": source, "temperature": temperature, "prompt_len": len(ids), "ids": ids + new}
+        counts.dropped += 1
+        return None
+
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        jobs = [asyncio.ensure_future(one(client, *item)) for item in todo]
+        with _append_whole_lines(out_dir / "distill.remote.jsonl") as f, \
+                tqdm(total=len(jobs), desc="distill (remote)", unit="seq", dynamic_ncols=True) as bar:
+            for job in asyncio.as_completed(jobs):
+                record = await job
+                if record is not None:
+                    f.write(json.dumps(record) + "\n")
+                    f.flush()  # a killed run keeps every finished record
+                    counts.written += 1
+                bar.update(1)
+                bar.set_postfix(dropped=counts.dropped)
+
+
+def remote_distill(url: str, target: str | Path, spec: DistillSpec, out_dir: Path, concurrency: int = 8,
+                   time_budget_s: float | None = None, timeout_s: float = 600.0) -> tuple[list[dict[str, Any]], Counts]:
+    """Fill `out_dir` from the server at `url` (serving `target`); return all records and this run's counts."""
+    from transformers import AutoTokenizer
+
+    if concurrency < 1:
+        raise ValueError("--distill-concurrency must be >= 1")
+    _check_meta(out_dir, spec)
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    prompts = build_prompts(spec, tokenizer)
+    done = {r["i"] for r in read_cache(out_dir)}
+    todo = [(i, source, ids) for i, (source, ids) in enumerate(prompts) if i not in done]
+    url = url.rstrip("/").removesuffix("/v1")
+    with httpx.Client() as client:
+        backend = Server(url, client).detect()
+    eos = {tokenizer.eos_token_id} - {None}
+    counts = Counts(cached=len(done))
+    deadline = time.time() + (time_budget_s if time_budget_s is not None else float("inf"))
+    asyncio.run(_run(url, Protocol(backend, tokenizer, eos), todo, spec, out_dir, concurrency, deadline, timeout_s,
+                     counts))
+    return read_cache(out_dir), counts

@@ -1,0 +1,147 @@
+"""`--distill-url`: distillation from a live `ddscope serve` (started here on 127.0.0.1) gives the token ids of
+in-process distillation; a server that errors or truncates bodies loses no data, and the run reports counts."""
+import argparse
+import json
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from ddscope.server.launch import serve_in_background
+from ddscope.testing import make_target, save_tiny_tokenizer
+from ddscope.training.cli import register
+from ddscope.training.distill import DistillSpec, distill, read_cache
+from ddscope.training.remote_distill import ATTEMPTS, remote_distill
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, how are", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A target whose greedy text re-tokenises to the very ids it generated, as `ddscope serve` returns text
+    only: a byte tokenizer without merges, and a head that never picks a special or non-ASCII token."""
+    d = make_target(tmp_path_factory.mktemp("remote") / "target", "llama")
+    tok = save_tiny_tokenizer(d, vocab_size=260)  # 256 bytes + 4 specials: no merges
+    model = LlamaForCausalLM.from_pretrained(str(d))
+    printable = [i for i in range(len(tok)) if len(s := tok.decode([i])) == 1 and s.isascii()
+                 and (s.isprintable() or s == "\n")]  # specials decode to their names
+    keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    keep[printable] = True
+    with torch.no_grad():
+        model.lm_head.weight[~keep] = 0  # logit 0 < the best of ~95 random logits
+    model.save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    return DistillSpec(data=f"file:{prompts}", prompts=4, max_new_tokens=24, sampled_frac=0.0)
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    with serve_in_background(target, None, method="ar") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def in_process(target, spec, tmp_path_factory):
+    return read_cache_ids(distill(target, spec, tmp_path_factory.mktemp("local")))
+
+
+def read_cache_ids(records: list[dict]) -> dict[int, list[int]]:
+    return {r["i"]: r["ids"] for r in records}
+
+
+def test_greedy_ids_equal_in_process_distillation(server, target, spec, in_process, tmp_path):
+    records, counts = remote_distill(server, target, spec, tmp_path, concurrency=3)
+    assert read_cache_ids(records) == in_process
+    assert (counts.written, counts.cached, counts.dropped, counts.problems) == (4, 0, 0, {})
+    assert all(len(ids) - r["prompt_len"] == 24 for r, ids in zip(records, in_process.values()))
+    # Resumable: a rerun sends nothing.
+    records, counts = remote_distill(server, target, spec, tmp_path)
+    assert (counts.written, counts.cached) == (0, 4) and read_cache_ids(records) == in_process
+
+
+@contextmanager
+def faulty_proxy(upstream: str, poisoned_prompt: list[int]):
+    """Forwards to `upstream`, but answers the first POSTs with a 500, a truncated JSON body, a wrong token
+    count and a connection cut mid-body, and always a 500 for `poisoned_prompt`."""
+    faults = ["http_error", "bad_body", "token_mismatch", "transport_error"]
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, status: int, body: bytes, length: int | None = None) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body) if length is None else length))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # detection: /metrics, /v1/models
+            resp = httpx.get(upstream + self.path, timeout=30)
+            self._send(resp.status_code, resp.content)
+
+        def do_POST(self):
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            if json.loads(raw).get("prompt") == poisoned_prompt:
+                return self._send(500, b'{"error": {"message": "boom"}}')
+            with lock:
+                fault = faults.pop(0) if faults else None
+            resp = httpx.post(upstream + self.path, content=raw, headers={"content-type": "application/json"},
+                              timeout=60)
+            body = resp.content
+            if fault == "http_error":
+                self._send(500, b'{"error": {"message": "overloaded"}}')
+            elif fault == "bad_body":
+                self._send(200, body[:len(body) // 2])
+            elif fault == "token_mismatch":
+                answer = json.loads(body)
+                answer["usage"]["completion_tokens"] += 3
+                self._send(200, json.dumps(answer).encode())
+            elif fault == "transport_error":
+                self._send(200, body[:len(body) // 2], length=len(body))
+                self.close_connection = True
+            else:
+                self._send(resp.status_code, body)
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{proxy.server_address[1]}"
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def test_errors_and_truncated_bodies_lose_no_data(server, target, spec, in_process, tmp_path, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    first = next(r for r in in_process.values())
+    poisoned = first[:len(tokenizer.encode(PROMPTS[0], add_special_tokens=False))]
+    poisoned_i = next(i for i, ids in in_process.items() if ids[:len(poisoned)] == poisoned)
+    with faulty_proxy(server, poisoned) as url:
+        records, counts = remote_distill(url, target, spec, tmp_path, concurrency=2)
+    assert counts.problems == {"http_error": 1 + ATTEMPTS, "bad_body": 1, "token_mismatch": 1, "transport_error": 1}
+    assert (counts.written, counts.dropped) == (3, 1)
+    assert read_cache_ids(records) == {i: ids for i, ids in in_process.items() if i != poisoned_i}
+
+    # The next run (the server healthy again) sends only the dropped item, through the CLI.
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["train-drafter", "--target", str(target), "--out", str(tmp_path / "drafter"),
+                              "--work-dir", str(tmp_path), "--data", spec.data, "--prompts", "4",
+                              "--max-new-tokens", "24", "--sampled-frac", "0", "--distill-url", server,
+                              "--block-size", "4", "--batch-seqs", "2", "--anchors", "4", "--steps", "2"])
+    assert args.func(args) == 0
+    assert "1 written, 3 already cached, 0 dropped (failed attempts: none)" in capsys.readouterr().err
+    assert read_cache_ids(read_cache(tmp_path)) == in_process
