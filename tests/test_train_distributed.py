@@ -121,9 +121,13 @@ def test_resume_after_kill_equals_uninterrupted_run_on_any_world_size(target, tm
     torch.testing.assert_close(torch.tensor([r["loss"] for r in _log(killed)]),
                                torch.tensor([r["loss"] for r in _log(ref)]), rtol=1e-6, atol=0)
 
-    run = _torchrun(2, _args(target, two_ranks, steps, "--resume"))  # and on another world size
-    assert run.returncode == 0, run.stderr[-3000:]
+    # And on another world size, through `ddscope train-drafter --nproc 2` (its cache is complete: no distilling).
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(8)))
+    argv = _args(target, two_ranks, steps, "--resume", "--nproc", "2", "--data", f"file:{prompts}", "--prompts", "8")
+    assert ddscope_main(["train-drafter", *argv]) == 0
     _assert_same_state(_state(ref), _state(two_ranks), atol=1e-4)
+    assert [r["world_size"] for r in _log(two_ranks)] == [1] * stopped_at + [2] * (steps - stopped_at)
 
 
 def _one_line_error(argv: list[str], capsys) -> str:
