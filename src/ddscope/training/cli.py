@@ -111,6 +111,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target-backend", choices=("auto", "native", "transformers"), default="auto",
                    help="auto: ddscope's native model for Qwen3/Llama targets, transformers (AutoModelForCausalLM) "
                         "for any other architecture (default: %(default)s)")
+    p.add_argument("--target-device-map", metavar="auto",
+                   help="shard a target too large for one device over all visible GPUs (transformers device_map; "
+                        "one training process, the drafter on the target's last device)")
     p.add_argument("--nproc", type=int, default=1,
                    help="training processes on this machine: runs `torchrun --nproc-per-node N -m "
                         "ddscope.training.train` after distillation (DDP; gloo on CPU, one GPU per rank on cuda)")

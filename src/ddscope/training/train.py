@@ -38,6 +38,8 @@ class Plan:
 
 
 def plan(args: argparse.Namespace) -> Plan:
+    if args.target_device_map and max(args.nproc, int(os.environ.get("WORLD_SIZE", 1))) > 1:
+        raise ValueError("--target-device-map shards the target over all GPUs for one process; use --nproc 1")
     raw = read_json(Path(args.target) / "config.json")
     n_layers, vocab = int(raw["num_hidden_layers"]), int(raw["vocab_size"])
     layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
@@ -66,7 +68,8 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
     if device == "cuda" and dist.is_initialized():  # one GPU per rank
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
-    target = load_target(Path(args.target), torch.device(device), torch.float32, args.target_backend)
+    target = load_target(Path(args.target), torch.device(device), torch.float32, args.target_backend,
+                         args.target_device_map)
     records = read_cache(p.work) if records is None else records
     return train(Path(args.target), target, records, p.spec, p.mask_id, p.layer_ids, args.out, p.work,
                  resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
