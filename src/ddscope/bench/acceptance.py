@@ -50,8 +50,10 @@ class AcceptanceReader:
         elif kind == "windowed_gauge":
             ok = obs.after is not None and "sglang:spec_accept_length" in obs.after.values
             return None if ok else "/metrics has no sglang:spec_accept_length"
-        else:
+        elif kind == "lifetime":
             return None if self.server.lifetime_accept_length() else "no internal_states[].avg_spec_accept_length"
+        else:
+            return f"unknown source kind {kind}"
         return None if isinstance(got, Acceptance) else got
 
     def choose(self, seen: dict[str, Observation]) -> None:

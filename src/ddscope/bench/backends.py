@@ -116,7 +116,7 @@ COUNTERS: dict[str, tuple[tuple[str, str], Callable[[float, float], tuple[float,
     # source: sglang/srt/observability/metrics_collector.py:1861,1866
     "sglang.counters": (("sglang:generation_tokens_total", "sglang:spec_verify_calls_total"), _per_step),
     "vllm.counters": (("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"), _bonus),
-    # source: llama.cpp tools/server/server-task.cpp:1558,1562 (drafts_total counts verify steps)
+    # source: llama_cpp_python-0.3.36/vendor/llama.cpp/tools/server/server-task.cpp:1558,1562 (drafts = verify steps)
     "llamacpp.counters": (("llamacpp:spec_decode_num_accepted_tokens_total",
                            "llamacpp:spec_decode_num_drafts_total"), _bonus),
     "llamacpp.legacy_counters": (("llamacpp:tokens_predicted_total", "llamacpp:tokens_drafted_accepted_total"),
@@ -230,7 +230,7 @@ class Server:
     @staticmethod
     def context_limit(info: dict[str, Any]) -> int | None:
         """Prompt + output tokens a request may hold: vLLM/SGLang `max_model_len`, llama.cpp
-        `meta.n_ctx` (per slot; tools/server/server-context.cpp:4537)."""
+        `meta.n_ctx` (per slot; llama.cpp tools/server/server-context.cpp:4537)."""
         value = num(info.get("max_model_len")) or num((info.get("meta") or {}).get("n_ctx"))
         return int(value) if value else None
 
