@@ -81,3 +81,18 @@ def test_moe_target_decodes_losslessly_with_its_drafter(moe_pair):
             assert out.token_ids == ref, f"{method} diverged from ar on {prompt!r}"
             accepted += sum(r.committed > 1 for r in out.stats.rounds)
     assert accepted > 0, "no draft token was ever accepted: the tree and KV compaction went untested"
+
+
+def test_bf16_target_trains_an_fp32_drafter(tmp_path):
+    target = make_target(tmp_path / "target", "qwen3", layers=2)
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    out, work = tmp_path / "drafter", tmp_path / "work"
+    assert _run(["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work),
+                 "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "4", "--max-new-tokens", "24",
+                 "--sampled-frac", "0", "--block-size", "4", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
+                 "--steps", "40", "--threads", "1", "--target-dtype", "bfloat16"]) == 0
+    losses = [json.loads(line)["loss"] for line in (work / "train_log.jsonl").open()]
+    assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-5:]) < 0.7 * sum(losses[:5])
+    engine = Engine.load(target, out, dtype="bfloat16")
+    assert engine.drafter.fc.weight.dtype == torch.bfloat16
+    assert engine.generate("def add(a, b):", max_new_tokens=8, method="ddtree").finish_reason in ("length", "stop")

@@ -111,6 +111,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target-backend", choices=("auto", "native", "transformers"), default="auto",
                    help="auto: ddscope's native model for Qwen3/Llama targets, transformers (AutoModelForCausalLM) "
                         "for any other architecture (default: %(default)s)")
+    p.add_argument("--target-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the frozen target's dtype while training (the drafter trains in fp32) (default: %(default)s)")
     p.add_argument("--target-device-map", metavar="auto",
                    help="shard a target too large for one device over all visible GPUs (transformers device_map; "
                         "one training process, the drafter on the target's last device)")

@@ -68,8 +68,8 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
     if device == "cuda" and dist.is_initialized():  # one GPU per rank
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
-    target = load_target(Path(args.target), torch.device(device), torch.float32, args.target_backend,
-                         args.target_device_map)
+    target = load_target(Path(args.target), torch.device(device), getattr(torch, args.target_dtype),
+                         args.target_backend, args.target_device_map)
     records = read_cache(p.work) if records is None else records
     return train(Path(args.target), target, records, p.spec, p.mask_id, p.layer_ids, args.out, p.work,
                  resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,

@@ -131,9 +131,9 @@ def target_features(target: Target, cache: KVCache, ids: list[int], capture: tup
     """The frozen target's hidden states at `capture` for a whole sequence, [n, k*H]."""
     dev = target.lm_head.weight.device
     cache.length = 0
-    # Target.forward runs under inference_mode: clone so autograd may use the features.
+    # Target.forward runs under inference_mode: copy so autograd may use the features, in the drafter's fp32.
     return target(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), cache,
-                  capture=capture).features.clone()
+                  capture=capture).features.to(torch.float32, copy=True)
 
 
 def make_blocks(features: torch.Tensor, record: dict[str, Any], spec: TrainSpec, mask_token_id: int,
@@ -205,10 +205,10 @@ def block_loss(model: nn.Module, target: Target, batch: list[Blocks], weights: t
     overweights easy stretches.
     """
     B = weights.numel()
-    h = model([target.embed(b.block_ids) for b in batch], batch)
+    h = model([target.embed(b.block_ids).float() for b in batch], batch)  # fp32 drafter, any target dtype
     labels = torch.cat([b.labels for b in batch])
     valid = labels >= 0
-    logits = target.logits(h[valid])
+    logits = target.logits(h[valid].to(target.lm_head.weight.dtype)).float()
     w = weights.to(h.device).repeat(labels.numel() // B)[valid]
     ce = F.cross_entropy(logits, labels[valid], reduction="none")
     loss = (ce * w).sum() / (w.sum() if norm is None else norm)
