@@ -118,6 +118,15 @@ def test_sglang_counters_when_generate_is_unreachable(tmp_path, capsys):
         assert r["avg_commit"] == pytest.approx(planted(r["prompt_tokens"]), rel=0.01)
 
 
+def test_sglang_lifetime_average_comes_from_server_info_not_the_deprecated_route(tmp_path, capsys):
+    app = sglang_app(generate=False, metrics=False)
+    with serve(app) as url:
+        code, doc = sweep(url, tmp_path)
+    assert code == 0 and doc["acceptance_source"]["name"] == "sglang.server_info"
+    assert doc["acceptance_source"]["approximate"]
+    assert app.state.get_server_info_calls == 0  # /get_server_info warns on every call
+
+
 def test_llamacpp_rounded_counters_are_detected_and_reported(tmp_path, capsys):
     """A long-running llama-server prints its counters as 5.00002e+06: the delta would be noise, so
     the counters are refused with the reason, and the next source is used."""
