@@ -63,9 +63,10 @@ class Engine:
 
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
-             dtype: str = "float32", max_model_len: int | None = None, target_backend: str = "auto") -> "Engine":
+             dtype: str = "float32", max_model_len: int | None = None, target_backend: str = "auto",
+             device_map: str | None = None) -> "Engine":
         """`target_backend`: the native Qwen3/Llama model where it applies (auto), or transformers for any
-        other causal LM (ddscope.hf_target)."""
+        other causal LM (ddscope.hf_target); `device_map` (transformers) shards a target over several GPUs."""
         if target is None:
             target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
         if dtype not in DTYPES:
@@ -73,7 +74,7 @@ class Engine:
         target_dir = Path(target)
         if not target_dir.is_dir():
             raise CheckpointError(f"target checkpoint directory not found: {target_dir}")
-        model = load_target(target_dir, torch.device(device), getattr(torch, dtype), target_backend)
+        model = load_target(target_dir, torch.device(device), getattr(torch, dtype), target_backend, device_map)
         draft = Drafter.load(Path(drafter), model) if drafter is not None else None
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir))

@@ -78,7 +78,8 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
     spec = EvalSpec(workloads=tuple(w for w in args.workloads.split(",") if w), methods=parse_methods(args.methods),
                     temperatures=tuple(args.temperatures), prompts=args.prompts, max_new_tokens=args.max_tokens,
                     chat_template=args.chat_template, contexts=tuple(args.contexts))
-    engine = Engine.load(args.target, args.drafter, device=args.device)
+    engine = Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype,
+                         target_backend=args.target_backend, device_map=args.target_device_map)
     report = evaluate(engine, spec)
     print_table(report)
     if args.json:
@@ -171,6 +172,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--target", help="target directory (default: the bundled demo pair)")
     e.add_argument("--drafter", help="drafter directory (default: the demo drafter with the demo target)")
     e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    e.add_argument("--target-backend", choices=("auto", "native", "transformers"), default="auto",
+                   help="auto: native Qwen3/Llama, transformers for other architectures (default: %(default)s)")
+    e.add_argument("--target-device-map", metavar="auto", help="shard the target over all visible GPUs (transformers)")
     e.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; use 1 while other jobs share the CPU)")
     e.add_argument("--workloads", default="code,math,chat",
