@@ -141,7 +141,7 @@ def test_errors_and_truncated_bodies_lose_no_data(server, target, spec, in_proce
     args = parser.parse_args(["train-drafter", "--target", str(target), "--out", str(tmp_path / "drafter"),
                               "--work-dir", str(tmp_path), "--data", spec.data, "--prompts", "4",
                               "--max-new-tokens", "24", "--sampled-frac", "0", "--distill-url", server,
-                              "--block-size", "4", "--batch-seqs", "2", "--anchors", "4", "--steps", "2"])
+                              "--distill-only"])
     assert args.func(args) == 0
     assert "1 written, 3 already cached, 0 dropped (failed attempts: none)" in capsys.readouterr().err
     assert read_cache_ids(read_cache(tmp_path)) == in_process

@@ -31,11 +31,13 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
     from ddscope.engine import Engine
     from ddscope.training.distill import DistillSpec, distill
-    from ddscope.training.train import launch, plan, train_from_args
+    from ddscope.training.train import launch, plan, train_from_args, train_spec
 
     if args.distill_workers < 1 or args.nproc < 1:
         raise ValueError("--distill-workers and --nproc must be >= 1")
-    work = plan(args).work  # checks the training options before distilling
+    work = plan(args).work  # checks the options against the target before distilling
+    if not args.distill_only:
+        train_spec(args)
     dspec = DistillSpec(data=args.data, prompts=args.prompts, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, sampled_frac=args.sampled_frac, seed=args.seed,
                         context_lengths=args.context_lengths or "")
@@ -54,6 +56,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
                           threads=max(1, threads // args.distill_workers), device=args.device)
     print(f"distilled: {len(records)} sequences, {sum(len(r['ids']) - r['prompt_len'] for r in records)} "
           f"generated tokens in {work}", file=sys.stderr)
+    if args.distill_only:
+        return 0
     if args.nproc > len(records):
         raise ValueError(f"--nproc {args.nproc} is larger than the data: {len(records)} distilled sequences")
     if args.nproc > 1:
@@ -144,6 +148,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="generate with a live server of the same target instead (SGLang, vLLM, llama.cpp or "
                         "ddscope serve): same prompts, mix, seeds and cache; failed responses are counted and "
                         "retried by the next run, never trained on")
+    d.add_argument("--distill-only", action="store_true",
+                   help="stop after distilling (then train with torchrun -m ddscope.training.train, same options)")
     d.add_argument("--distill-concurrency", type=int, default=8,
                    help="requests in flight with --distill-url (default: %(default)s)")
     t = p.add_argument_group("drafter and training")

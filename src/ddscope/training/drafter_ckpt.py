@@ -25,6 +25,13 @@ def pick_layer_ids(num_target_layers: int, n: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 2) / (n - 1)) for i in range(n)]
 
 
+def mask_token_text(target_dir: Path, mask_token_id: int) -> str:
+    """The mask token as text, recorded beside its id: SGLang's loader reads either."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target_dir)).convert_ids_to_tokens(mask_token_id)
+
+
 def mask_token_id(tokenizer: Any, override: int | None, vocab_size: int) -> int:
     """The tokenizer's `<|mask|>` unless an explicit id is given; never guesses."""
     if override is None:
@@ -41,7 +48,10 @@ def drafter_config(target_raw: dict[str, Any], layers: int, block_size: int, mas
                    target_layer_ids: list[int], nested_block_size: bool = False,
                    mask_token: str = MASK_TOKEN) -> dict[str, Any]:
     """A z-lab DFlash config.json: the target's Qwen3 geometry with `layers` layers, plus `dflash_config`,
-    which also records what the drafter was trained against (SGLang's loader reads the mask token there)."""
+    which also records what the drafter was trained against (SGLang's loader reads the mask token there).
+    A multimodal target (Kimi K2.5/K2.6) nests its language model's config under `text_config`."""
+    archs = list(target_raw.get("architectures") or [])
+    target_raw = target_raw.get("text_config") or target_raw
     hidden, heads = int(target_raw["hidden_size"]), int(target_raw["num_attention_heads"])
     # The drafter runs plain RoPE at the target's base, whatever scaling the target uses (YaRN in DeepSeek-V3).
     plain_rope = {**target_raw, "rope_scaling": None,
@@ -58,7 +68,7 @@ def drafter_config(target_raw: dict[str, Any], layers: int, block_size: int, mas
         "dflash_config": {"mask_token_id": mask_token_id, "mask_token": mask_token,
                           "target_layer_ids": list(target_layer_ids),
                           "num_target_layers": int(target_raw["num_hidden_layers"]),
-                          "target_architectures": list(target_raw.get("architectures") or []),
+                          "target_architectures": archs,
                           "target_hidden_size": hidden},
     }
     if nested_block_size:

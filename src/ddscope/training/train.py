@@ -31,16 +31,22 @@ from ddscope.training.train_drafter import TrainSpec, train
 class Plan:
     """The options checked against the target's config and tokenizer, before any weights load."""
 
-    spec: TrainSpec
     layer_ids: list[int]
     mask_id: int
     work: Path
+
+
+def train_spec(args: argparse.Namespace) -> TrainSpec:
+    return TrainSpec(block_size=args.block_size, layers=args.layers, batch_seqs=args.batch_seqs,
+                     grad_accum=args.grad_accum, anchors=args.anchors, lr=args.lr, gamma=args.gamma, steps=args.steps,
+                     time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
 
 
 def plan(args: argparse.Namespace) -> Plan:
     if args.target_device_map and max(args.nproc, int(os.environ.get("WORLD_SIZE", 1))) > 1:
         raise ValueError("--target-device-map shards the target over all GPUs for one process; use --nproc 1")
     raw = read_json(Path(args.target) / "config.json")
+    raw = raw.get("text_config") or raw  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model's
     n_layers, vocab = int(raw["num_hidden_layers"]), int(raw["vocab_size"])
     layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
     missing = [i for i in layer_ids if not 0 <= i < n_layers]
@@ -52,16 +58,13 @@ def plan(args: argparse.Namespace) -> Plan:
         raise CheckpointError(f"{args.target}: the target has no usable tokenizer ({str(e).splitlines()[0]})") from None
     if len(tokenizer) <= len(tokenizer.all_special_tokens):  # transformers falls back to an empty vocabulary
         raise CheckpointError(f"{args.target}: the target has no usable tokenizer (no tokenizer files found)")
-    spec = TrainSpec(block_size=args.block_size, layers=args.layers, batch_seqs=args.batch_seqs,
-                     grad_accum=args.grad_accum, anchors=args.anchors, lr=args.lr, gamma=args.gamma, steps=args.steps,
-                     time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
     work = args.work_dir or args.out.with_name(args.out.name + ".work")
-    return Plan(spec, layer_ids, mask_token_id(tokenizer, args.mask_token_id, vocab), work)
+    return Plan(layer_ids, mask_token_id(tokenizer, args.mask_token_id, vocab), work)
 
 
 def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | None = None) -> dict[str, float]:
     """Load the target on this rank's device and train (on `records`, or the cache in WORK_DIR)."""
-    p = plan(args)
+    p, spec = plan(args), train_spec(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device
@@ -71,7 +74,7 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
     target = load_target(Path(args.target), torch.device(device), getattr(torch, args.target_dtype),
                          args.target_backend, args.target_device_map)
     records = read_cache(p.work) if records is None else records
-    return train(Path(args.target), target, records, p.spec, p.mask_id, p.layer_ids, args.out, p.work,
+    return train(Path(args.target), target, records, spec, p.mask_id, p.layer_ids, args.out, p.work,
                  resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
                  feature_cache_gb=args.feature_cache_gb, init=args.init_drafter)
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from ddscope.config import DrafterConfig, read_json
 from ddscope.drafter import Drafter, drafter_state
 from ddscope.model import KVCache, Target
-from ddscope.training.drafter_ckpt import drafter_config, save_drafter
+from ddscope.training.drafter_ckpt import drafter_config, mask_token_text, save_drafter
 from ddscope.weights import load_into
 
 
@@ -262,7 +262,7 @@ def new_drafter(target_dir: Path, target: Target, spec: TrainSpec, mask_token_id
     """A freshly initialised drafter (seeded), or one starting from the weights of drafter `init`
     (fine-tuning), and the z-lab config.json it will be saved with."""
     config = drafter_config(read_json(target_dir / "config.json"), spec.layers, spec.block_size, mask_token_id,
-                            layer_ids)
+                            layer_ids, mask_token=mask_token_text(target_dir, mask_token_id))
     torch.manual_seed(spec.seed)
     cfg = DrafterConfig.from_dict(config, str(target_dir))
     drafter = Drafter(cfg).to(target.lm_head.weight.device)
