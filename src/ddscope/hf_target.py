@@ -33,10 +33,12 @@ class HFCache:
 
     @length.setter
     def length(self, value: int) -> None:
+        if value > self.length:
+            raise ValueError(f"cannot grow the cache to {value} slots by assignment (it holds {self.length})")
         if value == 0:
             self.dynamic = DynamicCache()
-        elif value < self.length:
-            self.dynamic.crop(value - self.length)
+        else:
+            self.dynamic.crop(value - self.length)  # transformers 5.x: a negative count of slots to drop
 
     def keep(self, start: int, slots: torch.Tensor) -> None:
         """Keep `[0, start)` and the accepted tree slots `start + slots`, in that order."""

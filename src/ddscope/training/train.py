@@ -46,7 +46,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.target_device_map and max(args.nproc, int(os.environ.get("WORLD_SIZE", 1))) > 1:
         raise ValueError("--target-device-map shards the target over all GPUs for one process; use --nproc 1")
     raw = read_json(Path(args.target) / "config.json")
-    raw = raw.get("text_config") or raw  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model's
+    raw = raw.get("text_config") or raw  # multimodal wrappers (Kimi K2.5/K2.6) nest the text model's config
     n_layers, vocab = int(raw["num_hidden_layers"]), int(raw["vocab_size"])
     layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
     missing = [i for i in layer_ids if not 0 <= i < n_layers]
