@@ -76,8 +76,9 @@ def _free_port() -> int:
 def llama_server(gguf: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """llama-server on 127.0.0.1 drafting for itself; yields (url, its log file)."""
     port, log = _free_port(), tmp_path / "llama-server.log"
-    cmd = [LLAMA_SERVER, "-m", str(gguf), "-md", str(gguf), "--spec-draft-n-max", "4", "--spec-synth-len", "2.5",
-           "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1", "-t", "1", "--metrics"]
+    cmd = [LLAMA_SERVER, "-m", str(gguf), "-md", str(gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", "4",
+           "--spec-synth-len", "2.5", "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
+           "-t", "1", "--metrics"]
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
