@@ -33,12 +33,17 @@ class HFCache:
 
     @length.setter
     def length(self, value: int) -> None:
-        if value > self.length:
-            raise ValueError(f"cannot grow the cache to {value} slots by assignment (it holds {self.length})")
+        """Truncate, or grow with zero slots as the native cache's stale ones (`budget.VerifyCost` times
+        forwards at a cache length, whatever it holds)."""
         if value == 0:
             self.dynamic = DynamicCache()
-        else:
+        elif value < self.length:
             self.dynamic.crop(value - self.length)  # transformers 5.x: a negative count of slots to drop
+        elif value > self.length:
+            if not self.dynamic.layers or not self.dynamic.layers[0].is_initialized:
+                raise ValueError(f"cannot grow an empty cache to {value} slots")
+            for layer in self.dynamic.layers:
+                layer.keys, layer.values = _grow(layer.keys, value), _grow(layer.values, value)
 
     def keep(self, start: int, slots: torch.Tensor) -> None:
         """Keep `[0, start)` and the accepted tree slots `start + slots`, in that order."""
@@ -46,6 +51,11 @@ class HFCache:
             idx = torch.cat([torch.arange(start, device=slots.device), slots + start]).to(layer.keys.device)
             layer.keys = layer.keys.index_select(-2, idx)
             layer.values = layer.values.index_select(-2, idx)
+
+
+def _grow(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero slots appended along the sequence axis of a [batch, heads, seq, dim] cache tensor, up to `length`."""
+    return torch.cat([t, t.new_zeros(*t.shape[:-2], length - t.shape[-2], t.shape[-1])], dim=-2)
 
 
 def _target_config(raw: dict, model: nn.Module) -> TargetConfig:
