@@ -52,6 +52,8 @@ def setup_lines(meta: dict[str, Any]) -> list[str]:
                    f"acceptance ({', '.join(log['formats']) or 'none'}), {log['lines_used']} used, "
                    f"{log['lines_straddling']} straddling two requests (dropped), "
                    f"{log['lines_outside_requests']} outside any request")
+        if "command_exit_code" in log:
+            out.append(f"  the log command exited early, with code {log['command_exit_code']}")
     return out
 
 

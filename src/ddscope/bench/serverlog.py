@@ -176,8 +176,11 @@ class ServerLog:
             target: Callable[[], None] = lambda: _follow_file(path, self._stop, self.add)
         else:
             try:
-                self._proc = subprocess.Popen(shlex.split(command or ""), stdout=subprocess.PIPE,
-                                              stderr=subprocess.DEVNULL, text=True, errors="replace")
+                argv = shlex.split(command or "")
+                if not argv:
+                    raise ValueError("empty command")
+                self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                              errors="replace")
             except (OSError, ValueError) as e:
                 raise LogError(f"--log-cmd: cannot run {command!r}: {e}") from e
             target = lambda: _follow_stream(self._proc.stdout, self.add)  # type: ignore[union-attr]
@@ -230,9 +233,13 @@ class ServerLog:
             used = sum(1 for ln, w in zip(self.lines, written_in)
                        if len(w) == 1 and self._touched(ln.covers_from, ln.hi) == w)
             outside = sum(1 for w in written_in if not w)
-            return {"origin": self.origin, "lines_seen": self.seen, "lines_recognised": len(self.lines),
-                    "formats": sorted({ln.fmt for ln in self.lines}), "lines_used": used,
-                    "lines_straddling": len(self.lines) - used - outside, "lines_outside_requests": outside}
+            out: dict[str, object] = {
+                "origin": self.origin, "lines_seen": self.seen, "lines_recognised": len(self.lines),
+                "formats": sorted({ln.fmt for ln in self.lines}), "lines_used": used,
+                "lines_straddling": len(self.lines) - used - outside, "lines_outside_requests": outside}
+        if self._proc is not None and self._proc.poll() is not None:  # the stream ended early
+            out["command_exit_code"] = self._proc.returncode
+        return out
 
     def close(self) -> None:
         self._stop.set()
