@@ -145,3 +145,32 @@ def test_errors_and_truncated_bodies_lose_no_data(server, target, spec, in_proce
     assert args.func(args) == 0
     assert "1 written, 3 already cached, 0 dropped (failed attempts: none)" in capsys.readouterr().err
     assert read_cache_ids(read_cache(tmp_path)) == in_process
+
+
+def test_server_dialects_give_ids_or_a_counted_reason(tmp_path):
+    """Answers shaped as SGLang /generate, vLLM completions with token-id logprobs and llama.cpp /completion
+    document them (these servers are not run here)."""
+    from ddscope.training.remote_distill import BadResponse, Protocol
+
+    tok = save_tiny_tokenizer(tmp_path)
+    eos = tok.eos_token_id
+    sglang, vllm, llamacpp = (Protocol(b, tok, {eos}) for b in ("sglang", "vllm", "llamacpp"))
+    assert sglang.generated({"text": "x", "output_ids": [5, 6, eos],
+                             "meta_info": {"finish_reason": {"type": "stop", "matched": eos}, "completion_tokens": 3}}) \
+        == [5, 6, eos]
+    assert sglang.generated({"text": "hi", "meta_info": {"finish_reason": {"type": "length"}}}) \
+        == tok.encode("hi", add_special_tokens=False)
+    assert vllm.generated({"choices": [{"text": "?", "finish_reason": "length",
+                                        "logprobs": {"tokens": ["token_id:5", "token_id:6"]}}],
+                           "usage": {"completion_tokens": 2}}) == [5, 6]
+    assert llamacpp.generated({"content": "?", "tokens": [5, 6], "stop_type": "eos",
+                               "timings": {"predicted_n": 2}}) == [5, 6, eos]
+    for proto, body, kind in [
+        (vllm, {"choices": [{"finish_reason": "length", "logprobs": {"tokens": ["oops"]}}]}, "bad_body"),
+        (sglang, {"output_ids": [5], "meta_info": {"finish_reason": {"type": "abort"}}}, "bad_body"),
+        (llamacpp, {"tokens": [5, 6], "stop_type": "limit", "timings": {"predicted_n": 7}}, "token_mismatch"),
+        (vllm, {"choices": "nope"}, "bad_body"),
+    ]:
+        with pytest.raises(BadResponse) as err:
+            proto.generated(body)
+        assert err.value.kind == kind

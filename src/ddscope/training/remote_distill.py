@@ -66,24 +66,31 @@ class Protocol:
             body |= {"logprobs": 1, "return_tokens_as_token_ids": True}
         return "/v1/completions", body
 
-    def generated(self, body: dict[str, Any]) -> list[int]:
-        """The generated ids, ending with EOS when the target stopped there (as in-process records do)."""
+    def _read(self, body: dict[str, Any]) -> tuple[str | None, int | None, Any]:
+        """(finish reason as stop|length, the server's generated-token count, the ids) of one answer."""
         if self.backend == "sglang":
             meta = body.get("meta_info") or {}
-            stop, count = (meta.get("finish_reason") or {}).get("type"), meta.get("completion_tokens")
             ids = body.get("output_ids")
-        elif self.backend == "llamacpp":
-            stop = {"eos": "stop", "limit": "length"}.get(body.get("stop_type"))
-            count, ids = (body.get("timings") or {}).get("predicted_n"), body.get("tokens")
-        else:
-            choice = (body.get("choices") or [{}])[0]
-            stop, count = choice.get("finish_reason"), (body.get("usage") or {}).get("completion_tokens")
-            tokens = (choice.get("logprobs") or {}).get("tokens")
-            ids = [int(t.removeprefix("token_id:")) for t in tokens] if tokens else None
-            if ids is None:
-                ids = self._retokenise(choice.get("text"))
-        if ids is None:
-            ids = self._retokenise(body.get("text"))
+            return ((meta.get("finish_reason") or {}).get("type"), meta.get("completion_tokens"),
+                    ids if ids is not None else self._retokenise(body.get("text")))
+        if self.backend == "llamacpp":
+            ids = body.get("tokens")
+            return ({"eos": "stop", "limit": "length"}.get(body.get("stop_type")),
+                    (body.get("timings") or {}).get("predicted_n"),
+                    ids if ids is not None else self._retokenise(body.get("content")))
+        choice = (body.get("choices") or [{}])[0]
+        tokens = (choice.get("logprobs") or {}).get("tokens")  # vLLM: "token_id:N"
+        ids = [int(t.removeprefix("token_id:")) for t in tokens] if tokens else self._retokenise(choice.get("text"))
+        return choice.get("finish_reason"), (body.get("usage") or {}).get("completion_tokens"), ids
+
+    def generated(self, body: dict[str, Any]) -> list[int]:
+        """The generated ids, ending with EOS when the target stopped there (as in-process records do)."""
+        try:
+            stop, count, ids = self._read(body)
+        except (AttributeError, TypeError, ValueError) as e:  # a body of the wrong shape
+            if isinstance(e, BadResponse):
+                raise
+            raise BadResponse("bad_body", f"unreadable response ({e})") from None
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise BadResponse("bad_body", "no generated tokens in the response")
         if stop not in ("stop", "length"):
