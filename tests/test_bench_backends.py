@@ -113,7 +113,7 @@ def test_sglang_counters_when_generate_is_unreachable(tmp_path, capsys):
         code, doc = sweep(url, tmp_path)
     assert code == 0 and doc["acceptance_source"]["name"] == "sglang.counters"
     assert not doc["acceptance_source"]["approximate"]
-    assert "generate route failed" in doc["acceptance_refused"]["sglang.generate"]
+    assert "/generate failed: HTTP 404" in doc["acceptance_refused"]["sglang.generate"]
     for r in doc["records"]:
         assert r["avg_commit"] == pytest.approx(planted(r["prompt_tokens"]), rel=0.01)
 

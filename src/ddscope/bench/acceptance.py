@@ -34,14 +34,14 @@ class AcceptanceReader:
     def route(self) -> str:
         return SOURCE_ROUTE.get(self.source.name, "openai")
 
-    def _check(self, name: str, seen: dict[str, Observation]) -> str | None:
-        """None when the source works on the probe, else why not."""
-        route = SOURCE_ROUTE.get(name, "openai")
-        obs = seen.get(route)
+    def _check(self, name: str, seen: dict[str, Observation | str]) -> str | None:
+        """None when the source works on the probe, else why not. `seen` maps a route to its probe
+        observation, or to why that route was not probed."""
         if name == LOG.name:
             return None if self.log is not None else "no --server-log or --log-cmd given"
-        if obs is None:
-            return f"the probe on the {route} route failed"
+        obs = seen.get(SOURCE_ROUTE.get(name, "openai"), "not probed")
+        if isinstance(obs, str):
+            return obs
         kind = SOURCES[name].kind
         if kind == "per_request":
             got = per_request(name, obs.body, obs.completion_tokens)
@@ -56,7 +56,7 @@ class AcceptanceReader:
             return f"unknown source kind {kind}"
         return None if isinstance(got, Acceptance) else got
 
-    def choose(self, seen: dict[str, Observation]) -> None:
+    def choose(self, seen: dict[str, Observation | str]) -> None:
         self.source, self.refused = NONE, {}
         for name in ORDER.get(self.backend, []):
             reason = self._check(name, seen)

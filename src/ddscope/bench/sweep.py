@@ -295,23 +295,27 @@ class Sweep:
                 except RequestFailed as e:
                     last_error = str(e)
                     continue
-                seen = {"openai": obs, **self._probe_generate(prompt)}
+                seen: dict[str, Observation | str] = {"openai": obs}
+                if self.backend == "sglang":
+                    seen["generate"] = self._probe_generate(prompt)
                 self.reader.choose(seen)
                 chosen = seen[self.reader.route]
+                assert isinstance(chosen, Observation)  # choose() only picks a route it observed
                 self.basis = decode_rate(self.backend, chosen.body, max(chosen.completion_tokens, 1),
                                          latency, ttft)[1]
                 self._calibrate(prompt, size, obs.body)
                 return
         raise RequestFailed(f"the probe request failed: {last_error}")
 
-    def _probe_generate(self, prompt: list[int] | str) -> dict[str, Observation]:
-        """SGLang's native /generate, whose meta_info carries spec_verify_ct whenever it speculates."""
-        if self.backend != "sglang" or self.cfg.stream:
-            return {}
+    def _probe_generate(self, prompt: list[int] | str) -> Observation | str:
+        """SGLang's native /generate, whose meta_info carries spec_verify_ct whenever it speculates;
+        or why it was not used. It takes raw prompts, so it stands in for /v1/completions only."""
+        if self.cfg.stream or self.cfg.api == "chat":
+            return "/generate stands in for non-streamed /v1/completions only"
         try:
-            return {"generate": self._observe("generate", prompt)[0]}
-        except RequestFailed:
-            return {}
+            return self._observe("generate", prompt)[0]
+        except RequestFailed as e:
+            return f"/generate failed: {e}"
 
     def _calibrate(self, prompt: list[int] | str, size: int, body: dict[str, Any]) -> None:
         prompt_tokens = usage_of(body)[0]
