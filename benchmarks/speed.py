@@ -6,6 +6,11 @@ speedups are medians of per-pair ratios against HF generate measured in the same
 
     python benchmarks/speed.py                    # full run on the bundled demo pair (long)
     python benchmarks/speed.py --quick            # smoke run, under 2 minutes
+    python benchmarks/speed.py --compare-drafter src/ddscope/assets/demo/drafter-short   # two drafters, one run
+
+With `--compare-drafter DIR`, the same target also runs with a second drafter, whose arms are
+prefixed `B:` and interleaved with the first's. At T=0 every engine arm's output is checked against
+`ar` token for token; mismatches are counted in the output.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
+from ddscope.drafter import Drafter
 from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.budget import VerifyCost
@@ -43,6 +49,7 @@ class Sample:
     phase_ms: dict | None = None
     overhead_ms: float | None = None
     nodes: float | None = None
+    matches_ar: bool | None = None   # T=0 engine arms: output equal to ar's
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload")
     p.add_argument("--budgets", default="4,8,16,32,64")
     p.add_argument("--no-hf", action="store_true", help="skip the two HF transformers arms")
+    p.add_argument("--compare-drafter", help="a second drafter for the same target: its arms run as B:ARM")
+    p.add_argument("--arms", help="only these arms (comma list of names as printed, e.g. ar,ddtree-auto,B:ddtree-auto)")
     p.add_argument("--quick", action="store_true", help="code, T=0, context 0, 32 tokens, 1 repeat, 2 budgets")
     p.add_argument("--out", type=Path, default=Path("bench-out/speed.json"))
     args = p.parse_args(argv)
@@ -64,9 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def arms(budgets: list[int], with_hf: bool) -> list[str]:
+def arms(budgets: list[int], with_hf: bool, compare: bool) -> list[str]:
     base = ["hf", "hf-lookup"] if with_hf else []
-    return base + ["ar", "dflash"] + [f"ddtree-{b}" for b in budgets] + ["ddtree-auto"]
+    drafted = ["dflash"] + [f"ddtree-{b}" for b in budgets] + ["ddtree-auto"]
+    return base + ["ar"] + drafted + ([f"B:{a}" for a in drafted] if compare else [])
 
 
 def run_hf(model, ids: list[int], arm: str, max_tokens: int, temperature: float, seed: int) -> float:
@@ -80,8 +90,9 @@ def run_hf(model, ids: list[int], arm: str, max_tokens: int, temperature: float,
     return (out.shape[1] - len(ids)) / (time.perf_counter() - t0)
 
 
-def run_engine(engine: Engine, ids: list[int], arm: str, max_tokens: int, temperature: float, seed: int) -> dict:
-    method, _, budget = arm.partition("-")
+def run_engine(engine: Engine, ids: list[int], arm: str, max_tokens: int, temperature: float, seed: int
+               ) -> tuple[dict, list[int]]:
+    method, _, budget = arm.removeprefix("B:").partition("-")
     budget = budget if budget == "auto" else (int(budget) if budget else None)
     t0 = time.perf_counter()
     out = engine.generate(ids, max_new_tokens=max_tokens, method=method, budget=budget, temperature=temperature,
@@ -91,13 +102,15 @@ def run_engine(engine: Engine, ids: list[int], arm: str, max_tokens: int, temper
     steps = s["verify_steps"]
     return dict(tok_per_s=len(out.token_ids) / wall, tau=s["avg_commit"], step_ms=s["mean_step_ms"],
                 phase_ms={k: v / steps for k, v in s["phase_ms"].items()},
-                overhead_ms=(1000 * s["decode_s"] - s["model_ms"]) / steps, nodes=s["nodes_verified"] / steps)
+                overhead_ms=(1000 * s["decode_s"] - s["model_ms"]) / steps,
+                nodes=s["nodes_verified"] / steps), out.token_ids
 
 
-def measure(args: argparse.Namespace, engine: Engine, hf, budgets: list[int]) -> list[Sample]:
+def measure(args: argparse.Namespace, engines: dict[str, Engine], hf, names: list[str]) -> list[Sample]:
+    """`engines` maps an arm prefix ("" or "B:") to its engine; arms run in a shuffled order per prompt."""
     rng = random.Random(0)
     samples: list[Sample] = []
-    names = arms(budgets, hf is not None)
+    engine = engines[""]
     for wl_name in args.workloads.split(","):
         workload = load_workload(wl_name)
         for temperature in [float(t) for t in args.temperatures.split(",")]:
@@ -106,6 +119,7 @@ def measure(args: argparse.Namespace, engine: Engine, hf, budgets: list[int]) ->
                     for i in range(args.prompts):
                         natural = len(engine.encode(workload.prompts[i]))
                         ids = fit_ids(workload, i, context or natural, engine.tokenizer)
+                        outputs: dict[str, list[int]] = {}
                         for arm in rng.sample(names, len(names)):
                             seed = 1000 * rep + i
                             key = dict(workload=wl_name, temperature=temperature, context=len(ids),
@@ -113,9 +127,15 @@ def measure(args: argparse.Namespace, engine: Engine, hf, budgets: list[int]) ->
                             if arm.startswith("hf"):
                                 samples.append(Sample(**key, tok_per_s=run_hf(hf, ids, arm, args.max_tokens,
                                                                                temperature, seed)))
-                            else:
-                                samples.append(Sample(**key, **run_engine(engine, ids, arm, args.max_tokens,
-                                                                          temperature, seed)))
+                                continue
+                            prefix = "B:" if arm.startswith("B:") else ""
+                            stats, outputs[arm] = run_engine(engines[prefix], ids, arm, args.max_tokens,
+                                                             temperature, seed)
+                            samples.append(Sample(**key, **stats))
+                        if temperature == 0 and "ar" in outputs:
+                            for s in samples[-len(names):]:
+                                if s.arm in outputs:
+                                    s.matches_ar = outputs[s.arm] == outputs["ar"]
                         print(f"  {wl_name} T={temperature:g} ctx={len(ids)} rep {rep + 1}/{args.repeats} "
                               f"prompt {i + 1}/{args.prompts}", file=sys.stderr, flush=True)
     return samples
@@ -195,10 +215,19 @@ def auto_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine = load_engine(args)
+    engines = {"": engine}
+    if args.compare_drafter:
+        engines["B:"] = Engine(engine.target, Drafter.load(Path(args.compare_drafter), engine.target),
+                               engine.tokenizer, Path(engine.source), engine.max_model_len)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(engine.source, dtype=torch.float32).eval()
-    budgets = [int(b) for b in args.budgets.split(",")]
+    names = arms([int(b) for b in args.budgets.split(",")], hf is not None, "B:" in engines)
+    if args.arms:
+        unknown = set(args.arms.split(",")) - set(names)
+        if unknown:
+            raise SystemExit(f"speed.py: unknown arms {sorted(unknown)}; choose from {','.join(names)}")
+        names = [a for a in names if a in args.arms.split(",")]
     cost = VerifyCost.cached(engine.target, engine.max_model_len, engine.source)
-    samples = measure(args, engine, hf, budgets)
+    samples = measure(args, engines, hf, names)
     rows = summarize(samples, cost)
     table = markdown(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -207,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(dict(env=env, summary=rows, samples=[asdict(s) for s in samples]), indent=1))
     print(table)
     print("\n" + auto_table(rows))
-    print(f"\nwrote {args.out}", file=sys.stderr)
+    checked = [s for s in samples if s.matches_ar is not None]
+    print(f"\ngreedy lossless check: {sum(not s.matches_ar for s in checked)} mismatches against ar "
+          f"in {len(checked)} generations")
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 
