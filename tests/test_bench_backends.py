@@ -249,3 +249,18 @@ def test_ctrl_c_leaves_valid_files(tmp_path, capsys, monkeypatch):
     assert [r["context"] for r in doc["records"]] == [16, 16]
     assert len((tmp_path / "results.csv").read_text().splitlines()) == 3
     assert "status: interrupted" in (tmp_path / "report.md").read_text()
+
+
+def test_rounding_is_read_from_the_printed_digits():
+    """`%g` keeps 6 significant digits (llama.cpp); prometheus_client prints them all."""
+    text = ("# TYPE llamacpp:spec_decode_num_drafts_total counter\n"
+            "llamacpp:spec_decode_num_drafts_total 1.23457e+06\n"
+            "# TYPE vllm:spec_decode_num_drafts_total counter\n"
+            'vllm:spec_decode_num_drafts_total{engine="0"} 1.234567e+06\n'
+            "# TYPE llamacpp:tokens_predicted_total counter\n"
+            "llamacpp:tokens_predicted_total 999999\n")
+    scrape = parse_metrics(text)
+    assert "llamacpp:spec_decode_num_drafts_total" in scrape.rounded
+    assert "llamacpp:tokens_predicted_total" not in scrape.rounded
+    assert "vllm:spec_decode_num_drafts_total" not in scrape.rounded
+    assert scrape.values["vllm:spec_decode_num_drafts_total"] == [1234567.0]

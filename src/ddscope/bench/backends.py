@@ -84,8 +84,9 @@ class Scrape:
     rounded: set[str] = field(default_factory=set)
 
 
-# C++ streams print doubles with 6 significant digits: 1234567 -> 1.23457e+06 (llama.cpp's /metrics).
-# Prometheus clients print full precision and never use an exponent below 1e16.
+# Samples printed in exponent form with at most 6 significant digits. From llama.cpp (a double through
+# a C++ stream, `%g`) that is every value >= 1e6, rounded: 1234567 -> 1.23457e+06. prometheus_client
+# (vLLM, SGLang, ddscope) prints full precision (1.234567e+06), where this form means trailing zeros.
 _ROUNDED = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+[-+]?\d(?:\.\d{1,5})?[eE]\+\d+\s*$", re.M)
 
 
@@ -124,6 +125,9 @@ COUNTERS: dict[str, tuple[tuple[str, str], Callable[[float, float], tuple[float,
 }
 
 
+PRINTF_G = {"llamacpp.counters", "llamacpp.legacy_counters"}  # sources whose server prints `%g`
+
+
 def counter_delta(name: str, before: Scrape | None, after: Scrape | None) -> Reading:
     if before is None or after is None:
         return "no readable /metrics"
@@ -131,7 +135,7 @@ def counter_delta(name: str, before: Scrape | None, after: Scrape | None) -> Rea
     for metric in metrics:
         if metric not in before.values or metric not in after.values:
             return f"/metrics has no {metric}"
-        if metric in before.rounded or metric in after.rounded:
+        if name in PRINTF_G and (metric in before.rounded or metric in after.rounded):
             return (f"{metric} is printed %g-rounded to 6 significant digits (e.g. 1.23457e+06): deltas "
                     f"would be off by tens of tokens")
     got = rule(*(sum(after.values[m]) - sum(before.values[m]) for m in metrics))
