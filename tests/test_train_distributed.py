@@ -36,7 +36,8 @@ def _cache(work, n: int = 8, length: int = 40, prompt_len: int = 8) -> None:
     with (work / "distill.0.jsonl").open("w") as f:
         for i in range(n):
             ids = torch.randint(10, 20, (length,), generator=g).tolist()
-            f.write(json.dumps({"i": i, "source": "test", "temperature": 0.0, "prompt_len": prompt_len, "ids": ids}) + "\n")
+            record = {"i": i, "source": "test", "temperature": 0.0, "prompt_len": prompt_len, "ids": ids}
+            f.write(json.dumps(record) + "\n")
 
 
 def _args(target, work, steps: int = STEPS, *extra: str) -> list[str]:

@@ -155,9 +155,8 @@ def test_server_dialects_give_ids_or_a_counted_reason(tmp_path):
     tok = save_tiny_tokenizer(tmp_path)
     eos = tok.eos_token_id
     sglang, vllm, llamacpp = (Protocol(b, tok, {eos}) for b in ("sglang", "vllm", "llamacpp"))
-    assert sglang.generated({"text": "x", "output_ids": [5, 6, eos],
-                             "meta_info": {"finish_reason": {"type": "stop", "matched": eos}, "completion_tokens": 3}}) \
-        == [5, 6, eos]
+    meta = {"finish_reason": {"type": "stop", "matched": eos}, "completion_tokens": 3}
+    assert sglang.generated({"text": "x", "output_ids": [5, 6, eos], "meta_info": meta}) == [5, 6, eos]
     assert sglang.generated({"text": "hi", "meta_info": {"finish_reason": {"type": "length"}}}) \
         == tok.encode("hi", add_special_tokens=False)
     assert vllm.generated({"choices": [{"text": "?", "finish_reason": "length",

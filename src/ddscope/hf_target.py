@@ -101,7 +101,7 @@ class HFTarget(nn.Module):
         bad = info["missing_keys"] or info["mismatched_keys"]
         if bad:
             raise CheckpointError(f"{directory}: {archs} is not supported natively and its weights do not fit "
-                                  f"transformers' {type(model).__name__} (missing or mismatched: {sorted(bad)[:3]} ...)")
+                                  f"transformers' {type(model).__name__} (missing or mismatched: {sorted(bad)[:3]})")
         if device_map is None:
             model.to(device)
         return cls(model.eval(), _target_config(raw, model))

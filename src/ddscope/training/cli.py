@@ -162,7 +162,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start from this drafter's weights (fine-tuning; same block size, layers and layer ids)")
     t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget)")
     t.add_argument("--time-budget-min", type=float, help="training minutes, summed over resumes (distillation not included)")
-    t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step, over all ranks (default: %(default)s)")
+    t.add_argument("--batch-seqs", type=int, default=8,
+                   help="sequences per step, over all ranks (default: %(default)s)")
     t.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per rank and step: less memory, the same step (default: %(default)s)")
     t.add_argument("--anchors", type=int, default=16, help="anchor blocks per sequence (default: %(default)s)")

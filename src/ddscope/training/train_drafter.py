@@ -184,7 +184,8 @@ class BlockDrafter(nn.Module):
 
     def forward(self, embeds: list[torch.Tensor], batch: list[Blocks]) -> torch.Tensor:
         d = self.drafter
-        return torch.cat([d.run(e, b.block_pos, d.context(b.features), b.ctx_pos, b.mask) for e, b in zip(embeds, batch)])
+        return torch.cat([d.run(e, b.block_pos, d.context(b.features), b.ctx_pos, b.mask)
+                          for e, b in zip(embeds, batch)])
 
 
 def block_weight(batch: list[Blocks], weights: torch.Tensor) -> torch.Tensor:
