@@ -83,10 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     """`train-drafter`'s own parser, so both entry points take the same options."""
     from ddscope.training.cli import register
 
-    root = argparse.ArgumentParser(prog="python -m ddscope.training.train")
-    sub = root.add_subparsers()
+    sub = argparse.ArgumentParser().add_subparsers()
     register(sub)
-    return sub.choices["train-drafter"]
+    parser = sub.choices["train-drafter"]
+    parser.prog = "torchrun --nproc-per-node N -m ddscope.training.train"
+    return parser
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
