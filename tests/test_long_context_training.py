@@ -1,6 +1,5 @@
 """Long-context drafter training: the context-length mix, long prompts, anchor visibility, fine-tuning
 from an existing drafter, and eval-acceptance per context bucket."""
-import argparse
 import json
 import random
 from collections import Counter
@@ -10,22 +9,13 @@ import torch
 from transformers import AutoTokenizer
 
 from ddscope.model import Target
-from ddscope.testing import make_drafter
-from ddscope.training.cli import register
+from ddscope.testing import TINY_PROMPTS, make_drafter, run_training_cli, write_prompts
 from ddscope.training.contexts import parse_context_lengths, sample_length
 from ddscope.training.distill import DistillSpec, build_prompts, distill, read_cache
 from ddscope.training.train_drafter import TrainSpec, make_blocks, new_drafter
 
 MIX = "16-64:0.5,64-256:0.3,256-1024:0.2"
-PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, how are", "for i in range(10):",
-           "Distributed systems require", "print(i * i)"]
-
-
-def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.func(args)
+PROMPTS = TINY_PROMPTS
 
 
 def _bucket(n: int) -> int:
@@ -56,7 +46,7 @@ def test_long_prompts_hit_their_drawn_length_and_keep_their_ending(tmp_path, tin
     target, _ = tiny_pair
     tok = AutoTokenizer.from_pretrained(str(target))
     texts = [f"{p} {i}" for i in range(10) for p in PROMPTS]
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in texts))
+    write_prompts(tmp_path / "p.jsonl", texts)
     spec = DistillSpec(data=f"file:{tmp_path / 'p.jsonl'}", prompts=60, context_lengths=MIX, seed=3)
     items = build_prompts(spec, tok)
     assert build_prompts(spec, tok) == items  # a pure function of the spec: resumed runs see the same list
@@ -103,7 +93,7 @@ def test_init_drafter_starts_from_its_weights_and_refuses_a_mismatch(tmp_path, t
 
 def test_distill_with_context_mix_resumes_without_redoing_items(tmp_path, tiny_pair):
     target, _ = tiny_pair
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    write_prompts(tmp_path / "p.jsonl", PROMPTS)
     spec = DistillSpec(data=f"file:{tmp_path / 'p.jsonl'}", prompts=4, max_new_tokens=6, sampled_frac=0.5,
                        context_lengths="16-48:1,48-200:1", seed=1)
     work = tmp_path / "work"
@@ -120,9 +110,9 @@ def test_distill_with_context_mix_resumes_without_redoing_items(tmp_path, tiny_p
 
 def test_eval_acceptance_reports_tau_per_context(tmp_path, tiny_pair):
     target, drafter = tiny_pair
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]))
+    write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
     report = tmp_path / "r.json"
-    assert _run(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
+    assert run_training_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
                  f"file:{tmp_path / 'p.jsonl'}", "--methods", "ar,ddtree:4", "--temperatures", "0",
                  "--prompts", "2", "--max-tokens", "8", "--contexts", "0,40,200", "--json", str(report)]) == 0
     data = json.loads(report.read_text())

@@ -1,6 +1,5 @@
 """Targets of any causal-LM architecture through transformers: the same features as the native model, and a
 DeepSeek-V3-style MoE/MLA target that trains a drafter end to end and decodes losslessly with it."""
-import argparse
 import json
 
 import pytest
@@ -9,11 +8,10 @@ import torch
 from ddscope.engine import Engine
 from ddscope.hf_target import HFTarget, load_target
 from ddscope.model import Target
-from ddscope.testing import make_target
-from ddscope.training.cli import register
+from ddscope.testing import TINY_PROMPTS, make_target, run_training_cli, write_prompts
 from ddscope.training.train_drafter import target_features
 
-PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, how are", "for i in range(10):"]
+PROMPTS = TINY_PROMPTS[:4]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -30,20 +28,13 @@ def test_transformers_features_equal_native(tmp_path, arch):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
 @pytest.fixture(scope="module")
 def moe_pair(tmp_path_factory):
     """A tiny random DeepSeek-V3 (MoE + MLA) target and a drafter trained for it with `train-drafter`."""
     d = tmp_path_factory.mktemp("moe")
     target = make_target(d / "target", "deepseek_v3", layers=4)
-    (d / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
-    assert _run(["train-drafter", "--target", str(target), "--out", str(d / "drafter"), "--work-dir", str(d / "work"),
+    write_prompts(d / "prompts.jsonl", PROMPTS)
+    assert run_training_cli(["train-drafter", "--target", str(target), "--out", str(d / "drafter"), "--work-dir", str(d / "work"),
                  "--data", f"file:{d / 'prompts.jsonl'}", "--prompts", "4", "--max-new-tokens", "40",
                  "--sampled-frac", "0", "--block-size", "4", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
                  "--steps", "80", "--threads", "1"]) == 0
@@ -85,9 +76,9 @@ def test_moe_target_decodes_losslessly_with_its_drafter(moe_pair):
 
 def test_bf16_target_trains_an_fp32_drafter(tmp_path):
     target = make_target(tmp_path / "target", "qwen3", layers=2)
-    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
     out, work = tmp_path / "drafter", tmp_path / "work"
-    assert _run(["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work),
+    assert run_training_cli(["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work),
                  "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "4", "--max-new-tokens", "24",
                  "--sampled-frac", "0", "--block-size", "4", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
                  "--steps", "40", "--threads", "1", "--target-dtype", "bfloat16"]) == 0

@@ -1,25 +1,15 @@
 """`ddscope train-drafter` end to end on a tiny target, and the anchor-block mask it trains with."""
-import argparse
 import json
 
 import pytest
 import torch
 
 from ddscope.engine import Engine
-from ddscope.testing import make_drafter, make_target
-from ddscope.training.cli import register
+from ddscope.testing import TINY_PROMPTS, make_drafter, make_target, run_training_cli, write_prompts
 from ddscope.training.distill import read_cache
 from ddscope.training.train_drafter import block_mask, sample_anchors
 
-PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, how are", "for i in range(10):",
-           "Distributed systems require", "print(i * i)"]
-
-
-def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.func(args)
+PROMPTS = TINY_PROMPTS
 
 
 def _tau(target, drafter, records) -> float:
@@ -58,13 +48,13 @@ def test_anchors_predict_generated_tokens_only():
 
 def test_train_drafter_end_to_end(tmp_path):
     target = make_target(tmp_path / "target")
-    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
     out, work = tmp_path / "drafter", tmp_path / "work"
     common = ["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work),
               "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "6", "--max-new-tokens", "48",
               "--sampled-frac", "0", "--block-size", "8", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
               "--threads", "1"]
-    assert _run(common + ["--steps", "150"]) == 0
+    assert run_training_cli(common + ["--steps", "150"]) == 0
 
     log = [json.loads(line) for line in (work / "train_log.jsonl").open()]
     assert len(log) == 150
@@ -80,17 +70,17 @@ def test_train_drafter_end_to_end(tmp_path):
     assert trained > random_tau + 1.0, (trained, random_tau)
 
     # Resume: distillation is skipped (all items cached) and training continues from the checkpoint.
-    assert _run(common + ["--steps", "160", "--resume"]) == 0
+    assert run_training_cli(common + ["--steps", "160", "--resume"]) == 0
     log = [json.loads(line) for line in (work / "train_log.jsonl").open()]
     assert [r["step"] for r in log[-10:]] == list(range(151, 161))
     assert len(read_cache(work)) == 6
 
 
 def test_eval_acceptance_reports_tau_and_checks_lossless(tmp_path, tiny_pair, capsys):
-    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]))
+    write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:2])
     target, drafter = tiny_pair
     report_path = tmp_path / "report.json"
-    assert _run(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
+    assert run_training_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
                  f"file:{tmp_path / 'prompts.jsonl'}", "--methods", "ar,dflash,ddtree:4", "--temperatures", "0,1",
                  "--prompts", "2", "--max-tokens", "12", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())

@@ -1,6 +1,5 @@
 """`--distill-url`: distillation from a live `ddscope serve` (started here on 127.0.0.1) gives the token ids of
 in-process distillation; a server that errors or truncates bodies loses no data, and the run reports counts."""
-import argparse
 import json
 import threading
 from contextlib import contextmanager
@@ -12,12 +11,11 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ddscope.server.launch import serve_in_background
-from ddscope.testing import make_target, save_tiny_tokenizer
-from ddscope.training.cli import register
+from ddscope.testing import TINY_PROMPTS, make_target, run_training_cli, save_tiny_tokenizer, write_prompts
 from ddscope.training.distill import DistillSpec, distill, read_cache
 from ddscope.training.remote_distill import ATTEMPTS, remote_distill
 
-PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, how are", "for i in range(10):"]
+PROMPTS = TINY_PROMPTS[:4]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +38,7 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
     prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    write_prompts(prompts, PROMPTS)
     return DistillSpec(data=f"file:{prompts}", prompts=4, max_new_tokens=24, sampled_frac=0.0)
 
 
@@ -136,13 +134,10 @@ def test_errors_and_truncated_bodies_lose_no_data(server, target, spec, in_proce
     assert read_cache_ids(records) == {i: ids for i, ids in in_process.items() if i != poisoned_i}
 
     # The next run (the server healthy again) sends only the dropped item, through the CLI.
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(["train-drafter", "--target", str(target), "--out", str(tmp_path / "drafter"),
-                              "--work-dir", str(tmp_path), "--data", spec.data, "--prompts", "4",
-                              "--max-new-tokens", "24", "--sampled-frac", "0", "--distill-url", server,
-                              "--distill-only"])
-    assert args.func(args) == 0
+    assert run_training_cli(["train-drafter", "--target", str(target), "--out", str(tmp_path / "drafter"),
+                             "--work-dir", str(tmp_path), "--data", spec.data, "--prompts", "4",
+                             "--max-new-tokens", "24", "--sampled-frac", "0", "--distill-url", server,
+                             "--distill-only"]) == 0
     assert "1 written, 3 already cached, 0 dropped (failed attempts: none)" in capsys.readouterr().err
     assert read_cache_ids(read_cache(tmp_path)) == in_process
 

@@ -1,7 +1,9 @@
 """Tiny random checkpoints on disk, for tests and smoke runs (no hub, seconds to build)."""
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -20,6 +22,27 @@ CHAT_TEMPLATE = (
 _CORPUS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog. ",
            "Distributed systems require careful reasoning about consistency and failure. ",
            "for i in range(10):\n    print(i * i)\n", "Hello, how are you today? I am fine, thanks!"]
+
+
+# Prompts for tiny end-to-end runs (distillation, training, evaluation).
+TINY_PROMPTS = ("def add(a, b):", "The quick brown fox", "Hello, how are", "for i in range(10):",
+                "Distributed systems require", "print(i * i)")
+
+
+def write_prompts(path: Path, prompts: Iterable[str]) -> Path:
+    """A `file:` workload: one {"prompt": ...} JSON object per line."""
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    return path
+
+
+def run_training_cli(argv: list[str]) -> int:
+    """`ddscope train-drafter|eval-acceptance ARGV` in this process, letting errors raise."""
+    from ddscope.training.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
 
 
 def save_tiny_tokenizer(directory: Path, vocab_size: int = 320) -> PreTrainedTokenizerFast:
