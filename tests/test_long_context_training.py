@@ -113,10 +113,10 @@ def test_eval_acceptance_reports_tau_per_context(tmp_path, tiny_pair):
     write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
     report = tmp_path / "r.json"
     assert run_training_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
-                 f"file:{tmp_path / 'p.jsonl'}", "--methods", "ar,ddtree:4", "--temperatures", "0",
+                 f"file:{tmp_path / 'p.jsonl'}", "--methods", "ar,ddtree:4,ddtree:auto", "--temperatures", "0",
                  "--prompts", "2", "--max-tokens", "8", "--contexts", "0,40,200", "--json", str(report)]) == 0
     data = json.loads(report.read_text())
     assert data["mismatches"] == []
     assert {(r["context"], r["method"]) for r in data["results"]} == {
-        (c, m) for c in (0, 40, 200) for m in ("ar", "ddtree:4")}
+        (c, m) for c in (0, 40, 200) for m in ("ar", "ddtree:4", "ddtree:auto")}
     assert all(r["prompts"] == 2 and r["tau"] >= 1 for r in data["results"])

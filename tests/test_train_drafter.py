@@ -95,7 +95,7 @@ def test_eval_acceptance_reports_tau_and_checks_lossless(tmp_path, tiny_pair, ca
 def test_eval_acceptance_rejects_bad_methods():
     from ddscope.training.evaluate import parse_methods
 
-    assert [m.budget for m in parse_methods("dflash,ddtree:8,ddtree")] == [None, 8, None]
+    assert [m.budget for m in parse_methods("dflash,ddtree:8,ddtree,ddtree:auto")] == [None, 8, None, "auto"]
     for bad in ("dflash:3", "beam", "ddtree:x", ""):
         with pytest.raises(ValueError):
             parse_methods(bad)

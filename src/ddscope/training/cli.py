@@ -188,7 +188,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--workloads", default="code,math,chat",
                    help="comma list of code, math, chat, file:PATH (default: %(default)s)")
     e.add_argument("--methods", default="ar,dflash,ddtree:8,ddtree:32",
-                   help="comma list of ar, dflash, ddtree:BUDGET (default: %(default)s)")
+                   help="comma list of ar, dflash, ddtree:BUDGET, ddtree:auto (default: %(default)s)")
     e.add_argument("--temperatures", type=_float_list, default=[0.0, 1.0], help="comma list (default: 0,1)")
     e.add_argument("--prompts", type=int, default=20, help="prompts per workload (default: %(default)s)")
     e.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default: %(default)s)")

@@ -24,7 +24,7 @@ TEMPLATED = ("math", "chat")
 class Method:
     label: str            # as written on the command line, e.g. "ddtree:32"
     name: str             # engine method
-    budget: int | None
+    budget: int | str | None   # None = the engine default; "auto" = the adaptive budget
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,16 @@ class EvalSpec:
 
 
 def parse_methods(text: str) -> tuple[Method, ...]:
-    """`ar,dflash,ddtree:8` -> Methods; ddtree without a budget uses the engine default."""
+    """`ar,dflash,ddtree:8,ddtree:auto` -> Methods; ddtree without a budget uses the engine default."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, budget = item.partition(":")
         if name not in ("ar", "dflash", "ddtree") or (budget and name != "ddtree"):
             raise ValueError(f"unknown method {item!r}: use ar, dflash or ddtree[:BUDGET]")
         try:
-            out.append(Method(item, name, int(budget) if budget else None))
+            out.append(Method(item, name, None if not budget else budget if budget == "auto" else int(budget)))
         except ValueError:
-            raise ValueError(f"ddtree budget must be an integer, got {item!r}") from None
+            raise ValueError(f"ddtree budget must be an integer or auto, got {item!r}") from None
     if not out:
         raise ValueError("no methods given")
     return tuple(out)
