@@ -28,7 +28,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
-from ddscope.drafter import Drafter
 from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.budget import VerifyCost
@@ -217,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = load_engine(args)
     engines = {"": engine}
     if args.compare_drafter:
-        engines["B:"] = Engine(engine.target, Drafter.load(Path(args.compare_drafter), engine.target),
-                               engine.tokenizer, Path(engine.source), engine.max_model_len)
+        engines["B:"] = engine.with_drafter(args.compare_drafter)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(engine.source, dtype=torch.float32).eval()
     names = arms([int(b) for b in args.budgets.split(",")], hf is not None, "B:" in engines)
     if args.arms:

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ddscope.model import Target
-from ddscope.testing import TINY_PROMPTS, make_drafter, run_training_cli, write_prompts
+from ddscope.testing import TINY_PROMPTS, make_drafter, run_cli, write_prompts
 from ddscope.training.contexts import parse_context_lengths, sample_length
 from ddscope.training.distill import DistillSpec, build_prompts, distill, read_cache
 from ddscope.training.train_drafter import TrainSpec, make_blocks, new_drafter
@@ -112,7 +112,7 @@ def test_eval_acceptance_reports_tau_per_context(tmp_path, tiny_pair):
     target, drafter = tiny_pair
     write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
     report = tmp_path / "r.json"
-    assert run_training_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
+    assert run_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
                  f"file:{tmp_path / 'p.jsonl'}", "--methods", "ar,ddtree:4,ddtree:auto", "--temperatures", "0",
                  "--prompts", "2", "--max-tokens", "8", "--contexts", "0,40,200", "--json", str(report)]) == 0
     data = json.loads(report.read_text())

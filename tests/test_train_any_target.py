@@ -8,7 +8,7 @@ import torch
 from ddscope.engine import Engine
 from ddscope.hf_target import HFTarget, load_target
 from ddscope.model import Target
-from ddscope.testing import TINY_PROMPTS, make_target, run_training_cli, write_prompts
+from ddscope.testing import TINY_PROMPTS, make_target, run_cli, write_prompts
 from ddscope.training.train_drafter import target_features
 
 PROMPTS = TINY_PROMPTS[:4]
@@ -34,7 +34,7 @@ def moe_pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe")
     target = make_target(d / "target", "deepseek_v3", layers=4)
     write_prompts(d / "prompts.jsonl", PROMPTS)
-    assert run_training_cli(["train-drafter", "--target", str(target), "--out", str(d / "drafter"), "--work-dir", str(d / "work"),
+    assert run_cli(["train-drafter", "--target", str(target), "--out", str(d / "drafter"), "--work-dir", str(d / "work"),
                  "--data", f"file:{d / 'prompts.jsonl'}", "--prompts", "4", "--max-new-tokens", "40",
                  "--sampled-frac", "0", "--block-size", "4", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
                  "--steps", "80", "--threads", "1"]) == 0
@@ -78,7 +78,7 @@ def test_bf16_target_trains_an_fp32_drafter(tmp_path):
     target = make_target(tmp_path / "target", "qwen3", layers=2)
     write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
     out, work = tmp_path / "drafter", tmp_path / "work"
-    assert run_training_cli(["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work),
+    assert run_cli(["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work),
                  "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "4", "--max-new-tokens", "24",
                  "--sampled-frac", "0", "--block-size", "4", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
                  "--steps", "40", "--threads", "1", "--target-dtype", "bfloat16"]) == 0

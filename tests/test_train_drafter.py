@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddscope.engine import Engine
-from ddscope.testing import TINY_PROMPTS, make_drafter, make_target, run_training_cli, write_prompts
+from ddscope.testing import TINY_PROMPTS, make_drafter, make_target, run_cli, write_prompts
 from ddscope.training.distill import read_cache
 from ddscope.training.train_drafter import block_mask, sample_anchors
 
@@ -54,7 +54,7 @@ def test_train_drafter_end_to_end(tmp_path):
               "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "6", "--max-new-tokens", "48",
               "--sampled-frac", "0", "--block-size", "8", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
               "--threads", "1"]
-    assert run_training_cli(common + ["--steps", "150"]) == 0
+    assert run_cli(common + ["--steps", "150"]) == 0
 
     log = [json.loads(line) for line in (work / "train_log.jsonl").open()]
     assert len(log) == 150
@@ -70,7 +70,7 @@ def test_train_drafter_end_to_end(tmp_path):
     assert trained > random_tau + 1.0, (trained, random_tau)
 
     # Resume: distillation is skipped (all items cached) and training continues from the checkpoint.
-    assert run_training_cli(common + ["--steps", "160", "--resume"]) == 0
+    assert run_cli(common + ["--steps", "160", "--resume"]) == 0
     log = [json.loads(line) for line in (work / "train_log.jsonl").open()]
     assert [r["step"] for r in log[-10:]] == list(range(151, 161))
     assert len(read_cache(work)) == 6
@@ -80,7 +80,7 @@ def test_eval_acceptance_reports_tau_and_checks_lossless(tmp_path, tiny_pair, ca
     write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:2])
     target, drafter = tiny_pair
     report_path = tmp_path / "report.json"
-    assert run_training_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
+    assert run_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
                  f"file:{tmp_path / 'prompts.jsonl'}", "--methods", "ar,dflash,ddtree:4", "--temperatures", "0,1",
                  "--prompts", "2", "--max-tokens", "12", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())

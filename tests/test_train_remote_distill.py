@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ddscope.server.launch import serve_in_background
-from ddscope.testing import TINY_PROMPTS, make_target, run_training_cli, save_tiny_tokenizer, write_prompts
+from ddscope.testing import TINY_PROMPTS, make_target, run_cli, save_tiny_tokenizer, write_prompts
 from ddscope.training.distill import DistillSpec, distill, read_cache
 from ddscope.training.remote_distill import ATTEMPTS, remote_distill
 
@@ -134,7 +134,7 @@ def test_errors_and_truncated_bodies_lose_no_data(server, target, spec, in_proce
     assert read_cache_ids(records) == {i: ids for i, ids in in_process.items() if i != poisoned_i}
 
     # The next run (the server healthy again) sends only the dropped item, through the CLI.
-    assert run_training_cli(["train-drafter", "--target", str(target), "--out", str(tmp_path / "drafter"),
+    assert run_cli(["train-drafter", "--target", str(target), "--out", str(tmp_path / "drafter"),
                              "--work-dir", str(tmp_path), "--data", spec.data, "--prompts", "4",
                              "--max-new-tokens", "24", "--sampled-frac", "0", "--distill-url", server,
                              "--distill-only"]) == 0

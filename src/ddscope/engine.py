@@ -85,6 +85,12 @@ class Engine:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
         return cls(model, draft, tokenizer, target_dir, max_model_len or limit)
 
+    def with_drafter(self, drafter: str | Path) -> "Engine":
+        """Another engine over this one's target (weights shared, caches its own), with another drafter:
+        two drafters compared side by side in one process."""
+        return Engine(self.target, Drafter.load(Path(drafter), self.target), self.tokenizer, Path(self.source),
+                      self.max_model_len, self.default_budget)
+
     @property
     def methods(self) -> tuple[str, ...]:
         return METHODS if self.drafter is not None else ("ar",)

@@ -1,7 +1,6 @@
 """Tiny random checkpoints on disk, for tests and smoke runs (no hub, seconds to build)."""
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,13 +34,11 @@ def write_prompts(path: Path, prompts: Iterable[str]) -> Path:
     return path
 
 
-def run_training_cli(argv: list[str]) -> int:
-    """`ddscope train-drafter|eval-acceptance ARGV` in this process, letting errors raise."""
-    from ddscope.training.cli import register
+def run_cli(argv: list[str]) -> int:
+    """`ddscope ARGV` in this process, letting errors raise (`ddscope.cli.main` turns them into exit codes)."""
+    from ddscope.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 
