@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,28 @@ def read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: multimodal wrappers (Kimi K2.5/K2.6) nest it under `text_config`."""
+    return raw.get("text_config") or raw
+
+
+def token_ids(value: Any) -> tuple[int, ...]:
+    """An `eos_token_id` field (absent, one id or a list) as a tuple."""
+    return () if value is None else tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def eos_ids(directory: Path, tokenizer: Any, config_eos: Iterable[int]) -> tuple[int, ...]:
+    """Every id generation stops on, for the engine and for distillation alike: the target config's,
+    `generation_config.json`'s (chat models list the end-of-turn token there) and the tokenizer's."""
+    ids = set(config_eos)
+    path = directory / "generation_config.json"
+    if path.is_file():
+        ids |= set(token_ids(read_json(path).get("eos_token_id")))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
 
 
 def rope_theta_of(raw: dict[str, Any]) -> float:
@@ -84,8 +107,6 @@ class TargetConfig:
         if arch is None:
             raise CheckpointError(
                 f"{directory}: architectures {archs} not supported; expected one of {sorted(SUPPORTED_TARGETS)}")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             arch=arch,
             geometry=DecoderGeometry.from_raw(raw, qk_norm=arch == "qwen3"),
@@ -93,7 +114,7 @@ class TargetConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
-            eos_token_ids=eos_ids,
+            eos_token_ids=token_ids(raw.get("eos_token_id")),
         )
 
 

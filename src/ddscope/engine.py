@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ddscope.budget import AutoBudget, Learned, VerifyCost
-from ddscope.config import CheckpointError, read_json
+from ddscope.config import CheckpointError, eos_ids
 from ddscope.decoding import Decoder
 from ddscope.drafter import Drafter
 from ddscope.hf_target import HFTarget, load_target
@@ -56,10 +56,7 @@ class Engine:
         self.device = target.lm_head.weight.device
         self.cache = target.new_cache(max_model_len + MAX_BUDGET + 1)
         self.draft_cache = drafter.new_cache(max_model_len + 1) if drafter is not None else None
-        eos = set(target.cfg.eos_token_ids) | set(_generation_eos(source))
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_ids = tuple(sorted(eos))
+        self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
 
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
@@ -189,15 +186,6 @@ class Engine:
         text = "".join(s.text for s in steps)
         last = steps[-1]
         return Generation(text, ids, last.finish_reason, last.stats.prompt_tokens, last.stats)
-
-
-def _generation_eos(directory: Path) -> list[int]:
-    """Stop ids from `generation_config.json` (chat models list the end-of-turn token there)."""
-    path = directory / "generation_config.json"
-    if not path.is_file():
-        return []
-    eos = read_json(path).get("eos_token_id")
-    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
 def _truncate(new: list[int], n_out: int, eos: tuple[int, ...], max_new: int,
