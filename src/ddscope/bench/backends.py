@@ -47,12 +47,17 @@ def _vllm(body: dict[str, Any], _: int) -> tuple[float, float] | None:
     return (avg, steps) if avg and steps else None
 
 
+def _legacy(predicted: float, accepted: float) -> tuple[float, float] | None:
+    # llama.cpp counts drafted/accepted tokens only (timings, older builds' counters): steps ~ predicted - accepted.
+    return (predicted / (predicted - accepted), predicted - accepted) if predicted > accepted else None
+
+
 def _llamacpp_timings(body: dict[str, Any], _: int) -> tuple[float, float] | None:
     t = body.get("timings") or {}
     predicted, accepted = num(t.get("predicted_n")), num(t.get("draft_n_accepted"))
-    if t.get("draft_n") is None or not predicted or accepted is None or predicted <= accepted:
+    if t.get("draft_n") is None or predicted is None or accepted is None:  # no drafting on this request
         return None
-    return predicted / (predicted - accepted), predicted - accepted
+    return _legacy(predicted, accepted)
 
 
 # source -> (what the response must carry, reader(body, completion_tokens) -> (avg_commit, steps))
@@ -104,11 +109,6 @@ def parse_metrics(text: str) -> Scrape:
 
 def _bonus(accepted: float, drafts: float) -> tuple[float, float] | None:
     return (1.0 + accepted / drafts, drafts) if drafts else None
-
-
-def _legacy(predicted: float, accepted: float) -> tuple[float, float] | None:
-    # Older llama.cpp builds count drafted/accepted tokens only: steps ~ predicted - accepted.
-    return (predicted / (predicted - accepted), predicted - accepted) if predicted > accepted else None
 
 
 # source -> (counter names, rule(delta of each) -> (avg_commit, verify_steps))
