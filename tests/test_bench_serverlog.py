@@ -110,7 +110,7 @@ def test_window_attribution_rules(tmp_path):
         a, b = log.read(first), log.read(second)
         assert (a.avg_commit, a.lines, a.straddling) == (pytest.approx(2.5), 2, 0)
         assert (b.avg_commit, b.lines, b.straddling) == (pytest.approx(5.0), 1, 1)
-        summary = log.summary()
+        summary = log.summary(gap_s=2.0)
         assert (summary["lines_seen"], summary["lines_recognised"]) == (6, 5)
         assert (summary["lines_used"], summary["lines_straddling"], summary["lines_outside_requests"]) == (3, 1, 1)
     finally:

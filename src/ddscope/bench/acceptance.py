@@ -5,28 +5,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddscope.bench.backends import Reading, Scrape, Server, counter_delta, per_request
-from ddscope.bench.serverlog import ServerLog
-from ddscope.bench.sources import LOG, NONE, ORDER, SOURCES, Acceptance
+from ddscope.bench.serverlog import WindowReading
+from ddscope.bench.sources import NONE, ORDER, SOURCES, Acceptance, AcceptanceSource
 
 # Sources read on another route than the OpenAI one the sweep uses by default.
 SOURCE_ROUTE = {"sglang.generate": "generate"}
+GAUGE = "sglang:spec_accept_length"
+SCRAPED_AFTER = {"counter_delta", "windowed_gauge"}  # kinds that read /metrics after the request
 
 
 @dataclass
 class Observation:
-    """One probe request on one route: its body and the /metrics scrapes around it."""
+    """One request as the sources see it: its body, the /metrics scrapes around it, its log window."""
     body: dict[str, Any]
     completion_tokens: int
     before: Scrape | None
     after: Scrape | None
+    log: WindowReading | None = None  # None: no server log followed
+
+
+class NoValue(str):
+    """Why a source that is there gave no value for this request (a gauge still at 0, a log window
+    without a line): the probe accepts the source, a request records the reason."""
 
 
 class AcceptanceReader:
     """Per backend, the first source in `ORDER` the probe shows working; why each earlier one was
     refused is kept for the results and the printed header."""
 
-    def __init__(self, backend: str, server: Server, log: ServerLog | None = None):
-        self.backend, self.server, self.log = backend, server, log
+    def __init__(self, backend: str, server: Server):
+        self.backend, self.server = backend, server
         self.source = NONE
         self.refused: dict[str, str] = {}
 
@@ -34,27 +42,38 @@ class AcceptanceReader:
     def route(self) -> str:
         return SOURCE_ROUTE.get(self.source.name, "openai")
 
+    def _reading(self, source: AcceptanceSource, obs: Observation) -> Reading:
+        """`source`'s acceptance for one observed request, or why it gives none."""
+        match source.kind:
+            case "per_request":
+                return per_request(source.name, obs.body, obs.completion_tokens)
+            case "counter_delta":
+                return counter_delta(source.name, obs.before, obs.after)
+            case "log":
+                if obs.log is None:
+                    return "no --server-log or --log-cmd given"
+                if obs.log.avg_commit is None:
+                    return NoValue(f"no log line lies wholly in the request's window "
+                                   f"({obs.log.straddling} straddling)")
+                return Acceptance(obs.log.avg_commit, None, source)
+            case "windowed_gauge":
+                if obs.after is None or GAUGE not in obs.after.values:
+                    return f"/metrics has no {GAUGE}"
+                values = [v for v in obs.after.values[GAUGE] if v > 0]
+                return Acceptance(sum(values) / len(values), None, source) if values else NoValue("the gauge reads 0")
+            case "lifetime":
+                value = self.server.lifetime_accept_length()
+                return Acceptance(value, None, source) if value else "no internal_states[].avg_spec_accept_length"
+        return "no acceptance source"
+
     def _check(self, name: str, seen: dict[str, Observation | str]) -> str | None:
         """None when the source works on the probe, else why not. `seen` maps a route to its probe
         observation, or to why that route was not probed."""
-        if name == LOG.name:
-            return None if self.log is not None else "no --server-log or --log-cmd given"
         obs = seen.get(SOURCE_ROUTE.get(name, "openai"), "not probed")
         if isinstance(obs, str):
             return obs
-        kind = SOURCES[name].kind
-        if kind == "per_request":
-            got = per_request(name, obs.body, obs.completion_tokens)
-        elif kind == "counter_delta":
-            got = counter_delta(name, obs.before, obs.after)
-        elif kind == "windowed_gauge":
-            ok = obs.after is not None and "sglang:spec_accept_length" in obs.after.values
-            return None if ok else "/metrics has no sglang:spec_accept_length"
-        elif kind == "lifetime":
-            return None if self.server.lifetime_accept_length() else "no internal_states[].avg_spec_accept_length"
-        else:
-            return f"unknown source kind {kind}"
-        return None if isinstance(got, Acceptance) else got
+        got = self._reading(SOURCES[name], obs)
+        return None if isinstance(got, (Acceptance, NoValue)) else got
 
     def choose(self, seen: dict[str, Observation | str]) -> None:
         self.source, self.refused = NONE, {}
@@ -70,23 +89,7 @@ class AcceptanceReader:
         return self.server.metrics() if self.source.kind == "counter_delta" else None
 
     def read(self, body: dict[str, Any], completion_tokens: int, before: Scrape | None,
-             window: int | None) -> Reading:
-        """This request's acceptance, or why there is none; `window` indexes the log's windows."""
-        kind, name = self.source.kind, self.source.name
-        if kind == "per_request":
-            return per_request(name, body, completion_tokens)
-        if kind == "counter_delta":
-            return counter_delta(name, before, self.server.metrics())
-        if kind == "log" and self.log is not None and window is not None:
-            got = self.log.read(window)
-            if got.avg_commit is None:
-                return f"no log line lies wholly in the request's window ({got.straddling} straddling)"
-            return Acceptance(got.avg_commit, None, self.source)
-        if kind == "windowed_gauge":
-            scrape = self.server.metrics()
-            values = [v for v in (scrape.values if scrape else {}).get("sglang:spec_accept_length", []) if v > 0]
-            return Acceptance(sum(values) / len(values), None, self.source) if values else "the gauge reads 0"
-        if kind == "lifetime":
-            value = self.server.lifetime_accept_length()
-            return Acceptance(value, None, self.source) if value else "no lifetime average"
-        return "no acceptance source"
+             log: WindowReading | None) -> Reading:
+        """This request's acceptance, or why there is none; `log` is its window's reading."""
+        after = self.server.metrics() if self.source.kind in SCRAPED_AFTER else None
+        return self._reading(self.source, Observation(body, completion_tokens, before, after, log))

@@ -10,6 +10,7 @@ window and no other; a line that reaches into another request straddles, and is 
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -131,24 +132,33 @@ def parse_line(line: str, arrival: float) -> Parsed | None:
 
 # ---- followers -----------------------------------------------------------------------------------
 
+def _replaced(path: Path, f: IO[bytes]) -> bool:
+    """`path` now names another file (rotated) or shrank below our position (truncated)."""
+    try:
+        st = path.stat()
+    except OSError:  # between a rotation's rename and the new file's creation
+        return False
+    return not os.path.samestat(st, os.fstat(f.fileno())) or st.st_size < f.tell()
+
+
 def _follow_file(path: Path, stop: threading.Event, emit: Callable[[str], None]) -> None:
-    """Read lines appended to `path` (from its end at start) until `stop`; reopen on truncation."""
-    f = path.open("r", errors="replace")
-    f.seek(0, 2)
-    partial = ""
+    """Read lines appended to `path` (from its end at start) until `stop`; after rotation or
+    truncation, follow the new file from its start."""
+    f = path.open("rb")  # bytes: tell() is an offset to compare with the size
+    f.seek(0, os.SEEK_END)
+    partial = b""
     try:
         while not stop.is_set():
             chunk = f.read()
-            if not chunk:
-                if path.exists() and path.stat().st_size < f.tell():  # truncated or rotated
-                    f.close()
-                    f = path.open("r", errors="replace")
+            if chunk:
+                *lines, partial = (partial + chunk).split(b"\n")
+                for line in lines:
+                    emit(line.decode(errors="replace"))
+            elif _replaced(path, f):  # the old file is drained: its unfinished line is no line
+                f.close()
+                f, partial = path.open("rb"), b""
+            else:
                 stop.wait(POLL_S)
-                continue
-            lines = (partial + chunk).split("\n")
-            partial = lines.pop()
-            for line in lines:
-                emit(line)
     finally:
         f.close()
 
@@ -214,29 +224,35 @@ class ServerLog:
     def _touched(self, lo: float, hi: float) -> list[int]:
         return [i for i, (s, e) in enumerate(self.windows) if lo <= e and hi >= s]
 
+    def _owner(self, line: LogLine) -> int | None:
+        """The window a line is used for: the only one it was written in and averages over."""
+        written = self._touched(line.lo, line.hi)
+        return written[0] if len(written) == 1 and self._touched(line.covers_from, line.hi) == written else None
+
     def read(self, index: int) -> WindowReading:
         """The lines of one request window; avg_commit is None when no line lies wholly in it."""
         with self._lock:
             start, end = self.windows[index]
             mine = [ln for ln in self.lines if ln.lo <= end and ln.hi >= start]
-            used = [ln for ln in mine if self._touched(ln.covers_from, ln.hi) == [index]]
+            used = [ln for ln in mine if self._owner(ln) == index]
         if not used:
             return WindowReading(None, 0, len(mine), None)
         weight = sum(ln.weight for ln in used)
         return WindowReading(sum(ln.avg_commit * ln.weight for ln in used) / weight, len(used),
                              len(mine) - len(used), ",".join(sorted({ln.fmt for ln in used})))
 
-    def summary(self) -> dict[str, object]:
-        """Totals over the sweep: lines seen, recognised, used, straddling, in no request window."""
+    def summary(self, gap_s: float) -> dict[str, object]:
+        """Totals over the sweep (lines seen, recognised, used, straddling, in no request window), and
+        the idle gap used against the least that keeps windows apart at the timestamps' resolution."""
         with self._lock:
-            written_in = [self._touched(ln.lo, ln.hi) for ln in self.lines]
-            used = sum(1 for ln, w in zip(self.lines, written_in)
-                       if len(w) == 1 and self._touched(ln.covers_from, ln.hi) == w)
-            outside = sum(1 for w in written_in if not w)
+            used = sum(1 for ln in self.lines if self._owner(ln) is not None)
+            outside = sum(1 for ln in self.lines if not self._touched(ln.lo, ln.hi))
+            resolution = max((ln.hi - ln.lo for ln in self.lines), default=0.0)
             out: dict[str, object] = {
                 "origin": self.origin, "lines_seen": self.seen, "lines_recognised": len(self.lines),
                 "formats": sorted({ln.fmt for ln in self.lines}), "lines_used": used,
-                "lines_straddling": len(self.lines) - used - outside, "lines_outside_requests": outside}
+                "lines_straddling": len(self.lines) - used - outside, "lines_outside_requests": outside,
+                "gap_s": gap_s, "min_gap_s": END_SLACK_S + resolution}
         if self._proc is not None and self._proc.poll() is not None:  # the stream ended early
             out["command_exit_code"] = self._proc.returncode
         return out

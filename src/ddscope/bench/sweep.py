@@ -30,7 +30,7 @@ from ddscope.bench.backends import (
     step_commits,
     usage_of,
 )
-from ddscope.bench.serverlog import ServerLog
+from ddscope.bench.serverlog import ServerLog, WindowReading
 from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
 
 SCHEMA = "ddscope.bench.results/1"
@@ -218,7 +218,7 @@ class Sweep:
         if cfg.clamp_contexts and self.max_model_len:
             room = max(1, self.max_model_len - cfg.max_tokens)
             cfg.contexts = sorted({min(c, room) for c in cfg.contexts})
-        self.reader = AcceptanceReader(self.backend, self.server, log)
+        self.reader = AcceptanceReader(self.backend, self.server)
         self.extras: dict[str, Any] = {}
         self.token_ids = tokenizer is not None and cfg.api == "completions"  # exact lengths
         self.chars_per_token = 4.0  # replaced by the probe when prompts are text
@@ -268,17 +268,18 @@ class Sweep:
         try:
             body, latency, ttft = self._send(route, prompt, PROBE_TOKENS)
         finally:
-            self._idle(t0)
+            logged = self._idle(t0)
         completion = usage_of(body)[1] or 0
-        return Observation(body, completion, before, self.server.metrics()), ttft, latency
+        return Observation(body, completion, before, self.server.metrics(), logged), ttft, latency
 
-    def _idle(self, started: float) -> int | None:
-        """Close the request's log window, then wait the idle gap so windows never touch."""
+    def _idle(self, started: float) -> WindowReading | None:
+        """Close the request's log window, wait the idle gap so windows never touch, then read the
+        window: its last lines have arrived by then."""
         if self.log is None:
             return None
         window = self.log.window(started, time.time())
         time.sleep(self.cfg.log_gap_s)
-        return window
+        return self.log.read(window)
 
     def probe(self) -> None:
         """Short requests that pick the request extras the server accepts, token-id or text prompts,
@@ -342,13 +343,13 @@ class Sweep:
             return record
         finally:
             record["ended_at"] = time.time()
-            window = self._idle(started)
+            logged = self._idle(started)
         prompt_tokens, completion = usage_of(body)
         if not completion:
             record["error"] = "the response has no usage.completion_tokens"
             return record
         tps, basis, prefill = decode_rate(self.backend, body, completion, latency, ttft)
-        acc = self.reader.read(body, completion, before, window)
+        acc = self.reader.read(body, completion, before, logged)
         ok = not isinstance(acc, str)
         record.update(
             prompt_tokens=prompt_tokens or context, completion_tokens=completion, latency_s=round(latency, 6),
@@ -358,10 +359,9 @@ class Sweep:
             step_ms=1000.0 * acc.avg_commit / tps if ok else None, acceptance_note=None if ok else acc,
             engine_step_ms=engine_step_ms(self.backend, body), commits=step_commits(self.backend, body),
         )
-        if self.log is not None and window is not None:
-            got = self.log.read(window)
-            record.update(log_avg_commit=got.avg_commit, log_lines=got.lines, log_straddling=got.straddling,
-                          log_formats=got.formats)
+        if logged is not None:
+            record.update(log_avg_commit=logged.avg_commit, log_lines=logged.lines,
+                          log_straddling=logged.straddling, log_formats=logged.formats)
         return record
 
     def header(self) -> dict[str, Any]:
@@ -374,12 +374,11 @@ class Sweep:
                         "prompt_format": "token_ids" if self.token_ids else "text"},
             "acceptance_source": self.reader.source.to_dict(),
             "acceptance_refused": self.reader.refused,
-            "tok_per_s": {"basis": self.basis, "includes_prefill": self.basis == "client_latency",
-                          "definition": TOK_PER_S_BASIS[self.basis]},
+            "tok_per_s": self._bases([]),
         }
 
     def _bases(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """The header's tok/s basis, from what the timed requests actually had."""
+        """The header's tok/s basis, from what the timed requests had (none yet: the probe's)."""
         bases = sorted({r["tok_per_s_basis"] for r in records if r.get("tok_per_s_basis")}) or [self.basis]
         if len(bases) == 1:
             return {"basis": bases[0], "includes_prefill": bases[0] == "client_latency",
@@ -406,7 +405,7 @@ class Sweep:
                     on_request(_note(record))
         except KeyboardInterrupt:
             status = "interrupted"
-        extra = {"server_log": self.log.summary()} if self.log is not None else {}
+        extra = {"server_log": self.log.summary(self.cfg.log_gap_s)} if self.log is not None else {}
         writer.update(status=status, finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
                       tok_per_s=self._bases(writer.records), **extra)
 
