@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+from ddscope.bench.serverlog import END_SLACK_S
 from ddscope.options import add_model_args, budget_arg
 
 # The issue's experiment. On the embedded demo pair (a 2-core CPU) the output is shorter, so the
@@ -88,9 +89,12 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     src = lg.add_mutually_exclusive_group()
     src.add_argument("--server-log", type=Path, metavar="PATH", help="a log file the server appends to")
     src.add_argument("--log-cmd", metavar="CMD",
-                     help='a command whose stdout is the log stream, e.g. "journalctl -u sglang -f -o short-iso"')
-    lg.add_argument("--log-gap", type=_number(0.0, 600.0, low_open=True), default=2.0, metavar="S",
-                    help="idle seconds after each request so log lines never straddle two (default: 2)")
+                     help='a command whose stdout is the log stream, e.g. "journalctl -u sglang -f -n 0 -o '
+                          'short-iso" (-n 0: no replay of old lines)')
+    # Each window is extended by END_SLACK_S for trailing output: a gap at or below it makes windows touch.
+    lg.add_argument("--log-gap", type=_number(END_SLACK_S, 600.0, low_open=True), default=2.0, metavar="S",
+                    help=f"idle seconds after each request so log lines never straddle two; above {END_SLACK_S:g} "
+                         f"plus the log's timestamp resolution (1 s for vLLM, SGLang without ms) (default: 2)")
 
 
 def register(subparsers: Any) -> None:
@@ -259,10 +263,7 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     errors: dict[str, int] = {}
     loaded = [load_rows(path) for path in paths]
     if _overlaid(loaded):
-        for (file_rows, _), tag in zip(loaded, _tags(paths)):
-            for row in file_rows:
-                row["label"] = f"{row['label']} [{tag}]"
-        baseline = baseline or next((r["label"] for r in loaded[0][0]), None)
+        baseline, meta["runs"] = _overlay(loaded, _tags(paths), baseline)
     for file_rows, file_meta in loaded:
         rows += file_rows
         for msg, count in (file_meta.pop("errors", None) or {}).items():
@@ -295,6 +296,23 @@ def _overlaid(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]]) -> bool
             return True
         seen |= labels
     return False
+
+
+def _overlay(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]], tags: list[str],
+             baseline: str | None) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """Label each file's rows `label [tag]`; returns the baseline as a tagged label (default: the
+    first file's first curve) and each file's acceptance setup by tag."""
+    for (rows, _), tag in zip(loaded, tags):
+        for row in rows:
+            row["label"] = f"{row['label']} [{tag}]"
+    labels = {row["label"] for rows, _ in loaded for row in rows}
+    if baseline is None:
+        baseline = next((row["label"] for row in loaded[0][0]), None)
+    elif baseline not in labels:  # untagged ("padding"): the first file's curve of that name
+        baseline = next((f"{baseline} [{t}]" for t in tags if f"{baseline} [{t}]" in labels), baseline)
+    runs = {tag: {k: meta.get(k) for k in ("acceptance_source", "acceptance_refused")}
+            for (_, meta), tag in zip(loaded, tags)}
+    return baseline, runs
 
 
 def _tags(paths: list[Path]) -> list[str]:

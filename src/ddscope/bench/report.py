@@ -33,15 +33,21 @@ def _headers(a: Analysis) -> list[str]:
     return HEADERS + ([LOG_HEADER] if any(p.log_lines is not None for p in a.points) else [])
 
 
-def setup_lines(meta: dict[str, Any]) -> list[str]:
-    """Where acceptance and tok/s come from, why other sources were refused, and the log totals."""
+def _acceptance_lines(run: dict[str, Any], tag: str | None) -> list[str]:
     out = []
-    source = meta.get("acceptance_source") or {}
+    source = run.get("acceptance_source") or {}
     if source:
         approx = " (approximate)" if source.get("approximate") else ""
-        out.append(f"acceptance: {source['name']} [{source['kind']}]{approx}: {source['definition']}")
-    for name, why in (meta.get("acceptance_refused") or {}).items():
-        out.append(f"  refused {name}: {why}")
+        where = f" [{tag}]" if tag else ""
+        out.append(f"acceptance{where}: {source['name']} [{source['kind']}]{approx}: {source['definition']}")
+    return out + [f"  refused {name}: {why}" for name, why in (run.get("acceptance_refused") or {}).items()]
+
+
+def setup_lines(meta: dict[str, Any]) -> list[str]:
+    """Where acceptance (per overlaid run) and tok/s come from, why other sources were refused, the
+    log totals, and a warning when the log gap is too short for the timestamps seen."""
+    runs = meta.get("runs") or {None: meta}
+    out = [line for tag, run in runs.items() for line in _acceptance_lines(run, tag)]
     rate = meta.get("tok_per_s") or {}
     if rate:
         prefill = "includes prefill" if rate.get("includes_prefill") else "decode only"
@@ -54,6 +60,10 @@ def setup_lines(meta: dict[str, Any]) -> list[str]:
                    f"{log['lines_outside_requests']} outside any request")
         if "command_exit_code" in log:
             out.append(f"  the log command exited early, with code {log['command_exit_code']}")
+        if log.get("gap_s", float("inf")) <= log.get("min_gap_s", 0.0):
+            out.append(f"  warning: --log-gap {log['gap_s']:g} s does not exceed the window slack plus the "
+                       f"timestamps' resolution ({log['min_gap_s']:g} s): windows may touch and lines straddle; "
+                       f"use a larger --log-gap")
     return out
 
 
