@@ -226,3 +226,26 @@ def test_analyze_overlays_results_files_labelled_by_folder(tmp_path, capsys):
                                         if p["label"] == "padding [old]" and p["prompt_tokens"] == 5553)
     assert (tmp_path / "overlay" / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert "padding [new]" in (tmp_path / "overlay" / "report.md").read_text()
+
+
+def test_overlay_maps_an_untagged_baseline_and_shows_each_runs_source(tmp_path, capsys):
+    """`--baseline padding` on overlaid files means the first file's padding curve (not the default,
+    its first curve, here code); the setup lists each run's acceptance source by tag."""
+    sources = {"old": "sglang.generate", "new": "sglang.counters"}
+    paths = []
+    for name, source in sources.items():
+        (tmp_path / name).mkdir()
+        rows = [row("code", 1663, 3.0, step(1663))] + baseline(6.0)
+        path = tmp_path / name / "results.json"
+        path.write_text(json.dumps({
+            "records": [{**r, "error": None} for r in rows],
+            "acceptance_source": {"name": source, "kind": "per_request", "approximate": False, "definition": "d"},
+            "acceptance_refused": {"sglang.sglext": f"refused in {name}"}}))
+        paths.append(str(path))
+    code, out, _ = run_cli(["bench", "analyze", *paths, "--baseline", "padding", "--json"], capsys)
+    assert code == 0 and json.loads(out)["baseline"] == "padding [old]"
+    code, out, _ = run_cli(["bench", "analyze", *paths, "--baseline", "padding"], capsys)
+    assert code == 0
+    for name, source in sources.items():
+        assert f"acceptance [{name}]: {source} [per_request]" in out
+        assert f"refused sglang.sglext: refused in {name}" in out

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from bench_fakes import TOKENS, LogWriter, llamacpp_app, plain_app, planted, serve, sglang_app, vllm_app
 
-from ddscope.bench.serverlog import ServerLog
+from ddscope.bench.report import setup_lines
+from ddscope.bench.serverlog import END_SLACK_S, POLL_S, ServerLog
 from ddscope.cli import main
 
 # format -> (fake server, idle gap): vLLM stamps whole seconds, so its windows need more than 1 s apart.
@@ -122,3 +125,69 @@ def test_missing_log_file_is_a_clear_error(tmp_path, capsys):
                  "--out", str(tmp_path)])
     assert code == 2
     assert "--server-log: no such file" in capsys.readouterr().err
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_file_follower_reopens_after_rotation_and_truncation(tmp_path):
+    """Rotation (rename, then a new file larger than the old position: only the inode tells) and
+    truncation (same inode, smaller): both are followed from the new start, and the old file's
+    unfinished last line is dropped rather than glued to the new first line."""
+    path = tmp_path / "server.log"
+    path.touch()
+    log = ServerLog(path=path)
+
+    def append(text: str) -> None:
+        with path.open("a") as f:
+            f.write(text)
+
+    values = lambda: [ln.avg_commit for ln in log.lines]  # noqa: E731
+    try:
+        for _ in range(100):  # the follower starts at the file's end: sync on a line it reads
+            append("noise\n")
+            if wait_for(lambda: log.seen > 0, timeout_s=0.1):
+                break
+        append("accept_len=1.0\naccept_len=7")  # unfinished: the server is mid-write
+        assert wait_for(lambda: values() == [1.0])
+        time.sleep(4 * POLL_S)
+        path.rename(tmp_path / "server.log.1")
+        path.write_text("x" * 2000 + "\naccept_len=2.0\n")
+        assert wait_for(lambda: len(values()) == 2) and values() == [1.0, 2.0]
+        append("accept_len=8")
+        time.sleep(4 * POLL_S)
+        path.write_text("accept_len=3.0\n")  # copytruncate: same file, shorter
+        assert wait_for(lambda: len(values()) == 3) and values() == [1.0, 2.0, 3.0]
+    finally:
+        log.close()
+
+
+@pytest.mark.parametrize("gap", ["0.25", "0.1"])
+def test_log_gap_must_exceed_the_window_slack(tmp_path, capsys, gap):
+    path = tmp_path / "server.log"
+    path.touch()
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "sweep", "--url", "http://127.0.0.1:9", "--server-log", str(path), "--log-gap", gap])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--log-gap: must be in ({END_SLACK_S:g}, 600]" in err
+
+
+def test_header_warns_when_the_gap_is_within_the_timestamp_resolution(tmp_path):
+    """Whole-second timestamps stretch a line over [t, t + 1): with a gap under slack + 1 s, windows
+    can share a line, so the setup header says so."""
+    path = tmp_path / "server.log"
+    path.touch()
+    log = ServerLog(path=path)
+    try:
+        log.window(1e9 - 1.0, 1e9 + 1.0)
+        log.add("2001-09-09T01:46:40Z accept_len=3.0", arrival=1e9 + 0.5)  # unix 1e9, 1 s resolution
+    finally:
+        log.close()
+    short, enough = log.summary(gap_s=0.6), log.summary(gap_s=1.4)
+    assert short["min_gap_s"] == pytest.approx(END_SLACK_S + 1.0)
+    assert any("warning: --log-gap 0.6 s" in line for line in setup_lines({"server_log": short}))
+    assert not any("warning" in line for line in setup_lines({"server_log": enough}))
