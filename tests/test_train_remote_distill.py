@@ -1,6 +1,7 @@
 """`--distill-url`: distillation from a live `ddscope serve` (started here on 127.0.0.1) gives the token ids of
 in-process distillation; a server that errors or truncates bodies loses no data, and the run reports counts."""
 import json
+import shutil
 import threading
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,8 +50,13 @@ def server(target):
 
 
 @pytest.fixture(scope="module")
-def in_process(target, spec, tmp_path_factory):
-    return read_cache_ids(distill(target, spec, tmp_path_factory.mktemp("local")))
+def in_process_records(target, spec, tmp_path_factory):
+    return distill(target, spec, tmp_path_factory.mktemp("local"))
+
+
+@pytest.fixture(scope="module")
+def in_process(in_process_records):
+    return read_cache_ids(in_process_records)
 
 
 def read_cache_ids(records: list[dict]) -> dict[int, list[int]]:
@@ -65,6 +71,43 @@ def test_greedy_ids_equal_in_process_distillation(server, target, spec, in_proce
     # Resumable: a rerun sends nothing.
     records, counts = remote_distill(server, target, spec, tmp_path)
     assert (counts.written, counts.cached) == (0, 4) and read_cache_ids(records) == in_process
+
+
+@pytest.fixture(scope="module")
+def eos_target(target, in_process_records, tmp_path_factory):
+    """The target with its EOS head row set to 1.01x the row of the 4th token of the first greedy item: that item
+    now stops on EOS within 4 tokens (the hidden states are the target's, so the tokens before it are too)."""
+    d = tmp_path_factory.mktemp("eos") / "target"
+    shutil.copytree(target, d)
+    model = LlamaForCausalLM.from_pretrained(str(d))
+    first = in_process_records[0]
+    eos = AutoTokenizer.from_pretrained(str(d)).eos_token_id
+    with torch.no_grad():
+        model.lm_head.weight[eos] = 1.01 * model.lm_head.weight[first["ids"][first["prompt_len"] + 3]]
+    model.save_pretrained(str(d))
+    return d
+
+
+def test_eos_stops_give_the_in_process_ids(eos_target, spec, tmp_path):
+    """`ddscope serve` returns text without the EOS it stopped on: with one possible EOS the record gets it, as
+    in-process records do; with two (generation_config adds <|im_end|>) the server cannot say which: dropped."""
+    local = distill(eos_target, spec, tmp_path / "local")
+    eos = AutoTokenizer.from_pretrained(str(eos_target)).eos_token_id
+    stopped = [r for r in local if len(r["ids"]) - r["prompt_len"] < spec.max_new_tokens]
+    assert 0 < len(stopped) < len(local) and all(r["ids"][-1] == eos for r in stopped)
+    assert stopped[0]["i"] == local[0]["i"] and len(stopped[0]["ids"]) - stopped[0]["prompt_len"] <= 4
+    with serve_in_background(eos_target, None, method="ar") as url:
+        records, counts = remote_distill(url, eos_target, spec, tmp_path / "remote", concurrency=2)
+    assert read_cache_ids(records) == read_cache_ids(local)
+    assert (counts.written, counts.dropped, counts.problems) == (4, 0, {})
+
+    two_eos = tmp_path / "two-eos"
+    shutil.copytree(eos_target, two_eos)
+    (two_eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 2]}))
+    with serve_in_background(two_eos, None, method="ar") as url:
+        records, counts = remote_distill(url, two_eos, spec, tmp_path / "remote-two", concurrency=2)
+    assert counts.problems == {"unknown_eos": ATTEMPTS * len(stopped)} and counts.dropped == len(stopped)
+    assert read_cache_ids(records) == {r["i"]: r["ids"] for r in local if r not in stopped}
 
 
 @contextmanager
@@ -149,7 +192,7 @@ def test_server_dialects_give_ids_or_a_counted_reason(tmp_path):
 
     tok = save_tiny_tokenizer(tmp_path)
     eos = tok.eos_token_id
-    sglang, vllm, llamacpp = (Protocol(b, tok, {eos}) for b in ("sglang", "vllm", "llamacpp"))
+    sglang, vllm, llamacpp = (Protocol(b, tok, (eos,)) for b in ("sglang", "vllm", "llamacpp"))
     meta = {"finish_reason": {"type": "stop", "matched": eos}, "completion_tokens": 3}
     assert sglang.generated({"text": "x", "output_ids": [5, 6, eos], "meta_info": meta}) == [5, 6, eos]
     assert sglang.generated({"text": "hi", "meta_info": {"finish_reason": {"type": "length"}}}) \
@@ -159,7 +202,20 @@ def test_server_dialects_give_ids_or_a_counted_reason(tmp_path):
                            "usage": {"completion_tokens": 2}}) == [5, 6]
     assert llamacpp.generated({"content": "?", "tokens": [5, 6], "stop_type": "eos",
                                "timings": {"predicted_n": 2}}) == [5, 6, eos]
+    # Two possible EOS ids (<|endoftext|> and <|im_end|>): the one in the ids or the one SGLang names, else dropped.
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    sglang2, openai2 = Protocol("sglang", tok, (eos, im_end)), Protocol("openai", tok, (eos, im_end))
+    stop = {"finish_reason": {"type": "stop", "matched": im_end}, "completion_tokens": 3}
+    assert sglang2.generated({"output_ids": [5, 6, im_end], "meta_info": stop}) == [5, 6, im_end]
+    assert sglang2.generated({"output_ids": [5, 6], "meta_info": stop}) == [5, 6, im_end]
+    # ... and each server is asked to keep the stop token in its ids and text.
+    body = vllm.request([5], DistillSpec(), 0.0, 0)[1]
+    assert body["skip_special_tokens"] is False and body["include_stop_str_in_output"] is True
+    assert sglang.request([5], DistillSpec(), 0.0, 0)[1]["sampling_params"]["no_stop_trim"] is True
     for proto, body, kind in [
+        (openai2, {"choices": [{"text": "hi", "finish_reason": "stop"}]}, "unknown_eos"),
+        (sglang2, {"output_ids": [5], "meta_info": {"finish_reason": {"type": "stop", "matched": "</s>"}}},
+         "unknown_eos"),
         (vllm, {"choices": [{"finish_reason": "length", "logprobs": {"tokens": ["oops"]}}]}, "bad_body"),
         (sglang, {"output_ids": [5], "meta_info": {"finish_reason": {"type": "abort"}}}, "bad_body"),
         (llamacpp, {"tokens": [5, 6], "stop_type": "limit", "timings": {"predicted_n": 7}}, "token_mismatch"),

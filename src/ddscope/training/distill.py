@@ -195,7 +195,7 @@ def read_cache(out_dir: Path) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["i"])
 
 
-def _append_whole_lines(path: Path) -> Any:
+def append_whole_lines(path: Path) -> Any:
     """Open a record file for appending after dropping a torn last line (a run killed mid-write), so new
     records never glue onto it."""
     if path.is_file():
@@ -205,7 +205,7 @@ def _append_whole_lines(path: Path) -> Any:
     return path.open("a")
 
 
-def _check_meta(out_dir: Path, spec: DistillSpec) -> None:
+def check_meta(out_dir: Path, spec: DistillSpec) -> None:
     meta = out_dir / "distill.meta.json"
     if meta.is_file():
         old = {**asdict(DistillSpec()), **json.loads(meta.read_text())}  # fields added later take defaults
@@ -217,9 +217,22 @@ def _check_meta(out_dir: Path, spec: DistillSpec) -> None:
         meta.write_text(json.dumps(asdict(spec), indent=2) + "\n")
 
 
-def _temperature(spec: DistillSpec, i: int) -> float:
+def temperature_of(spec: DistillSpec, i: int) -> float:
     """Greedy or T=1 per item, fixed by (seed, i) so any worker split gives the same mix."""
     return 1.0 if random.Random(spec.seed * 1_000_003 + i).random() < spec.sampled_frac else 0.0
+
+
+# A prompt still to distil: (item index, source, prompt ids).
+Item = tuple[int, str, list[int]]
+
+
+def pending(spec: DistillSpec, tokenizer: Any, out_dir: Path, time_budget_s: float | None) -> tuple[list[Item], float]:
+    """The items of `spec` not yet in `out_dir` (after checking it holds this spec's records), and the
+    wall-clock deadline of the run."""
+    check_meta(out_dir, spec)
+    done = {r["i"] for r in read_cache(out_dir)}
+    todo = [(i, source, ids) for i, (source, ids) in enumerate(build_prompts(spec, tokenizer)) if i not in done]
+    return todo, time.time() + (time_budget_s if time_budget_s is not None else float("inf"))
 
 
 def _worker(worker: int, items: list[tuple[int, str, list[int]]], spec: DistillSpec, target: str,
@@ -232,12 +245,12 @@ def _worker(worker: int, items: list[tuple[int, str, list[int]]], spec: DistillS
     torch.set_num_threads(threads)
     engine = Engine.load(target, drafter, device=device)
     written, generated, t0 = 0, 0, time.monotonic()
-    with _append_whole_lines(out_dir / f"distill.{worker}.jsonl") as f, \
+    with append_whole_lines(out_dir / f"distill.{worker}.jsonl") as f, \
             tqdm(items, desc=f"distill[{worker}]", unit="seq", position=worker, dynamic_ncols=True) as bar:
         for i, source, ids in bar:
             if time.time() > deadline:
                 break
-            temperature = _temperature(spec, i)
+            temperature = temperature_of(spec, i)
             out = engine.generate(ids, max_new_tokens=spec.max_new_tokens, method=method, temperature=temperature,
                                   seed=spec.seed + i)
             record = {"i": i, "source": source, "temperature": temperature, "prompt_len": len(ids),
@@ -262,11 +275,7 @@ def distill(target: str | Path, spec: DistillSpec, out_dir: Path, drafter: str |
 
     if method == "ddtree" and drafter is None:
         raise ValueError("distilling with ddtree needs an existing drafter for this target")
-    _check_meta(out_dir, spec)
-    prompts = build_prompts(spec, AutoTokenizer.from_pretrained(str(target)))
-    done = {r["i"] for r in read_cache(out_dir)}
-    todo = [(i, source, ids) for i, (source, ids) in enumerate(prompts) if i not in done]
-    deadline = time.time() + (time_budget_s if time_budget_s is not None else float("inf"))
+    todo, deadline = pending(spec, AutoTokenizer.from_pretrained(str(target)), out_dir, time_budget_s)
     args = (spec, str(target), drafter and str(drafter), method, device, threads, out_dir, deadline)
     if workers <= 1 or len(todo) <= 1:
         _worker(0, todo, *args)
