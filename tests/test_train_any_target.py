@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from ddscope.config import CheckpointError
 from ddscope.engine import Engine
 from ddscope.hf_target import HFTarget, load_target
 from ddscope.model import Target
@@ -26,6 +27,14 @@ def test_transformers_features_equal_native(tmp_path, arch):
     b = target_features(hf, hf.new_cache(64), ids, layers)
     assert a.shape == b.shape == (57, 3 * native.cfg.geometry.hidden_size)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_sliding_window_target_is_refused(tmp_path):
+    directory = make_target(tmp_path / "t", "llama", layers=2)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    with pytest.raises(CheckpointError, match="sliding-window attention is not supported"):
+        load_target(directory, torch.device("cpu"), torch.float32, backend="transformers")
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +90,11 @@ def test_bf16_target_trains_an_fp32_drafter(tmp_path):
     assert run_cli(["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work),
                  "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "4", "--max-new-tokens", "24",
                  "--sampled-frac", "0", "--block-size", "4", "--batch-seqs", "4", "--anchors", "8", "--lr", "3e-3",
-                 "--steps", "40", "--threads", "1", "--target-dtype", "bfloat16"]) == 0
+                 "--steps", "40", "--threads", "1", "--target-dtype", "bfloat16", "--mask-token-id", "1"]) == 0
     losses = [json.loads(line)["loss"] for line in (work / "train_log.jsonl").open()]
     assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-5:]) < 0.7 * sum(losses[:5])
+    dflash = json.loads((out / "config.json").read_text())["dflash_config"]
+    assert (dflash["mask_token_id"], dflash["mask_token"]) == (1, "<|im_start|>")  # the text of the id given
     engine = Engine.load(target, out, dtype="bfloat16")
     assert engine.drafter.fc.weight.dtype == torch.bfloat16
     assert engine.generate("def add(a, b):", max_new_tokens=8, method="ddtree").finish_reason in ("length", "stop")

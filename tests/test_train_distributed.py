@@ -114,6 +114,8 @@ def test_resume_after_kill_equals_uninterrupted_run_on_any_world_size(target, tm
     stopped_at = _state(killed)["step"]
     assert 5 <= stopped_at < steps, f"the run was not killed mid-way (checkpoint at step {stopped_at})"
 
+    with (killed / "train_log.jsonl").open("a") as f:
+        f.write('{"step": 99, "lo')  # a kill mid-write tears the last log line: --resume drops it
     two_ranks = tmp_path / "two-ranks"
     shutil.copytree(killed, two_ranks)
     assert train_main(_args(target, killed, steps, "--resume")) == 0

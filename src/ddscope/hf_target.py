@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from ddscope.config import SUPPORTED_TARGETS, CheckpointError, DecoderGeometry, TargetConfig, read_json
-from ddscope.model import ForwardOut, Target
+from ddscope.config import (SUPPORTED_TARGETS, CheckpointError, DecoderGeometry, TargetConfig, read_json, text_config,
+                            token_ids)
+from ddscope.model import ForwardOut, KVCache, Target
 
 BACKENDS = ("auto", "native", "transformers")
 
@@ -68,13 +69,12 @@ def _target_config(raw: dict, model: nn.Module) -> TargetConfig:
         head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
         intermediate_size=int(getattr(c, "intermediate_size", 0)), rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
         rope_theta=float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)), qk_norm=False)
-    eos = raw.get("eos_token_id")
     return TargetConfig(
         arch=str(c.model_type), geometry=geometry, vocab_size=int(c.vocab_size),
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)),
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(c, "attention_bias", False)),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)))
+        eos_token_ids=token_ids(raw.get("eos_token_id")))
 
 
 class HFTarget(nn.Module):
@@ -90,6 +90,10 @@ class HFTarget(nn.Module):
         """`device_map` (e.g. "auto") shards a target too large for one device over all visible ones."""
         raw = read_json(directory / "config.json")
         archs = raw.get("architectures") or []
+        text = text_config(raw)
+        if text.get("sliding_window") is not None and text.get("use_sliding_window", True):
+            raise CheckpointError(f"{directory}: sliding-window attention is not supported (KV compaction assumes "
+                                  "full-length layers)")
         try:
             model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, device_map=device_map,
                                                                output_loading_info=True)
@@ -114,7 +118,8 @@ class HFTarget(nn.Module):
         return HFCache(capacity)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(tokens)
+        # On the head's device, where the drafter runs: with `device_map` the embedding may sit on another GPU.
+        return self.model.get_input_embeddings()(tokens).to(self.lm_head.weight.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -136,12 +141,19 @@ class HFTarget(nn.Module):
                 ~mask, torch.finfo(dtype).min)[None, None]
         out = self.model(input_ids=tokens[None], position_ids=positions[None], attention_mask=attn,
                          past_key_values=cache.dynamic, use_cache=True, output_hidden_states=bool(capture))
-        features = torch.cat([out.hidden_states[i + 1][0] for i in capture], dim=-1) if capture else None
+        # With `device_map` each layer's state stays on its GPU: gather them on the head's, with the drafter.
+        dev = self.lm_head.weight.device
+        features = torch.cat([out.hidden_states[i + 1][0].to(dev) for i in capture], dim=-1) if capture else None
         return ForwardOut(out.logits[0], features)
 
 
+# What the engine and training accept as a target, and the cache each one makes.
+TargetLike = Target | HFTarget
+CacheLike = KVCache | HFCache
+
+
 def load_target(directory: Path, device: torch.device, dtype: torch.dtype, backend: str = "auto",
-                device_map: str | None = None) -> Target | HFTarget:
+                device_map: str | None = None) -> TargetLike:
     """The native model where it covers the architecture (auto), else transformers."""
     if backend not in BACKENDS:
         raise ValueError(f"target backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

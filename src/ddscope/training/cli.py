@@ -35,9 +35,10 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
     if args.distill_workers < 1 or args.nproc < 1:
         raise ValueError("--distill-workers and --nproc must be >= 1")
-    work = plan(args).work  # checks the options against the target before distilling
+    # Check the options against the target, and the training options, before distilling for hours.
+    work = plan(args).work
     if not args.distill_only:
-        train_spec(args)
+        train_spec(args)  # only to validate: each training process builds its own
     dspec = DistillSpec(data=args.data, prompts=args.prompts, max_prompt_tokens=args.max_prompt_tokens,
                         max_new_tokens=args.max_new_tokens, sampled_frac=args.sampled_frac, seed=args.seed,
                         context_lengths=args.context_lengths or "")
@@ -48,7 +49,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         from ddscope.training.remote_distill import remote_distill
 
         records, counts = remote_distill(args.distill_url, args.target, dspec, work, args.distill_concurrency,
-                                         budget_s)
+                                         budget_s, args.distill_timeout)
         print(f"distilled from {args.distill_url}: {counts.summary()}", file=sys.stderr)
     else:
         records = distill(args.target, dspec, work, drafter=args.distill_drafter, method=args.distill_method,
@@ -58,6 +59,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
           f"generated tokens in {work}", file=sys.stderr)
     if args.distill_only:
         return 0
+    # Every rank checks this too (train_drafter.train), but failing here saves starting torchrun's ranks.
     if args.nproc > len(records):
         raise ValueError(f"--nproc {args.nproc} is larger than the data: {len(records)} distilled sequences")
     if args.nproc > 1:
@@ -67,7 +69,9 @@ def _train_drafter(args: argparse.Namespace) -> int:
         print(f"drafter written to {args.out}: {result['steps']} steps in {result['train_s'] / 60:.1f} min, "
               f"loss {result['loss']:.3f}, offline accept {result['accept']:.2f} (mean of the last steps)",
               file=sys.stderr)
-    Engine.load(args.target, args.out, device=args.device, target_backend=args.target_backend)  # must read back
+    # The drafter must read back, with the target loaded as it was for training.
+    Engine.load(args.target, args.out, device=args.device, dtype=args.target_dtype, target_backend=args.target_backend,
+                device_map=args.target_device_map)
     return 0
 
 
@@ -152,6 +156,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop after distilling (then train with torchrun -m ddscope.training.train, same options)")
     d.add_argument("--distill-concurrency", type=int, default=8,
                    help="requests in flight with --distill-url (default: %(default)s)")
+    d.add_argument("--distill-timeout", type=float, default=600.0,
+                   help="seconds per --distill-url request before it counts as failed (default: %(default)s)")
     t = p.add_argument_group("drafter and training")
     t.add_argument("--block-size", type=int, default=16, help="drafter block size B (default: %(default)s)")
     t.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default: %(default)s)")

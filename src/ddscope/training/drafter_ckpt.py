@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ddscope.config import default_target_layer_ids, rope_theta_of
+from ddscope.config import default_target_layer_ids, rope_theta_of, text_config
 
 MASK_TOKEN = "<|mask|>"
 
@@ -23,13 +23,6 @@ def pick_layer_ids(num_target_layers: int, n: int) -> list[int]:
     if n == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 2) / (n - 1)) for i in range(n)]
-
-
-def mask_token_text(target_dir: Path, mask_token_id: int) -> str:
-    """The mask token as text, recorded beside its id: SGLang's loader reads either."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(target_dir)).convert_ids_to_tokens(mask_token_id)
 
 
 def mask_token_id(tokenizer: Any, override: int | None, vocab_size: int) -> int:
@@ -51,7 +44,7 @@ def drafter_config(target_raw: dict[str, Any], layers: int, block_size: int, mas
     which also records what the drafter was trained against (SGLang's loader reads the mask token there).
     A multimodal target (Kimi K2.5/K2.6) nests its language model's config under `text_config`."""
     archs = list(target_raw.get("architectures") or [])
-    target_raw = target_raw.get("text_config") or target_raw
+    target_raw = text_config(target_raw)
     hidden, heads = int(target_raw["hidden_size"]), int(target_raw["num_attention_heads"])
     # The drafter runs plain RoPE at the target's base, whatever scaling the target uses (YaRN in DeepSeek-V3).
     plain_rope = {**target_raw, "rope_scaling": None,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from ddscope.config import CheckpointError, read_json
+from ddscope.config import CheckpointError, read_json, text_config
 from ddscope.hf_target import load_target
 from ddscope.training.distill import read_cache
 from ddscope.training.drafter_ckpt import mask_token_id, pick_layer_ids
@@ -33,6 +33,7 @@ class Plan:
 
     layer_ids: list[int]
     mask_id: int
+    mask_token: str  # its text, recorded beside the id (SGLang's loader reads either)
     work: Path
 
 
@@ -45,8 +46,7 @@ def train_spec(args: argparse.Namespace) -> TrainSpec:
 def plan(args: argparse.Namespace) -> Plan:
     if args.target_device_map and max(args.nproc, int(os.environ.get("WORLD_SIZE", 1))) > 1:
         raise ValueError("--target-device-map shards the target over all GPUs for one process; use --nproc 1")
-    raw = read_json(Path(args.target) / "config.json")
-    raw = raw.get("text_config") or raw  # multimodal wrappers (Kimi K2.5/K2.6) nest the text model's config
+    raw = text_config(read_json(Path(args.target) / "config.json"))
     n_layers, vocab = int(raw["num_hidden_layers"]), int(raw["vocab_size"])
     layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
     missing = [i for i in layer_ids if not 0 <= i < n_layers]
@@ -59,7 +59,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if len(tokenizer) <= len(tokenizer.all_special_tokens):  # transformers falls back to an empty vocabulary
         raise CheckpointError(f"{args.target}: the target has no usable tokenizer (no tokenizer files found)")
     work = args.work_dir or args.out.with_name(args.out.name + ".work")
-    return Plan(layer_ids, mask_token_id(tokenizer, args.mask_token_id, vocab), work)
+    mask_id = mask_token_id(tokenizer, args.mask_token_id, vocab)
+    return Plan(layer_ids, mask_id, tokenizer.convert_ids_to_tokens(mask_id), work)
 
 
 def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | None = None) -> dict[str, float]:
@@ -76,7 +77,7 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
     records = read_cache(p.work) if records is None else records
     return train(Path(args.target), target, records, spec, p.mask_id, p.layer_ids, args.out, p.work,
                  resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
-                 feature_cache_gb=args.feature_cache_gb, init=args.init_drafter)
+                 feature_cache_gb=args.feature_cache_gb, init=args.init_drafter, mask_token=p.mask_token)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 def to_argv(args: argparse.Namespace) -> list[str]:
     """The options of `args` that differ from the defaults, as a train-drafter command line (no --nproc)."""
     argv: list[str] = []
+    # argparse has no public way to list a parser's options: `_actions` is its long-standing internal list.
     for action in _parser()._actions:
         value = getattr(args, action.dest, action.default)
         if not action.option_strings or action.dest in ("help", "nproc") or value == action.default:

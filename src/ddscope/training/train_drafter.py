@@ -31,8 +31,9 @@ from tqdm import tqdm
 
 from ddscope.config import DrafterConfig, read_json
 from ddscope.drafter import Drafter, drafter_state
-from ddscope.model import KVCache, Target
-from ddscope.training.drafter_ckpt import drafter_config, mask_token_text, save_drafter
+from ddscope.hf_target import CacheLike, TargetLike
+from ddscope.training.distill import append_whole_lines
+from ddscope.training.drafter_ckpt import MASK_TOKEN, drafter_config, save_drafter
 from ddscope.weights import load_into
 
 
@@ -127,7 +128,7 @@ def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + j)
 
 
-def target_features(target: Target, cache: KVCache, ids: list[int], capture: tuple[int, ...]) -> torch.Tensor:
+def target_features(target: TargetLike, cache: CacheLike, ids: list[int], capture: tuple[int, ...]) -> torch.Tensor:
     """The frozen target's hidden states at `capture` for a whole sequence, [n, k*H]."""
     dev = target.lm_head.weight.device
     cache.length = 0
@@ -156,7 +157,7 @@ class FeatureStore:
     """Target features per sequence, kept up to a byte budget: the target's forward (with its full-vocab
     head) costs about as much as a drafter step, and the data is revisited many times."""
 
-    def __init__(self, target: Target, capture: tuple[int, ...], max_len: int, budget_bytes: int):
+    def __init__(self, target: TargetLike, capture: tuple[int, ...], max_len: int, budget_bytes: int):
         self.target, self.capture, self.budget = target, capture, budget_bytes
         self.cache = target.new_cache(max_len)
         self.kept: dict[int, torch.Tensor] = {}
@@ -195,7 +196,7 @@ def block_weight(batch: list[Blocks], weights: torch.Tensor) -> torch.Tensor:
                torch.zeros((), device=batch[0].labels.device))
 
 
-def block_loss(model: nn.Module, target: Target, batch: list[Blocks], weights: torch.Tensor,
+def block_loss(model: nn.Module, target: TargetLike, batch: list[Blocks], weights: torch.Tensor,
                norm: torch.Tensor | None = None) -> tuple[torch.Tensor, float, int]:
     """(weighted cross-entropy over `norm` (default: this batch's own weight), sum of 1/commit, anchors).
 
@@ -231,7 +232,7 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     return t
 
 
-def _optimizer_step(model: nn.Module, target: Target, batch: list[Blocks], weights: torch.Tensor,
+def _optimizer_step(model: nn.Module, target: TargetLike, batch: list[Blocks], weights: torch.Tensor,
                     opt: torch.optim.Optimizer, spec: TrainSpec) -> tuple[float, float, int]:
     """One step over this rank's share of the global batch, in `grad_accum` micro-batches. Returns the global
     batch's (loss, offline acceptance, block tokens).
@@ -258,12 +259,14 @@ def _optimizer_step(model: nn.Module, target: Target, batch: list[Blocks], weigh
     return loss, anchors / inv_commit, int(tokens)
 
 
-def new_drafter(target_dir: Path, target: Target, spec: TrainSpec, mask_token_id: int,
-                layer_ids: list[int], init: Path | None = None) -> tuple[Drafter, dict[str, Any]]:
+def new_drafter(target_dir: Path, target: TargetLike, spec: TrainSpec, mask_token_id: int,
+                layer_ids: list[int], init: Path | None = None,
+                mask_token: str = MASK_TOKEN) -> tuple[Drafter, dict[str, Any]]:
     """A freshly initialised drafter (seeded), or one starting from the weights of drafter `init`
-    (fine-tuning), and the z-lab config.json it will be saved with."""
+    (fine-tuning), and the z-lab config.json it will be saved with. `mask_token` is the text of
+    `mask_token_id`, which `train.plan` reads from the tokenizer."""
     config = drafter_config(read_json(target_dir / "config.json"), spec.layers, spec.block_size, mask_token_id,
-                            layer_ids, mask_token=mask_token_text(target_dir, mask_token_id))
+                            layer_ids, mask_token=mask_token)
     torch.manual_seed(spec.seed)
     cfg = DrafterConfig.from_dict(config, str(target_dir))
     drafter = Drafter(cfg).to(target.lm_head.weight.device)
@@ -301,16 +304,18 @@ def _restore(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.op
 
 
 def _trim_log(path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint: a killed run may have logged steps it never saved."""
+    """Drop log lines past the checkpoint: a killed run may have logged steps it never saved, and a torn
+    last line (killed mid-write)."""
     if path.is_file():
+        append_whole_lines(path).close()
         lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
         path.write_text("".join(line + "\n" for line in lines))
 
 
-def train(target_dir: Path, target: Target, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
+def train(target_dir: Path, target: TargetLike, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
           layer_ids: list[int], out_dir: Path, work_dir: Path, resume: bool = False,
           checkpoint_every_s: float = 300.0, feature_cache_gb: float = 2.0,
-          init: Path | None = None) -> dict[str, float]:
+          init: Path | None = None, mask_token: str = MASK_TOKEN) -> dict[str, float]:
     """Train, checkpointing to `work_dir/ckpt.pt` and logging to `work_dir/train_log.jsonl`, then export
     the drafter to `out_dir` (rank 0 writes). Returns the step count and the mean loss/acceptance of the
     last steps."""
@@ -324,7 +329,7 @@ def train(target_dir: Path, target: Target, records: list[dict[str, Any]], spec:
         raise ValueError(f"--batch-seqs {spec.batch_seqs} < world size {world} x --grad-accum {spec.grad_accum}: "
                          "every rank needs a sequence per micro-batch")
     target.requires_grad_(False)
-    drafter, config = new_drafter(target_dir, target, spec, mask_token_id, layer_ids, init)
+    drafter, config = new_drafter(target_dir, target, spec, mask_token_id, layer_ids, init, mask_token)
     opt = torch.optim.AdamW(drafter.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
     work_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path, log_path, lead = work_dir / "ckpt.pt", work_dir / "train_log.jsonl", rank == 0
