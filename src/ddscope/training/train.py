@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     try:
         result = train_from_args(args)
+        if distributed:
+            dist.barrier()  # rank 0 saves last: leave together, or gloo may abort a rank still shutting down
     except ValueError as e:  # CheckpointError included: one line per rank, no traceback
         print(f"ddscope: error: {e}", file=sys.stderr)
         return 2
