@@ -268,11 +268,11 @@ class Sweep:
         try:
             body, latency, ttft = self._send(route, prompt, PROBE_TOKENS)
         finally:
-            logged = self._idle(t0)
+            logged = self._close_window(t0)
         completion = usage_of(body)[1] or 0
         return Observation(body, completion, before, self.server.metrics(), logged), ttft, latency
 
-    def _idle(self, started: float) -> WindowReading | None:
+    def _close_window(self, started: float) -> WindowReading | None:
         """Close the request's log window, wait the idle gap so windows never touch, then read the
         window: its last lines have arrived by then."""
         if self.log is None:
@@ -343,7 +343,7 @@ class Sweep:
             return record
         finally:
             record["ended_at"] = time.time()
-            logged = self._idle(started)
+            logged = self._close_window(started)
         prompt_tokens, completion = usage_of(body)
         if not completion:
             record["error"] = "the response has no usage.completion_tokens"
