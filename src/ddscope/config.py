@@ -127,11 +127,40 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """What one drafter layer's block queries may see, by absolute position: with `window`, only keys less
+    than `window` positions away; when `causal`, no key after the query (z-lab's `layer_types` rule)."""
+
+    window: int | None = None
+    causal: bool = False
+
+
+def layer_attention(raw: dict[str, Any], num_layers: int, directory: str) -> tuple[LayerAttention, ...]:
+    """Per-layer attention from `layer_types` + `sliding_window`, or transformers' older
+    `use_sliding_window` + `max_window_layers`; z-lab makes sliding layers causal unless `is_causal` says."""
+    window = raw.get("sliding_window")
+    types = raw.get("layer_types")
+    if types is None:
+        first = int(raw.get("max_window_layers", 28)) if raw.get("use_sliding_window") and window else num_layers
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"{directory}: layer_types {types} must name full_attention or sliding_attention "
+                              f"for each of {num_layers} layers")
+    if "sliding_attention" in types and (window is None or int(window) < 1):
+        raise CheckpointError(f"{directory}: sliding_attention layers need sliding_window >= 1, got {window}")
+    is_causal = raw.get("is_causal")
+    return tuple(LayerAttention(int(window) if t == "sliding_attention" else None,
+                                t == "sliding_attention" if is_causal is None else bool(is_causal))
+                 for t in types)
+
+
+@dataclass(frozen=True)
 class DrafterConfig:
     geometry: DecoderGeometry
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
+    attention: tuple[LayerAttention, ...]
 
     @classmethod
     def load(cls, directory: Path) -> "DrafterConfig":
@@ -156,4 +185,5 @@ class DrafterConfig:
             if n_target is None:
                 raise CheckpointError(f"{directory}: needs dflash_config.target_layer_ids or num_target_layers")
             layer_ids = default_target_layer_ids(int(n_target), geometry.num_layers)
-        return cls(geometry, int(block_size), int(mask_id), tuple(int(i) for i in layer_ids))
+        return cls(geometry, int(block_size), int(mask_id), tuple(int(i) for i in layer_ids),
+                   layer_attention(raw, geometry.num_layers, directory))

@@ -1,7 +1,9 @@
 """DFlash block-diffusion drafter (z-lab checkpoint layout), sharing the target's embeddings and head.
 
 One forward drafts a whole block: queries come from `[last token, MASK x (B-1)]`, keys/values from
-the cached context features plus the block itself, with no mask (bidirectional, sees all context).
+the cached context features plus the block itself. By default a layer sees all context and its whole
+block (bidirectional); z-lab's `sliding_attention` layers see only the last `sliding_window` positions,
+which keeps a drafter's attention, and its cost, the same at any context length.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddscope.config import CheckpointError, DrafterConfig
+from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
 from ddscope.model import DecoderLayer, KVCache, RMSNorm, RopeTable, Target
 from ddscope.weights import load_into, read_state_dict
 
@@ -74,15 +76,23 @@ class Drafter(nn.Module):
         cos_c, sin_c = self.rope(ctx_pos, block.dtype)
         cos_b, sin_b = self.rope(block_pos, block.dtype)
         h = block
-        for i, layer in enumerate(self.layers):
+        for i, (layer, rule) in enumerate(zip(self.layers, self.cfg.attention)):
             attn = layer.self_attn
             k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
+            key_pos = ctx_pos
             if cache is not None:
                 k_ctx, v_ctx = cache.write(i, cache.length, k_ctx, v_ctx)
+                # The cache holds positions [0, block start). Keys outside every query's window are
+                # sliced off rather than masked: that is the saving at long context.
+                end = k_ctx.shape[1]
+                first = 0 if rule.window is None else max(0, end - rule.window + 1)
+                k_ctx, v_ctx = k_ctx[:, first:], v_ctx[:, first:]
+                key_pos = torch.arange(first, end, device=block.device)
             x = layer.input_layernorm(h)
             k_blk, v_blk = attn.key_value(x, cos_b, sin_b)
             k, v = torch.cat([k_ctx, k_blk], dim=1), torch.cat([v_ctx, v_blk], dim=1)
-            h = h + attn.attend(attn.query(x, cos_b, sin_b), k, v, mask)
+            seen = visible(rule, block_pos, key_pos, mask)
+            h = h + attn.attend(attn.query(x, cos_b, sin_b), k, v, seen)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
@@ -95,6 +105,21 @@ class Drafter(nn.Module):
         block[0] = last_token
         h = self.forward_block(target.embed(block), start, self.context(features), cache)
         return target.logits(h[1:])
+
+
+def visible(rule: LayerAttention, block_pos: torch.Tensor, ctx_pos: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`mask` over keys `[ctx, block]` narrowed to what `rule` lets the block's queries see, by absolute
+    position; None means everything."""
+    if rule.window is None and not rule.causal:
+        return mask
+    ahead = block_pos[:, None] - torch.cat([ctx_pos, block_pos])[None, :]  # how far a key lies before a query
+    ok = ahead >= 0 if rule.causal else torch.ones_like(ahead, dtype=torch.bool)
+    if rule.window is not None:
+        ok &= ahead < rule.window
+        if not rule.causal:
+            ok &= -ahead < rule.window
+    return ok if mask is None else ok & mask
 
 
 def drafter_state(directory: Path) -> dict[str, torch.Tensor]:

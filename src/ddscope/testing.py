@@ -82,11 +82,11 @@ def make_target(directory: Path, arch: str = "qwen3", seed: int = 0, hidden: int
 
 
 def make_drafter(directory: Path, target_dir: Path, seed: int = 1, layers: int = 1, block_size: int = 8,
-                 nested_block_size: bool = False, prefix: str = "") -> Path:
+                 nested_block_size: bool = False, prefix: str = "", sliding_window: int | None = None) -> Path:
     tcfg = json.loads((target_dir / "config.json").read_text())
     mask_id = PreTrainedTokenizerFast.from_pretrained(str(target_dir)).convert_tokens_to_ids("<|mask|>")
     ids = pick_layer_ids(tcfg["num_hidden_layers"], layers)
-    cfg = drafter_config(tcfg, layers, block_size, mask_id, ids, nested_block_size)
+    cfg = drafter_config(tcfg, layers, block_size, mask_id, ids, nested_block_size, sliding_window=sliding_window)
     torch.manual_seed(seed)
     model = Drafter(DrafterConfig.from_dict(cfg))
     return save_drafter(directory, cfg, model.state_dict(), prefix)

@@ -161,6 +161,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("drafter and training")
     t.add_argument("--block-size", type=int, default=16, help="drafter block size B (default: %(default)s)")
     t.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default: %(default)s)")
+    t.add_argument("--sliding-window", type=int, metavar="N",
+                   help="drafter layers attend to the last N positions only (z-lab's sliding_attention): "
+                        "attention, and its cost, then stay the same at any context length (default: all context)")
     t.add_argument("--target-layer-ids", type=_int_list,
                    help="target layers whose outputs feed the drafter (default: one per drafter layer, spread)")
     t.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's <|mask|>)")

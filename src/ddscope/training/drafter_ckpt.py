@@ -39,10 +39,11 @@ def mask_token_id(tokenizer: Any, override: int | None, vocab_size: int) -> int:
 
 def drafter_config(target_raw: dict[str, Any], layers: int, block_size: int, mask_token_id: int,
                    target_layer_ids: list[int], nested_block_size: bool = False,
-                   mask_token: str = MASK_TOKEN) -> dict[str, Any]:
+                   mask_token: str = MASK_TOKEN, sliding_window: int | None = None) -> dict[str, Any]:
     """A z-lab DFlash config.json: the target's Qwen3 geometry with `layers` layers, plus `dflash_config`,
     which also records what the drafter was trained against (SGLang's loader reads the mask token there).
-    A multimodal target (Kimi K2.5/K2.6) nests its language model's config under `text_config`."""
+    A multimodal target (Kimi K2.5/K2.6) nests its language model's config under `text_config`.
+    With `sliding_window`, every layer is a bidirectional `sliding_attention` layer, in z-lab's fields."""
     archs = list(target_raw.get("architectures") or [])
     target_raw = text_config(target_raw)
     hidden, heads = int(target_raw["hidden_size"]), int(target_raw["num_attention_heads"])
@@ -64,6 +65,10 @@ def drafter_config(target_raw: dict[str, Any], layers: int, block_size: int, mas
                           "target_architectures": archs,
                           "target_hidden_size": hidden},
     }
+    if sliding_window is not None:
+        # is_causal is spelled out: z-lab's loader makes sliding layers causal when it is absent.
+        cfg.update(layer_types=["sliding_attention"] * layers, sliding_window=sliding_window,
+                   use_sliding_window=True, max_window_layers=0, is_causal=False)
     if nested_block_size:
         cfg["dflash_config"]["block_size"] = block_size
     else:

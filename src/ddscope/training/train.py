@@ -38,8 +38,9 @@ class Plan:
 
 
 def train_spec(args: argparse.Namespace) -> TrainSpec:
-    return TrainSpec(block_size=args.block_size, layers=args.layers, batch_seqs=args.batch_seqs,
-                     grad_accum=args.grad_accum, anchors=args.anchors, lr=args.lr, gamma=args.gamma, steps=args.steps,
+    return TrainSpec(block_size=args.block_size, layers=args.layers, sliding_window=args.sliding_window,
+                     batch_seqs=args.batch_seqs, grad_accum=args.grad_accum, anchors=args.anchors, lr=args.lr,
+                     gamma=args.gamma, steps=args.steps,
                      time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
 
 

@@ -41,6 +41,7 @@ from ddscope.weights import load_into
 class TrainSpec:
     block_size: int = 16
     layers: int = 1
+    sliding_window: int | None = None  # drafter attention window in positions; None = all context
     batch_seqs: int = 8          # distilled sequences per optimizer step, over all ranks
     grad_accum: int = 1          # micro-batches per rank and step (memory, not maths: the step is the same)
     anchors: int = 16            # anchor blocks per sequence (fewer if the sequence is short)
@@ -58,6 +59,8 @@ class TrainSpec:
             raise ValueError(f"block size must be >= 2, got {self.block_size}")
         if self.layers < 1 or self.batch_seqs < 1 or self.anchors < 1 or self.grad_accum < 1:
             raise ValueError("layers, batch_seqs, anchors and grad_accum must be >= 1")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding window {self.sliding_window} must be >= the block size {self.block_size}")
         if self.steps is None and self.time_budget_s is None:
             raise ValueError("give a step count or a time budget (or both)")
         if (self.steps is not None and self.steps < 1) or (self.time_budget_s is not None and self.time_budget_s <= 0):
@@ -266,7 +269,7 @@ def new_drafter(target_dir: Path, target: TargetLike, spec: TrainSpec, mask_toke
     (fine-tuning), and the z-lab config.json it will be saved with. `mask_token` is the text of
     `mask_token_id`, which `train.plan` reads from the tokenizer."""
     config = drafter_config(read_json(target_dir / "config.json"), spec.layers, spec.block_size, mask_token_id,
-                            layer_ids, mask_token=mask_token)
+                            layer_ids, mask_token=mask_token, sliding_window=spec.sliding_window)
     torch.manual_seed(spec.seed)
     cfg = DrafterConfig.from_dict(config, str(target_dir))
     drafter = Drafter(cfg).to(target.lm_head.weight.device)

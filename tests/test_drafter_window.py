@@ -1,0 +1,139 @@
+"""z-lab's sliding-window drafter layers: config fields, what a block sees, cache slicing, losslessness."""
+import json
+
+import pytest
+import torch
+
+from ddscope import Engine
+from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
+from ddscope.drafter import Drafter
+from ddscope.testing import TINY_PROMPTS, make_drafter, make_target, run_cli, write_prompts
+from ddscope.training.train_drafter import TrainSpec, block_mask
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("t") / "target", "qwen3")
+
+
+def config(target_dir, tmp_path, **fields) -> dict:
+    d = make_drafter(tmp_path / "d", target_dir, layers=2, block_size=B)
+    return {**json.loads((d / "config.json").read_text()), **fields}
+
+
+@pytest.mark.parametrize("fields,expected", [
+    ({}, [LayerAttention(), LayerAttention()]),
+    ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 64, "is_causal": False},
+     [LayerAttention(), LayerAttention(64)]),
+    # z-lab: a sliding layer is causal unless is_causal says otherwise; is_causal applies to every layer.
+    ({"layer_types": ["sliding_attention"] * 2, "sliding_window": 64}, [LayerAttention(64, True)] * 2),
+    ({"is_causal": True}, [LayerAttention(None, True)] * 2),
+    # transformers' older fields: layers from max_window_layers on slide.
+    ({"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1, "is_causal": False},
+     [LayerAttention(), LayerAttention(32)]),
+    ({"use_sliding_window": False, "sliding_window": 32, "max_window_layers": 0}, [LayerAttention()] * 2),
+])
+def test_layer_attention_from_config_fields(target_dir, tmp_path, fields, expected):
+    assert list(DrafterConfig.from_dict(config(target_dir, tmp_path, **fields)).attention) == expected
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"layer_types": ["sliding_attention"] * 2}, "need sliding_window >= 1"),
+    ({"layer_types": ["full_attention"]}, "for each of 2 layers"),
+    ({"layer_types": ["chunked_attention"] * 2, "sliding_window": 8}, "full_attention or sliding_attention"),
+])
+def test_bad_window_fields_fail_clearly(target_dir, tmp_path, fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        DrafterConfig.from_dict(config(target_dir, tmp_path, **fields))
+
+
+def drafter(target_dir, tmp_path, window: int | None, causal: bool = False) -> Drafter:
+    fields = {} if window is None else {"layer_types": ["sliding_attention"] * 2, "sliding_window": window}
+    torch.manual_seed(3)
+    d = Drafter(DrafterConfig.from_dict(config(target_dir, tmp_path, is_causal=causal, **fields)))
+    for p in d.parameters():  # visible attention: random, not the near-uniform init
+        torch.nn.init.normal_(p, std=0.3)
+    return d.eval()
+
+
+def run_cached(d: Drafter, block, ctx, chunks: list[int]) -> torch.Tensor:
+    """The inference path: context fed to the cache over several rounds, then one block."""
+    cache, start = d.new_cache(64), 0
+    with torch.no_grad():
+        for n in chunks[:-1]:  # earlier rounds' blocks: only their context writes matter here
+            d.forward_block(block, start + n, ctx[start:start + n], cache)
+            start += n
+        return d.forward_block(block, start + chunks[-1], ctx[start:start + chunks[-1]], cache)
+
+
+def run_masked(d: Drafter, block, ctx) -> torch.Tensor:
+    """The training path: all context at once, the block's anchor after it, a boolean mask."""
+    n = ctx.shape[0]
+    with torch.no_grad():
+        return d.run(block, torch.arange(n, n + B), ctx, torch.arange(n), block_mask(n, torch.tensor([n]), B))
+
+
+@pytest.mark.parametrize("window,causal", [(None, False), (12, False), (9, True), (None, True)])
+def test_cache_slicing_equals_the_training_mask(target_dir, tmp_path, window, causal):
+    d = drafter(target_dir, tmp_path, window, causal)
+    torch.manual_seed(0)
+    ctx, block = torch.randn(30, 64), torch.randn(B, 64)
+    assert torch.allclose(run_cached(d, block, ctx, [11, 7, 12]), run_masked(d, block, ctx), atol=1e-5)
+
+
+def test_window_hides_exactly_the_positions_out_of_reach(target_dir, tmp_path):
+    d = drafter(target_dir, tmp_path, window=12)
+    torch.manual_seed(0)
+    ctx, block = torch.randn(30, 64), torch.randn(B, 64)
+    base = run_cached(d, block, ctx, [30])
+    far, near = ctx.clone(), ctx.clone()
+    far[:19] += 5.0    # position 18 is 12 away from the block's first query (at 30): out of every window
+    near[19] += 5.0    # position 19 is 11 away from the first query
+    assert torch.equal(run_cached(d, block, far, [30]), base)
+    moved = (run_cached(d, block, near, [30]) - base).abs().amax(-1)
+    assert moved[0] > 1e-3  # query 0 sees it
+    # A window wider than the context is full attention.
+    wide, full = drafter(target_dir, tmp_path, window=64), drafter(target_dir, tmp_path, window=None)
+    assert torch.allclose(run_cached(wide, block, ctx, [30]), run_cached(full, block, ctx, [30]), atol=1e-6)
+
+
+def test_causal_layers_do_not_look_ahead_in_the_block(target_dir, tmp_path):
+    d = drafter(target_dir, tmp_path, window=None, causal=True)
+    torch.manual_seed(0)
+    ctx, block = torch.randn(10, 64), torch.randn(B, 64)
+    later = block.clone()
+    later[5:] += 5.0
+    a, b = run_cached(d, block, ctx, [10]), run_cached(d, later, ctx, [10])
+    assert torch.equal(a[:5], b[:5]) and not torch.allclose(a[5:], b[5:])
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 8)])
+def test_windowed_drafter_is_lossless(target_dir, tmp_path, method, budget):
+    d = make_drafter(tmp_path / "w", target_dir, layers=2, block_size=B, sliding_window=B + 2)
+    assert DrafterConfig.load(d).attention == (LayerAttention(B + 2),) * 2
+    engine = Engine.load(target_dir, d)
+    prompt = [int(t) for t in torch.randint(5, 300, (60,), generator=torch.Generator().manual_seed(4))]
+    ar = engine.generate(prompt, max_new_tokens=40, method="ar", ignore_eos=True).token_ids
+    kwargs = {"budget": budget} if budget else {}
+    out = engine.generate(prompt, max_new_tokens=40, method=method, ignore_eos=True, **kwargs)
+    assert out.token_ids == ar
+
+
+def test_train_drafter_sliding_window_fine_tunes_a_full_drafter(tmp_path, target_dir):
+    write_prompts(tmp_path / "prompts.jsonl", TINY_PROMPTS)
+    full = make_drafter(tmp_path / "full", target_dir, layers=1, block_size=B)
+    out, work = tmp_path / "windowed", tmp_path / "work"
+    argv = ["train-drafter", "--target", str(target_dir), "--out", str(out), "--work-dir", str(work),
+            "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "4", "--max-new-tokens", "24",
+            "--sampled-frac", "0", "--block-size", str(B), "--batch-seqs", "2", "--anchors", "4", "--steps", "3",
+            "--threads", "1", "--init-drafter", str(full), "--sliding-window", "12"]
+    assert run_cli(argv) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["layer_types"] == ["sliding_attention"] and saved["sliding_window"] == 12
+    assert saved["is_causal"] is False  # written out: z-lab's loader would otherwise make the layer causal
+    assert DrafterConfig.load(out).attention == (LayerAttention(12),)
+    Engine.load(target_dir, out)
+    with pytest.raises(ValueError, match="must be >= the block size"):
+        TrainSpec(block_size=B, sliding_window=B - 1, steps=1)
