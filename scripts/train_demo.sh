@@ -7,9 +7,12 @@
 #   4. short-context drafter: self-distillation + training -> src/ddscope/assets/demo/drafter-short
 #      (resumes from $RUN/drafter.work)
 #   5. long-context drafter: stage 4's drafter fine-tuned on continuations distilled at prompt lengths
-#      spread up to 5.9k tokens -> src/ddscope/assets/demo/drafter (resumes from $RUN/drafter-long.work)
+#      spread up to 5.9k tokens -> $RUN/drafter-long (resumes from $RUN/drafter-long.work)
+#   6. windowed long-context drafter: stage 5's drafter fine-tuned with --sliding-window 512 on stage 5's
+#      distilled set, weighted to prompts of 1.5k+ tokens -> src/ddscope/assets/demo/drafter
+#      (resumes from $RUN/drafter-window.work)
 # Env: RUN (default runs/demo), TARGET_MIN (target budget, minutes, default 60), DISTILL_MIN (12),
-#      DRAFTER_MIN (28), LONG_DISTILL_MIN (25), LONG_DRAFTER_MIN (35).
+#      DRAFTER_MIN (28), LONG_DISTILL_MIN (25), LONG_DRAFTER_MIN (35), WINDOW_DRAFTER_MIN (25).
 #      A finished stage is skipped on a rerun (delete its output to redo it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +22,7 @@ DISTILL_MIN=${DISTILL_MIN:-12}
 DRAFTER_MIN=${DRAFTER_MIN:-28}
 LONG_DISTILL_MIN=${LONG_DISTILL_MIN:-25}
 LONG_DRAFTER_MIN=${LONG_DRAFTER_MIN:-35}
+WINDOW_DRAFTER_MIN=${WINDOW_DRAFTER_MIN:-25}
 ASSETS=src/ddscope/assets/demo
 SEED=1234
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -67,7 +71,18 @@ resume=()
   --prompts 2400 --distill-min "$LONG_DISTILL_MIN" --distill-workers 2 --sampled-frac 0.3 --max-new-tokens 256 \
   --layers 2 --block-size 16 --lr 4e-4 --time-budget-min "$LONG_DRAFTER_MIN" --feature-cache-gb 8 \
   --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
+
+echo "[$(date -u +%T)] windowed long-context drafter: fine-tuning (${WINDOW_DRAFTER_MIN} min) on stage 5's data"
+mkdir -p "$RUN/drafter-window.work"
+ln -sf "$(realpath "$RUN/drafter-long.work")"/distill.* "$RUN/drafter-window.work/"  # the data, not the checkpoint
+resume=()
+[ -f "$RUN/drafter-window.work/ckpt.pt" ] && resume=(--resume)
+[ -f "$RUN/drafter-window/model.safetensors" ] || python -m ddscope.training.train --target "$ASSETS/target" \
+  --out "$RUN/drafter-window" --work-dir "$RUN/drafter-window.work" --init-drafter "$RUN/drafter-long" \
+  --train-context-lengths 16-1536:0.28,1536-6144:0.72 --sliding-window 512 \
+  --layers 2 --block-size 16 --lr 3e-4 --time-budget-min "$WINDOW_DRAFTER_MIN" --feature-cache-gb 8 \
+  --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
 echo "[$(date -u +%T)] bundling it into $ASSETS/drafter"
-bundle "$RUN/drafter-long" drafter
+bundle "$RUN/drafter-window" drafter
 du -sh "$ASSETS"
 echo "[$(date -u +%T)] done"

@@ -8,6 +8,8 @@ from ddscope import Engine
 from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
 from ddscope.drafter import Drafter
 from ddscope.testing import TINY_PROMPTS, make_drafter, make_target, run_cli, write_prompts
+from ddscope.training.contexts import parse_context_lengths, select_mix
+from ddscope.training.distill import read_cache
 from ddscope.training.train_drafter import TrainSpec, block_mask
 
 B = 8
@@ -121,15 +123,20 @@ def test_windowed_drafter_is_lossless(target_dir, tmp_path, method, budget):
     assert out.token_ids == ar
 
 
-def test_train_drafter_sliding_window_fine_tunes_a_full_drafter(tmp_path, target_dir):
+def test_train_drafter_sliding_window_fine_tunes_a_full_drafter(tmp_path, target_dir, capsys):
     write_prompts(tmp_path / "prompts.jsonl", TINY_PROMPTS)
     full = make_drafter(tmp_path / "full", target_dir, layers=1, block_size=B)
     out, work = tmp_path / "windowed", tmp_path / "work"
     argv = ["train-drafter", "--target", str(target_dir), "--out", str(out), "--work-dir", str(work),
             "--data", f"file:{tmp_path / 'prompts.jsonl'}", "--prompts", "4", "--max-new-tokens", "24",
             "--sampled-frac", "0", "--block-size", str(B), "--batch-seqs", "2", "--anchors", "4", "--steps", "3",
-            "--threads", "1", "--init-drafter", str(full), "--sliding-window", "12"]
+            "--threads", "1", "--init-drafter", str(full), "--sliding-window", "12",
+            "--train-context-lengths", "1-10:0.75,10-4096:0.25"]
     assert run_cli(argv) == 0
+    mix = parse_context_lengths("1-10:0.75,10-4096:0.25")
+    kept = select_mix(read_cache(work), mix, seed=0)
+    assert len(kept) == 3  # the mix drops some of the 4 sequences (two prompts are under 10 tokens, two not: 2 + 1 kept)
+    assert f"training on {len(kept)} of the distilled sequences" in capsys.readouterr().err
     saved = json.loads((out / "config.json").read_text())
     assert saved["layer_types"] == ["sliding_attention"] and saved["sliding_window"] == 12
     assert saved["is_causal"] is False  # written out: z-lab's loader would otherwise make the layer causal

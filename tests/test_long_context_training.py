@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from ddscope.model import Target
 from ddscope.testing import TINY_PROMPTS, make_drafter, run_cli, write_prompts
-from ddscope.training.contexts import parse_context_lengths, sample_length
+from ddscope.training.contexts import parse_context_lengths, sample_length, select_mix
 from ddscope.training.distill import DistillSpec, build_prompts, distill, read_cache
 from ddscope.training.train_drafter import TrainSpec, make_blocks, new_drafter
 
@@ -40,6 +40,25 @@ def test_sampler_produces_the_requested_mix():
         assert abs(counts[i] / len(draws) - b.share) < 0.015, (i, counts[i])
         inside = [n for n in draws if b.lo <= n < b.hi]
         assert min(inside) < b.lo + 0.1 * (b.hi - b.lo) and max(inside) > b.hi - 0.1 * (b.hi - b.lo)  # uniform span
+
+
+def test_training_mix_keeps_the_scarce_bucket_and_samples_the_rest():
+    rng = random.Random(0)
+    records = [{"i": i, "prompt_len": rng.choice([rng.randrange(16, 1536), rng.randrange(1536, 6000)])}
+               for i in range(1000)]
+    n_long = sum(r["prompt_len"] >= 1536 for r in records)
+    mix = parse_context_lengths("16-1536:0.28,1536-6144:0.72", "--train-context-lengths")
+    kept = select_mix(records, mix, seed=5)
+    long = [r for r in kept if r["prompt_len"] >= 1536]
+    assert len(long) == n_long  # the scarce bucket (relative to its share) is kept whole
+    assert abs(len(long) / len(kept) - 0.72) < 0.005
+    assert [r["i"] for r in kept] == sorted(r["i"] for r in kept)
+    assert kept == select_mix(records, mix, seed=5)  # a resumed run trains on the same records
+    assert kept != select_mix(records, mix, seed=6)
+    with pytest.raises(ValueError, match="selects no distilled record"):
+        select_mix(records, parse_context_lengths("6000-7000:1"), seed=0)
+    with pytest.raises(ValueError, match="--train-context-lengths entry"):
+        parse_context_lengths("100-50:1", "--train-context-lengths")
 
 
 def test_long_prompts_hit_their_drawn_length_and_keep_their_ending(tmp_path, tiny_pair):

@@ -169,6 +169,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's <|mask|>)")
     t.add_argument("--init-drafter", type=Path,
                    help="start from this drafter's weights (fine-tuning; same block size, layers and layer ids)")
+    t.add_argument("--train-context-lengths", metavar="LO-HI:W,...",
+                   help="train on the largest part of the distilled set whose prompt lengths follow this mix (same "
+                        "form as --context-lengths), e.g. 16-1536:0.28,1536-6144:0.72 to weight a fine-tune "
+                        "towards long contexts (default: every sequence)")
     t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget)")
     t.add_argument("--time-budget-min", type=float, help="training minutes, summed over resumes (distillation not included)")
     t.add_argument("--batch-seqs", type=int, default=8,

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from ddscope.config import CheckpointError, read_json, text_config
 from ddscope.hf_target import load_target
+from ddscope.training.contexts import Bucket, parse_context_lengths, select_mix
 from ddscope.training.distill import read_cache
 from ddscope.training.drafter_ckpt import mask_token_id, pick_layer_ids
 from ddscope.training.train_drafter import TrainSpec, train
@@ -35,6 +36,7 @@ class Plan:
     mask_id: int
     mask_token: str  # its text, recorded beside the id (SGLang's loader reads either)
     work: Path
+    mix: tuple[Bucket, ...] | None  # --train-context-lengths
 
 
 def train_spec(args: argparse.Namespace) -> TrainSpec:
@@ -61,7 +63,9 @@ def plan(args: argparse.Namespace) -> Plan:
         raise CheckpointError(f"{args.target}: the target has no usable tokenizer (no tokenizer files found)")
     work = args.work_dir or args.out.with_name(args.out.name + ".work")
     mask_id = mask_token_id(tokenizer, args.mask_token_id, vocab)
-    return Plan(layer_ids, mask_id, tokenizer.convert_ids_to_tokens(mask_id), work)
+    mix = parse_context_lengths(args.train_context_lengths, "--train-context-lengths") \
+        if args.train_context_lengths else None
+    return Plan(layer_ids, mask_id, tokenizer.convert_ids_to_tokens(mask_id), work, mix)
 
 
 def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | None = None) -> dict[str, float]:
@@ -76,6 +80,10 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
     target = load_target(Path(args.target), torch.device(device), getattr(torch, args.target_dtype),
                          args.target_backend, args.target_device_map)
     records = read_cache(p.work) if records is None else records
+    if p.mix is not None:
+        records = select_mix(records, p.mix, args.seed)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--train-context-lengths: training on {len(records)} of the distilled sequences", file=sys.stderr)
     return train(Path(args.target), target, records, spec, p.mask_id, p.layer_ids, args.out, p.work,
                  resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
                  feature_cache_gb=args.feature_cache_gb, init=args.init_drafter, mask_token=p.mask_token)
