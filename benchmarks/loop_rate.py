@@ -5,7 +5,7 @@ A looping target makes acceptance a property of the loop, not of the drafter (a 
 draft, until the drafter meets one it has not learned), so this number belongs next to any
 acceptance figure of the demo pair. Generation is `ddtree` greedy, which is token-identical to `ar`.
 
-    python benchmarks/loop_rate.py [--workloads code,math,chat] [--contexts 0,2048] [--prompts 20]
+    python benchmarks/loop_rate.py [--workloads code,math] [--contexts 0,2048] [--prompts 20]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def loop_period(tokens: list[int], tail: int, max_period: int) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
-    p.add_argument("--workloads", default="code,math,chat")
+    p.add_argument("--workloads", default="code,math")
     p.add_argument("--contexts", default="0", help="prompt lengths in tokens; 0 = the prompt as it is")
     p.add_argument("--prompts", type=int, default=20, help="prompts per workload and context")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--tail must be in [1, --max-tokens]")
     engine = load_engine(args)
     contexts = [int(c) for c in args.contexts.split(",")]
+    workloads = [load_workload(spec) for spec in args.workloads.split(",")]  # a missing data set fails now
     print("| workload | ctx | generations | looping | loop rate | periods |\n|---|---|---|---|---|---|")
-    for spec in args.workloads.split(","):
-        workload = load_workload(spec)
+    for workload in workloads:
+        spec = workload.label
         for ctx in contexts:
             periods = []
             for i in tqdm(range(args.prompts), desc=f"{spec} @ {ctx}", leave=False, file=sys.stderr):
