@@ -22,7 +22,8 @@ def target_dir(tmp_path_factory):
 
 def config(target_dir, tmp_path, **fields) -> dict:
     d = make_drafter(tmp_path / "d", target_dir, layers=2, block_size=B)
-    return {**json.loads((d / "config.json").read_text()), **fields}
+    raw = json.loads((d / "config.json").read_text())
+    return {**raw, **fields, "dflash_config": {**raw["dflash_config"], **fields.get("dflash_config", {})}}
 
 
 @pytest.mark.parametrize("fields,expected", [
@@ -36,6 +37,10 @@ def config(target_dir, tmp_path, **fields) -> dict:
     ({"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1, "is_causal": False},
      [LayerAttention(), LayerAttention(32)]),
     ({"use_sliding_window": False, "sliding_window": 32, "max_window_layers": 0}, [LayerAttention()] * 2),
+    # vLLM's dflash_config spellings (MiMo-style checkpoints): use_swa, swa_window_size, causal.
+    ({"dflash_config": {"use_swa": True, "swa_window_size": 48}}, [LayerAttention(48)] * 2),
+    ({"layer_types": ["sliding_attention"] * 2, "sliding_window": 64, "dflash_config": {"causal": False}},
+     [LayerAttention(64)] * 2),
 ])
 def test_layer_attention_from_config_fields(target_dir, tmp_path, fields, expected):
     assert list(DrafterConfig.from_dict(config(target_dir, tmp_path, **fields)).attention) == expected

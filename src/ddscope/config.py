@@ -136,9 +136,16 @@ class LayerAttention:
 
 
 def layer_attention(raw: dict[str, Any], num_layers: int, directory: str) -> tuple[LayerAttention, ...]:
-    """Per-layer attention from `layer_types` + `sliding_window`, or transformers' older
-    `use_sliding_window` + `max_window_layers`; z-lab makes sliding layers causal unless `is_causal` says."""
-    window = raw.get("sliding_window")
+    """Per-layer attention as z-lab, SGLang 0.5.23 and vLLM 0.33.0 read it (sglang/srt/models/dflash.py:157-191,
+    vllm/model_executor/models/qwen3_dflash.py:62-157):
+
+    - layer kinds from `layer_types`, else transformers' `use_sliding_window` + `max_window_layers`;
+      `dflash_config.use_swa` makes every layer sliding when none is;
+    - the window from `dflash_config.swa_window_size`, else `sliding_window` (it counts the query itself);
+    - causal from `is_causal`, else `dflash_config.causal`, else only the layers `layer_types` calls sliding.
+    """
+    dflash = raw.get("dflash_config") or {}
+    window = dflash.get("swa_window_size", raw.get("sliding_window"))
     types = raw.get("layer_types")
     if types is None:
         first = int(raw.get("max_window_layers", 28)) if raw.get("use_sliding_window") and window else num_layers
@@ -146,12 +153,14 @@ def layer_attention(raw: dict[str, Any], num_layers: int, directory: str) -> tup
     if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
         raise CheckpointError(f"{directory}: layer_types {types} must name full_attention or sliding_attention "
                               f"for each of {num_layers} layers")
-    if "sliding_attention" in types and (window is None or int(window) < 1):
+    causal = raw.get("is_causal")
+    causal = dflash.get("causal") if causal is None else causal
+    declared_sliding = [t == "sliding_attention" for t in types]  # the causal default follows these
+    sliding = [True] * num_layers if dflash.get("use_swa") and not any(declared_sliding) else declared_sliding
+    if any(sliding) and (window is None or int(window) < 1):
         raise CheckpointError(f"{directory}: sliding_attention layers need sliding_window >= 1, got {window}")
-    is_causal = raw.get("is_causal")
-    return tuple(LayerAttention(int(window) if t == "sliding_attention" else None,
-                                t == "sliding_attention" if is_causal is None else bool(is_causal))
-                 for t in types)
+    return tuple(LayerAttention(int(window) if s else None, d if causal is None else bool(causal))
+                 for s, d in zip(sliding, declared_sliding))
 
 
 @dataclass(frozen=True)
