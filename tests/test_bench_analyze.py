@@ -230,8 +230,9 @@ def test_analyze_overlays_results_files_labelled_by_folder(tmp_path, capsys):
 
 def test_overlay_maps_an_untagged_baseline_and_shows_each_runs_source(tmp_path, capsys):
     """`--baseline padding` on overlaid files means the first file's padding curve (not the default,
-    its first curve, here code); the setup lists each run's acceptance source by tag."""
+    its first curve, here code); the setup lists each run's acceptance source and tok/s basis by tag."""
     sources = {"old": "sglang.generate", "new": "sglang.counters"}
+    bases = {"old": "server_decode", "new": "client_latency"}
     paths = []
     for name, source in sources.items():
         (tmp_path / name).mkdir()
@@ -240,7 +241,8 @@ def test_overlay_maps_an_untagged_baseline_and_shows_each_runs_source(tmp_path, 
         path.write_text(json.dumps({
             "records": [{**r, "error": None} for r in rows],
             "acceptance_source": {"name": source, "kind": "per_request", "approximate": False, "definition": "d"},
-            "acceptance_refused": {"sglang.sglext": f"refused in {name}"}}))
+            "acceptance_refused": {"sglang.sglext": f"refused in {name}"},
+            "tok_per_s": {"basis": bases[name], "includes_prefill": name == "new", "definition": f"def {name}"}}))
         paths.append(str(path))
     code, out, _ = run_cli(["bench", "analyze", *paths, "--baseline", "padding", "--json"], capsys)
     assert code == 0 and json.loads(out)["baseline"] == "padding [old]"
@@ -249,3 +251,5 @@ def test_overlay_maps_an_untagged_baseline_and_shows_each_runs_source(tmp_path, 
     for name, source in sources.items():
         assert f"acceptance [{name}]: {source} [per_request]" in out
         assert f"refused sglang.sglext: refused in {name}" in out
+        assert f"tok/s [{name}]: {bases[name]}" in out
+    assert "time tok/s differently" in out

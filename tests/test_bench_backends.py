@@ -232,6 +232,30 @@ def test_unreachable_url_is_a_clear_error(tmp_path, capsys):
     assert "probe request failed" in capsys.readouterr().err
 
 
+def test_server_lost_mid_sweep_aborts_with_reason(tmp_path, capsys, monkeypatch):
+    import ddscope.bench.sweep as sweep_mod
+
+    with socket.socket() as s:  # a port nobody listens on: what a killed server's address answers
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    real_post, calls = sweep_mod.post, {"n": 0}
+
+    def post(client: Any, url: str, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] >= 4:  # probe, warmup, 1 timed request, then the server is gone
+            url = dead + url[url.index("/", len("http://")):]
+        return real_post(client, url, *args, **kwargs)
+
+    monkeypatch.setattr(sweep_mod, "post", post)
+    with serve(vllm_app()) as url:
+        code, doc = sweep(url, tmp_path)
+    assert code == 1 and calls["n"] == 4  # stopped at the first refused connection, no retries
+    assert doc["status"] == "aborted" and "ConnectError" in doc["abort_reason"]
+    assert [r["error"] is None for r in doc["records"]] == [True, False]
+    assert "status: aborted (the server stopped answering" in (tmp_path / "report.md").read_text()
+    assert "aborted" in capsys.readouterr().err
+
+
 def test_ctrl_c_leaves_valid_files(tmp_path, capsys, monkeypatch):
     import ddscope.bench.sweep as sweep_mod
 

@@ -158,7 +158,7 @@ def load_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             raise AnalysisError(f"{path} is not a ddscope bench results.json (no 'records' list)")
         raw_rows = doc["records"]
         meta = {k: doc.get(k) for k in ("backend", "acceptance_source", "acceptance_refused", "tok_per_s",
-                                        "server_log", "status", "errors")}
+                                        "server_log", "status", "abort_reason", "errors")}
     else:
         with path.open(newline="") as f:
             reader = csv.DictReader(f)

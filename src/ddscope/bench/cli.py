@@ -215,8 +215,9 @@ def _server_log(args: argparse.Namespace) -> Any:
     return contextlib.closing(log)
 
 
-def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]) -> list[Path]:
-    """Run one sweep per workload on one server (embedded or --url); returns the results.json paths."""
+def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]) -> tuple[list[Path], str | None]:
+    """Run one sweep per workload on one server (embedded or --url): (the results.json paths, why the
+    server was lost, stopping the run early, or None)."""
     import contextlib
 
     import httpx
@@ -247,7 +248,9 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
             except RequestFailed as e:
                 raise BenchError(f"{base_url}: {e}") from e
             paths.append(out / "results.json")
-    return paths
+            if sweep.lost:
+                return paths, f"{base_url}: {sweep.lost}; the sweep stopped, and {out} holds what it measured"
+    return paths, None
 
 
 def _report(paths: list[Path], out: Path | None, baseline: str | None, window: int, as_json: bool,
@@ -301,7 +304,7 @@ def _overlaid(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]]) -> bool
 def _overlay(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]], tags: list[str],
              baseline: str | None) -> tuple[str | None, dict[str, dict[str, Any]]]:
     """Label each file's rows `label [tag]`; returns the baseline as a tagged label (default: the
-    first file's first curve) and each file's acceptance setup by tag."""
+    first file's first curve) and each file's acceptance and tok/s setup by tag."""
     for (rows, _), tag in zip(loaded, tags):
         for row in rows:
             row["label"] = f"{row['label']} [{tag}]"
@@ -310,7 +313,7 @@ def _overlay(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]], tags: li
         baseline = next((row["label"] for row in loaded[0][0]), None)
     elif baseline not in labels:  # untagged ("padding"): the first file's curve of that name
         baseline = next((f"{baseline} [{t}]" for t in tags if f"{baseline} [{t}]" in labels), baseline)
-    runs = {tag: {k: meta.get(k) for k in ("acceptance_source", "acceptance_refused")}
+    runs = {tag: {k: meta.get(k) for k in ("acceptance_source", "acceptance_refused", "tok_per_s")}
             for (_, meta), tag in zip(loaded, tags)}
     return baseline, runs
 
@@ -341,10 +344,14 @@ def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
 
 @_guard
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Sweep, then the table, sweep.png and report.md; exit 1 only when no point was measured."""
+    """Sweep, then the table, sweep.png and report.md; exit 1 when no point was measured or the server
+    was lost mid-sweep."""
     _check_sweep_args(args)
-    [path] = _run_sweeps(args, [args.workload], [args.out])
-    return _report([path], args.out, None, args.window, as_json=False)
+    paths, lost = _run_sweeps(args, [args.workload], [args.out])
+    code = _report(paths, args.out, None, args.window, as_json=False)
+    if lost:
+        print(f"ddscope bench: aborted: {lost}", file=sys.stderr)
+    return max(code, 1) if lost else code
 
 
 @_guard
@@ -363,5 +370,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if args.workload == "padding":
             raise BenchError("diagnose compares a workload with padding: pick --workload code|math|chat|file:PATH")
         label = args.workload.split(":", 1)[0]
-        paths = _run_sweeps(args, ["padding", args.workload], [args.out / "padding", args.out / label])
+        paths, lost = _run_sweeps(args, ["padding", args.workload], [args.out / "padding", args.out / label])
+        if lost:
+            raise BenchError(lost)
     return _report(paths, args.out, "padding", args.window, args.json)

@@ -1,6 +1,8 @@
 """Terminal table, sweep.png and report.md from an `Analysis`."""
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +45,23 @@ def _acceptance_lines(run: dict[str, Any], tag: str | None) -> list[str]:
     return out + [f"  refused {name}: {why}" for name, why in (run.get("acceptance_refused") or {}).items()]
 
 
+def _rate_line(rate: dict[str, Any], tag: str | None) -> str:
+    prefill = "includes prefill" if rate.get("includes_prefill") else "decode only"
+    where = f" [{tag}]" if tag else ""
+    return f"tok/s{where}: {rate['basis']} ({prefill}): {rate['definition']}"
+
+
 def setup_lines(meta: dict[str, Any]) -> list[str]:
     """Where acceptance (per overlaid run) and tok/s come from, why other sources were refused, the
     log totals, and a warning when the log gap is too short for the timestamps seen."""
     runs = meta.get("runs") or {None: meta}
     out = [line for tag, run in runs.items() for line in _acceptance_lines(run, tag)]
-    rate = meta.get("tok_per_s") or {}
-    if rate:
-        prefill = "includes prefill" if rate.get("includes_prefill") else "decode only"
-        out.append(f"tok/s: {rate['basis']} ({prefill}): {rate['definition']}")
+    rates = {tag: run["tok_per_s"] for tag, run in runs.items() if run.get("tok_per_s")}
+    if len({json.dumps(rate, sort_keys=True) for rate in rates.values()}) > 1:
+        out += [_rate_line(rate, tag) for tag, rate in rates.items()]
+        out.append("  warning: the runs time tok/s differently; compare their tok/s with care")
+    elif rates:
+        out.append(_rate_line(next(iter(rates.values())), None))
     log = meta.get("server_log") or {}
     if log:
         out.append(f"server log ({log['origin']}): {log['lines_seen']} lines, {log['lines_recognised']} with "
@@ -175,7 +185,8 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
         lines.append(f"- backend: {backend.get('name')} at {backend.get('url')}, model `{backend.get('model')}`")
     lines += [f"- {line.strip()}" for line in setup_lines(meta)]
     if meta.get("status"):
-        lines.append(f"- status: {meta['status']}")
+        reason = f" ({meta['abort_reason']})" if meta.get("abort_reason") else ""
+        lines.append(f"- status: {meta['status']}{reason}")
     headers = _headers(a)
     lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(_row(p, LOG_HEADER in headers)) + " |" for p in a.points]

@@ -56,7 +56,16 @@ TOK_PER_S_BASIS = {
 
 
 class RequestFailed(RuntimeError):
-    """A request that produced no usable response; the message is recorded and the sweep goes on."""
+    """A request that produced no usable response; the message is recorded and the sweep goes on,
+    unless nothing listens at the server's address any more (`unreachable`)."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+class ServerLost(Exception):
+    """Raised inside `Sweep.run` to stop at the first request the server refused to connect."""
 
 
 @dataclass
@@ -180,6 +189,8 @@ def post(client: httpx.Client, url: str, payload: dict[str, Any], stream: bool,
         return body, time.perf_counter() - t0, ttft
     except httpx.TimeoutException as e:
         raise RequestFailed(f"timed out after {timeout_s:g} s") from e
+    except httpx.ConnectError as e:  # refused: the server is gone (a dying one drops the request in flight)
+        raise RequestFailed(f"{type(e).__name__}: {e}", unreachable=True) from e
     except httpx.HTTPError as e:
         raise RequestFailed(f"{type(e).__name__}: {e}") from e
     except ValueError as e:  # JSON decoding
@@ -224,6 +235,7 @@ class Sweep:
         self.chars_per_token = 4.0  # replaced by the probe when prompts are text
         self.template_tokens = 0  # chat template tokens around the content, measured by the probe
         self.basis = "client_latency"
+        self.lost: str | None = None  # why the sweep stopped early: the server stopped accepting connections
 
     def url(self, route: str) -> str:
         path = {"generate": "/generate", "chat": "/v1/chat/completions"}.get(route, "/v1/completions")
@@ -340,6 +352,7 @@ class Sweep:
             body, latency, ttft = self._send(route, prompt, self.cfg.max_tokens)
         except RequestFailed as e:
             record["error"] = str(e)
+            self.lost = self.lost or (f"the server stopped answering: {e}" if e.unreachable else None)
             return record
         finally:
             record["ended_at"] = time.time()
@@ -387,8 +400,9 @@ class Sweep:
                 "definition": "; ".join(f"{b}: {TOK_PER_S_BASIS[b]}" for b in bases)}
 
     def run(self, out_dir: Path, on_request: Callable[[str], None] = lambda note: None) -> None:
-        """Probe, then per context `warmup` unrecorded and `repeats` recorded requests; Ctrl-C ends
-        the sweep with the files marked interrupted."""
+        """Probe, then per context `warmup` unrecorded and `repeats` recorded requests. Ctrl-C ends
+        the sweep with the files marked interrupted; a server that no longer accepts connections ends
+        it marked aborted, with the reason in `abort_reason`."""
         if self.log is not None:
             time.sleep(self.cfg.log_gap_s)  # lines already in the pipe (a journal's backlog) arrive first
         self.probe()
@@ -399,13 +413,21 @@ class Sweep:
                 for _ in range(self.cfg.warmup):
                     self.measure(context, -1, ci * self.cfg.repeats)
                     on_request(f"ctx {context}: warmup")
+                    if self.lost:
+                        raise ServerLost
                 for r in range(self.cfg.repeats):
                     record = self.measure(context, r, ci * self.cfg.repeats + r)
                     writer.add(record)
                     on_request(_note(record))
+                    if self.lost:
+                        raise ServerLost
         except KeyboardInterrupt:
             status = "interrupted"
+        except ServerLost:
+            status = "aborted"
         extra = {"server_log": self.log.summary(self.cfg.log_gap_s)} if self.log is not None else {}
+        if self.lost:
+            extra["abort_reason"] = self.lost
         writer.update(status=status, finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
                       tok_per_s=self._bases(writer.records), **extra)
 
