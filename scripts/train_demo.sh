@@ -9,10 +9,14 @@
 #   5. long-context drafter: stage 4's drafter fine-tuned on continuations distilled at prompt lengths
 #      spread up to 5.9k tokens -> $RUN/drafter-long (resumes from $RUN/drafter-long.work)
 #   6. windowed long-context drafter: stage 5's drafter fine-tuned with --sliding-window 512 on stage 5's
-#      distilled set, weighted to prompts of 1.5k+ tokens -> src/ddscope/assets/demo/drafter
+#      distilled set, weighted to prompts of 1.5k+ tokens -> $RUN/drafter-window
 #      (resumes from $RUN/drafter-window.work)
+#   7. far-context drafter: padding-like prompts of 3k-5.9k tokens distilled (stage 6's drafter drafts,
+#      losslessly), then stage 6's drafter fine-tuned on them plus stage 5's set, weighted to 1.5k+
+#      -> src/ddscope/assets/demo/drafter (resumes from $RUN/drafter-far.work)
 # Env: RUN (default runs/demo), TARGET_MIN (target budget, minutes, default 60), DISTILL_MIN (12),
-#      DRAFTER_MIN (28), LONG_DISTILL_MIN (25), LONG_DRAFTER_MIN (35), WINDOW_DRAFTER_MIN (25).
+#      DRAFTER_MIN (28), LONG_DISTILL_MIN (25), LONG_DRAFTER_MIN (35), WINDOW_DRAFTER_MIN (25),
+#      FAR_DISTILL_MIN (15), FAR_DRAFTER_MIN (30).
 #      A finished stage is skipped on a rerun (delete its output to redo it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +27,8 @@ DRAFTER_MIN=${DRAFTER_MIN:-28}
 LONG_DISTILL_MIN=${LONG_DISTILL_MIN:-25}
 LONG_DRAFTER_MIN=${LONG_DRAFTER_MIN:-35}
 WINDOW_DRAFTER_MIN=${WINDOW_DRAFTER_MIN:-25}
+FAR_DISTILL_MIN=${FAR_DISTILL_MIN:-15}
+FAR_DRAFTER_MIN=${FAR_DRAFTER_MIN:-30}
 ASSETS=src/ddscope/assets/demo
 SEED=1234
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -82,7 +88,26 @@ resume=()
   --train-context-lengths 16-1536:0.28,1536-6144:0.72 --sliding-window 512 \
   --layers 2 --block-size 16 --lr 3e-4 --time-budget-min "$WINDOW_DRAFTER_MIN" --feature-cache-gb 8 \
   --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
+
+echo "[$(date -u +%T)] far-context drafter: padding distillation at 3k-5.9k (${FAR_DISTILL_MIN} min)"
+# The target falls into short loops deep in repetitive text, where its features drift from those at 3k:
+# stage 6 drafts these at 5.5k tokens as badly as at 1.6k, though it has learnt the same loops at 3.3k.
+[ -f "$RUN/drafter-far/model.safetensors" ] || python -m ddscope.cli train-drafter --target "$ASSETS/target" \
+  --out "$RUN/drafter-far" --work-dir "$RUN/drafter-far.data" --distill-only --data padding:1 --context-lengths 3072-5888:1 \
+  --prompts 600 --distill-min "$FAR_DISTILL_MIN" --distill-workers 2 --sampled-frac 0.3 --max-new-tokens 256 \
+  --distill-method ddtree --distill-drafter "$RUN/drafter-window" --seed 4321
+echo "[$(date -u +%T)] far-context drafter: fine-tuning (${FAR_DRAFTER_MIN} min) on stages 5 and 7's data"
+mkdir -p "$RUN/drafter-far.work"
+for f in "$RUN"/drafter-long.work/distill.*.jsonl; do ln -sf "$(realpath "$f")" "$RUN/drafter-far.work/distill.long-$(basename "$f" | cut -d. -f2).jsonl"; done
+for f in "$RUN"/drafter-far.data/distill.*.jsonl; do ln -sf "$(realpath "$f")" "$RUN/drafter-far.work/distill.far-$(basename "$f" | cut -d. -f2).jsonl"; done
+resume=()
+[ -f "$RUN/drafter-far.work/ckpt.pt" ] && resume=(--resume)
+[ -f "$RUN/drafter-far/model.safetensors" ] || python -m ddscope.training.train --target "$ASSETS/target" \
+  --out "$RUN/drafter-far" --work-dir "$RUN/drafter-far.work" --init-drafter "$RUN/drafter-window" \
+  --train-context-lengths 16-1536:0.2,1536-6144:0.8 --sliding-window 512 \
+  --layers 2 --block-size 16 --lr 3e-4 --time-budget-min "$FAR_DRAFTER_MIN" --feature-cache-gb 11 \
+  --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
 echo "[$(date -u +%T)] bundling it into $ASSETS/drafter"
-bundle "$RUN/drafter-window" drafter
+bundle "$RUN/drafter-far" drafter
 du -sh "$ASSETS"
 echo "[$(date -u +%T)] done"
