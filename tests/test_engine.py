@@ -48,6 +48,7 @@ def test_eos_stops_and_min_tokens_defers_it(tiny_engine):
     try:
         stopped = tiny_engine.generate([11, 12], max_new_tokens=30, method="ddtree")
         assert stopped.finish_reason == "stop" and stopped.token_ids == ref[:ref.index(ref[4]) + 1]
+        assert list(tiny_engine.stream([11, 12], max_new_tokens=30, method="ddtree"))[-1].matched_stop == ref[4]
         later = tiny_engine.generate([11, 12], max_new_tokens=30, method="ddtree", min_tokens=ref.index(ref[4]) + 2)
         assert ref[4] not in later.token_ids[:ref.index(ref[4]) + 2]
     finally:
@@ -75,5 +76,5 @@ def test_stop_string_spanning_two_steps_never_leaks(tiny_engine):
     stop = pieces[k][-1] + pieces[k + 1][0]  # ar commits one token per step: the stop spans two steps
     steps = list(tiny_engine.stream("The quick", max_new_tokens=40, method="ar", ignore_eos=True, stop=[stop]))
     text = "".join(s.text for s in steps)
-    assert steps[-1].finish_reason == "stop" and stop not in text
+    assert steps[-1].finish_reason == "stop" and steps[-1].matched_stop == stop and stop not in text
     assert text == full.text[:full.text.index(stop)]

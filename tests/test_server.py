@@ -172,7 +172,7 @@ def test_stream_without_usage_puts_extension_on_finish_chunk(server):
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     final = json.loads(lines[-2].removeprefix("data: "))
-    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["choices"][0]["finish_reason"] == "length" and final["choices"][0]["matched_stop"] is None
     assert final["ddscope"]["completion_tokens"] == 6 and "usage" not in final
 
 
@@ -186,7 +186,7 @@ def test_stop_string_ends_the_text_before_it(server):
     start, stop = next((s, c) for s, c in zip(itertools.accumulate([0, *map(len, chunks)]), chunks)
                        if s > 0 and c.strip() and full.find(c) == s)
     r = httpx.post(f"{server}/v1/completions", json={**body, "stop": [stop]}, timeout=30).json()
-    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["matched_stop"] == stop
     assert r["choices"][0]["text"] == full[:start]
 
 

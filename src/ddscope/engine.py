@@ -32,6 +32,7 @@ class Step:
     round: RoundStats
     stats: GenerationStats  # running totals of this generation, final on the last step
     finish_reason: str | None = None
+    matched_stop: int | str | None = None  # on "stop": the EOS id or the stop string that ended it
 
 
 @dataclass
@@ -166,17 +167,19 @@ class Engine:
             kept, reason = _truncate(new, n_out, eos, max_new, decoder.min_tokens)
             n_out += len(kept)
             full = text.push(kept, final=reason is not None)
+            matched: int | str | None = kept[-1] if reason == "stop" else None
             # A stop string can only end past what was yielded (the hold-back guarantees it).
-            hit = min((i for s in stop if (i := full.find(s, max(0, emitted - len(s)))) >= 0), default=-1)
+            hit, string = min(((i, s) for s in stop if (i := full.find(s, max(0, emitted - len(s)))) >= 0),
+                              default=(-1, None))
             end = len(full)
             if hit >= 0:
-                end, reason = hit, "stop"
+                end, reason, matched = hit, "stop", string
             elif reason is None:  # hold back what may still become a stop string
                 end = max(emitted, end - holdback)
             rnd.committed = len(kept)
             stats.rounds.append(rnd)
             delta, emitted = full[emitted:end], max(emitted, end)
-            yield Step(kept, delta, rnd, stats, reason)
+            yield Step(kept, delta, rnd, stats, reason, matched)
             if reason:
                 return
 

@@ -317,7 +317,7 @@ async def _generate(request: Request, state: ServerState, req: SamplingRequest, 
             watcher = None  # owned by the stream from here on
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(reply.response(event.text, event.finish_reason, event.stats))
+        return JSONResponse(reply.response(event.text, event.finish_reason, event.stats, event.matched_stop))
     finally:
         if watcher is not None:
             watcher.cancel()
@@ -333,7 +333,7 @@ async def _stream(job: Job, reply: Reply, event: Event, watcher: asyncio.Task, t
                 yield sse(reply.chunk(event.text))
             event = await _next_event(job)
         if isinstance(event, Done):
-            for chunk in reply.final_chunks(event.finish_reason, event.stats):
+            for chunk in reply.final_chunks(event.finish_reason, event.stats, event.matched_stop):
                 yield sse(chunk)
         else:  # headers are sent: report in the stream, as OpenAI-compatible servers do
             yield sse(_failure(event, timeout).body())

@@ -1,7 +1,10 @@
 """OpenAI response and SSE chunk bodies for /v1/completions and /v1/chat/completions.
 
 Every final body (the response, or the last streamed chunk) carries the `ddscope` extension:
-the engine's generation stats, documented in docs/server.md.
+the engine's generation stats, documented in docs/server.md. Final choices carry SGLang's
+`matched_stop` (sglang/srt/entrypoints/openai/protocol.py:511, serving_completions.py:610-620 in
+0.5.23): the EOS id or stop string the generation stopped on, null otherwise. The text leaves the EOS
+out, so a client of a target with several EOS ids can still tell which one ended it.
 """
 from __future__ import annotations
 
@@ -42,15 +45,18 @@ class Reply:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, text: str, finish_reason: str, stats: dict[str, Any]) -> dict[str, Any]:
+    def response(self, text: str, finish_reason: str, stats: dict[str, Any],
+                 matched_stop: int | str | None = None) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice["matched_stop"] = matched_stop
         return {**self._envelope(True, [choice]), "usage": usage(stats), "ddscope": stats}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              matched_stop: int | str | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -58,17 +64,20 @@ class Reply:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason:
+            choice["matched_stop"] = matched_stop
         body = self._envelope(False, [choice])
         if self.include_usage:  # as OpenAI: usage is null on every chunk but the last
             body["usage"] = None
         return body
 
-    def final_chunks(self, finish_reason: str, stats: dict[str, Any]) -> list[dict[str, Any]]:
+    def final_chunks(self, finish_reason: str, stats: dict[str, Any],
+                     matched_stop: int | str | None = None) -> list[dict[str, Any]]:
         """The finish_reason chunk, then (with include_usage) the usage chunk with no choices.
 
         The `ddscope` extension rides on whichever of them is last before `[DONE]`.
         """
-        chunks = [self.chunk(None, finish_reason)]
+        chunks = [self.chunk(None, finish_reason, matched_stop=matched_stop)]
         if self.include_usage:
             chunks.append({**self._envelope(False, []), "usage": usage(stats)})
         chunks[-1]["ddscope"] = stats

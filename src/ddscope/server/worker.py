@@ -37,6 +37,7 @@ class Done:
     finish_reason: str
     stats: dict[str, Any]  # GenerationStats.to_dict() plus the server's queue_ms and ttft_ms
     text: str = ""  # the whole completion (a non-streaming job gets no per-step events)
+    matched_stop: int | str | None = None  # Step.matched_stop of the last step
 
 
 @dataclass
@@ -204,7 +205,7 @@ class EngineWorker:
         stats = last.stats.to_dict(rounds=job.return_rounds)
         stats["queue_ms"] = 1000 * (start - job.arrival)
         stats["ttft_ms"] = 1000 * (first_at - job.arrival)
-        return Done(last.finish_reason, stats, "".join(text))
+        return Done(last.finish_reason, stats, "".join(text), last.matched_stop)
 
     def _record_step(self, step: Step) -> None:
         n, rnd = len(step.token_ids), step.round

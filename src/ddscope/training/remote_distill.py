@@ -9,8 +9,9 @@ generated. A failed, truncated or inconsistent response is counted and dropped, 
 
 A record ends with the EOS the target stopped on, as in-process ones do. Servers are asked to keep it in
 the ids and the text (SGLang `no_stop_trim`, vLLM `include_stop_str_in_output`); where it is left out, it
-is the one SGLang names in `finish_reason.matched`, or the target's only EOS id. With several possible
-(e.g. `<|endoftext|>` and `<|im_end|>`) and no way to tell, the item is dropped as `unknown_eos`.
+is the one the server names (SGLang /generate `finish_reason.matched`; `matched_stop` from SGLang /v1
+and `ddscope serve`), or the target's only EOS id. With several possible (e.g. `<|endoftext|>` and
+`<|im_end|>`) and no way to tell (vLLM names none for EOS), the item is dropped as `unknown_eos`.
 """
 from __future__ import annotations
 
@@ -90,7 +91,9 @@ class Protocol:
         choice = (body.get("choices") or [{}])[0]
         tokens = (choice.get("logprobs") or {}).get("tokens")  # vLLM: "token_id:N"
         ids = [int(t.removeprefix("token_id:")) for t in tokens] if tokens else self._retokenise(choice.get("text"))
-        return choice.get("finish_reason"), (body.get("usage") or {}).get("completion_tokens"), ids, None
+        # matched_stop: SGLang's /v1 and ddscope serve name the EOS they stopped on; vLLM does not.
+        return (choice.get("finish_reason"), (body.get("usage") or {}).get("completion_tokens"), ids,
+                choice.get("matched_stop"))
 
     def generated(self, body: dict[str, Any]) -> list[int]:
         """The generated ids, ending with EOS when the target stopped there (as in-process records do)."""
