@@ -13,10 +13,12 @@
 #      (resumes from $RUN/drafter-window.work)
 #   7. far-context drafter: padding-like prompts of 3k-5.9k tokens distilled (stage 6's drafter drafts,
 #      losslessly), then stage 6's drafter fine-tuned on them plus stage 5's set, weighted to 1.5k+
-#      -> src/ddscope/assets/demo/drafter (resumes from $RUN/drafter-far.work)
+#      -> $RUN/drafter-far (resumes from $RUN/drafter-far.work)
+#   8. a second pass over stage 7's data, weighted further to 1.5k+, to sharpen the drafter's confidence
+#      deep in the block at long context -> src/ddscope/assets/demo/drafter (resumes from $RUN/drafter-far2.work)
 # Env: RUN (default runs/demo), TARGET_MIN (target budget, minutes, default 60), DISTILL_MIN (12),
 #      DRAFTER_MIN (28), LONG_DISTILL_MIN (25), LONG_DRAFTER_MIN (35), WINDOW_DRAFTER_MIN (25),
-#      FAR_DISTILL_MIN (15), FAR_DRAFTER_MIN (30).
+#      FAR_DISTILL_MIN (15), FAR_DRAFTER_MIN (30), FAR2_DRAFTER_MIN (35).
 #      A finished stage is skipped on a rerun (delete its output to redo it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +31,7 @@ LONG_DRAFTER_MIN=${LONG_DRAFTER_MIN:-35}
 WINDOW_DRAFTER_MIN=${WINDOW_DRAFTER_MIN:-25}
 FAR_DISTILL_MIN=${FAR_DISTILL_MIN:-15}
 FAR_DRAFTER_MIN=${FAR_DRAFTER_MIN:-30}
+FAR2_DRAFTER_MIN=${FAR2_DRAFTER_MIN:-35}
 ASSETS=src/ddscope/assets/demo
 SEED=1234
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -81,13 +84,15 @@ resume=()
 echo "[$(date -u +%T)] windowed long-context drafter: fine-tuning (${WINDOW_DRAFTER_MIN} min) on stage 5's data"
 mkdir -p "$RUN/drafter-window.work"
 ln -sf "$(realpath "$RUN/drafter-long.work")"/distill.* "$RUN/drafter-window.work/"  # the data, not the checkpoint
-resume=()
-[ -f "$RUN/drafter-window.work/ckpt.pt" ] && resume=(--resume)
-[ -f "$RUN/drafter-window/model.safetensors" ] || python -m ddscope.training.train --target "$ASSETS/target" \
-  --out "$RUN/drafter-window" --work-dir "$RUN/drafter-window.work" --init-drafter "$RUN/drafter-long" \
-  --train-context-lengths 16-1536:0.28,1536-6144:0.72 --sliding-window 512 \
-  --layers 2 --block-size 16 --lr 3e-4 --time-budget-min "$WINDOW_DRAFTER_MIN" --feature-cache-gb 8 \
-  --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
+finetune() {  # finetune OUT INIT MIX MINUTES CACHE_GB: windowed fine-tune of INIT on OUT.work's distilled data
+  local resume=()
+  [ -f "$1.work/ckpt.pt" ] && resume=(--resume)
+  [ -f "$1/model.safetensors" ] || python -m ddscope.training.train --target "$ASSETS/target" \
+    --out "$1" --work-dir "$1.work" --init-drafter "$2" --train-context-lengths "$3" --sliding-window 512 \
+    --layers 2 --block-size 16 --lr 3e-4 --time-budget-min "$4" --feature-cache-gb "$5" \
+    --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
+}
+finetune "$RUN/drafter-window" "$RUN/drafter-long" 16-1536:0.28,1536-6144:0.72 "$WINDOW_DRAFTER_MIN" 8
 
 echo "[$(date -u +%T)] far-context drafter: padding distillation at 3k-5.9k (${FAR_DISTILL_MIN} min)"
 # The target falls into short loops deep in repetitive text, where its features drift from those at 3k:
@@ -100,14 +105,14 @@ echo "[$(date -u +%T)] far-context drafter: fine-tuning (${FAR_DRAFTER_MIN} min)
 mkdir -p "$RUN/drafter-far.work"
 for f in "$RUN"/drafter-long.work/distill.*.jsonl; do ln -sf "$(realpath "$f")" "$RUN/drafter-far.work/distill.long-$(basename "$f" | cut -d. -f2).jsonl"; done
 for f in "$RUN"/drafter-far.data/distill.*.jsonl; do ln -sf "$(realpath "$f")" "$RUN/drafter-far.work/distill.far-$(basename "$f" | cut -d. -f2).jsonl"; done
-resume=()
-[ -f "$RUN/drafter-far.work/ckpt.pt" ] && resume=(--resume)
-[ -f "$RUN/drafter-far/model.safetensors" ] || python -m ddscope.training.train --target "$ASSETS/target" \
-  --out "$RUN/drafter-far" --work-dir "$RUN/drafter-far.work" --init-drafter "$RUN/drafter-window" \
-  --train-context-lengths 16-1536:0.2,1536-6144:0.8 --sliding-window 512 \
-  --layers 2 --block-size 16 --lr 3e-4 --time-budget-min "$FAR_DRAFTER_MIN" --feature-cache-gb 11 \
-  --threads "${DRAFTER_THREADS:-2}" --seed "$SEED" "${resume[@]}"
+finetune "$RUN/drafter-far" "$RUN/drafter-window" 16-1536:0.2,1536-6144:0.8 "$FAR_DRAFTER_MIN" 11
+# Stage 7 drafts the long loops right but unsure (about 0.65 per slot, against 0.96 at 13 tokens), so a
+# budget-32 tree stops near depth 10: a second pass sharpens it.
+echo "[$(date -u +%T)] far-context drafter, second pass (${FAR2_DRAFTER_MIN} min)"
+mkdir -p "$RUN/drafter-far2.work"
+ln -sf "$(realpath "$RUN/drafter-far.work")"/distill.* "$RUN/drafter-far2.work/"
+finetune "$RUN/drafter-far2" "$RUN/drafter-far" 16-1536:0.15,1536-6144:0.85 "$FAR2_DRAFTER_MIN" 11
 echo "[$(date -u +%T)] bundling it into $ASSETS/drafter"
-bundle "$RUN/drafter-far" drafter
+bundle "$RUN/drafter-far2" drafter
 du -sh "$ASSETS"
 echo "[$(date -u +%T)] done"
