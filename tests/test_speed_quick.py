@@ -47,3 +47,14 @@ def test_policy_overhead_reports_both_budgets(tmp_path):
     out = run_benchmark("policy_overhead.py", "--prompts", "1", "--max-tokens", "32", tmp_path=tmp_path)
     labels = {tuple(c.strip() for c in line.split("|")[1:3]) for line in out.splitlines()[2:]}
     assert {("16", "tree"), ("auto", "tree"), ("auto", "observe")} <= labels
+
+
+def test_slot_confidence_reports_a_chain_and_probabilities(tmp_path):
+    out = run_benchmark("slot_confidence.py", "--contexts", "13,40", "--max-tokens", "40", "--skip", "8",
+                        "--stride", "4", "--feature-tail", "20", tmp_path=tmp_path)
+    rows = {r[0]: r[1:] for r in ([c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()
+                                  if line.startswith("| ") and line[2].isdigit())}
+    assert set(rows) == {"13", "40"}, out
+    for chain, probs in rows.values():
+        p = [float(x) for x in probs.split()]
+        assert 1.0 <= float(chain) <= 16.0 and len(p) == 15 and all(0.0 <= x <= 1.0 for x in p)
