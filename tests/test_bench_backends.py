@@ -17,6 +17,7 @@ from bench_fakes import (
     TOKENS,
     app_with,
     completion,
+    delivered,
     llamacpp_app,
     openai_error,
     plain_app,
@@ -42,34 +43,42 @@ def sweep(url: str, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:
 
 
 def llama_exact(n_prompt: int) -> float:
-    return 3.0 if n_prompt < 32 else 4.5  # 1 + accepted / verify steps: 1 + 12/6, 1 + 14/4
+    return 3.0 if n_prompt < 32 else 4.5  # 1 + accepted / drafted steps: 1 + 12/6, 1 + 14/4
 
 
 def llama_timings(n_prompt: int) -> float:
     return TOKENS / (TOKENS - (12 if n_prompt < 32 else 14))  # predicted_n / (predicted_n - accepted)
 
 
+def llama_delivered(n_prompt: int) -> float:
+    # 19 tokens after the prefill one, in the drafted steps plus one undrafted last step: 19/7, 19/5
+    return (TOKENS - 1) / (7 if n_prompt < 32 else 5)
+
+
 CASES = [
-    # app, backend, source name, kind, approximate, expected avg_commit per prompt length
-    (lambda: sglang_app(sglext=True), "sglang", "sglang.sglext", "per_request", False, planted),
-    (lambda: sglang_app(), "sglang", "sglang.generate", "per_request", False, planted),
-    (lambda: sglang_app(generate=False), "sglang", "sglang.counters", "counter_delta", False, planted),
+    # app, backend, source name, kind, approximate, delivered avg_commit, the server's own figure
+    (lambda: sglang_app(sglext=True), "sglang", "sglang.sglext", "per_request", False, delivered, planted),
+    (lambda: sglang_app(), "sglang", "sglang.generate", "per_request", False, delivered, planted),
+    (lambda: sglang_app(generate=False), "sglang", "sglang.counters", "counter_delta", False, delivered, planted),
     (lambda: sglang_app(generate=False, counters=False), "sglang", "sglang.gauge", "windowed_gauge", True,
-     lambda n: 7.7),
+     None, lambda n: 7.7),
     (lambda: sglang_app(generate=False, metrics=False), "sglang", "sglang.server_info", "lifetime", True,
-     lambda n: 1.9),
-    (lambda: vllm_app(per_request=True), "vllm", "vllm.response", "per_request", False, planted),
-    (lambda: vllm_app(), "vllm", "vllm.counters", "counter_delta", False, planted),
-    (lambda: llamacpp_app(), "llamacpp", "llamacpp.counters", "counter_delta", False, llama_exact),
-    (lambda: llamacpp_app(counters=False), "llamacpp", "llamacpp.timings", "per_request", True, llama_timings),
+     None, lambda n: 1.9),
+    (lambda: vllm_app(per_request=True), "vllm", "vllm.response", "per_request", False, delivered, planted),
+    (lambda: vllm_app(), "vllm", "vllm.counters", "counter_delta", False, delivered, planted),
+    (lambda: llamacpp_app(), "llamacpp", "llamacpp.counters", "counter_delta", False, llama_delivered,
+     llama_exact),
+    (lambda: llamacpp_app(counters=False), "llamacpp", "llamacpp.timings", "per_request", True, llama_delivered,
+     llama_timings),
     (lambda: llamacpp_app(counters=False, timings_draft=False, legacy=True), "llamacpp",
-     "llamacpp.legacy_counters", "counter_delta", True, llama_timings),
+     "llamacpp.legacy_counters", "counter_delta", True, llama_delivered, llama_timings),
 ]
 
 
-@pytest.mark.parametrize("make_app, backend, name, kind, approximate, expected", CASES,
+@pytest.mark.parametrize("make_app, backend, name, kind, approximate, truth, server", CASES,
                          ids=[c[2] for c in CASES])
-def test_acceptance_source_per_backend(tmp_path, capsys, make_app, backend, name, kind, approximate, expected):
+def test_acceptance_source_per_backend(tmp_path, capsys, make_app, backend, name, kind, approximate, truth, server):
+    """Delivered avg_commit wherever the source counts verify steps; the server's figure beside it."""
     with serve(make_app()) as url:
         code, doc = sweep(url, tmp_path)
     assert code == 0
@@ -82,7 +91,10 @@ def test_acceptance_source_per_backend(tmp_path, capsys, make_app, backend, name
     assert len(records) == 4 and not any(r["error"] for r in records)
     for r in records:
         assert r["completion_tokens"] == TOKENS
+        assert r["server_avg_commit"] == pytest.approx(server(r["prompt_tokens"]), rel=0.01)
+        expected = truth or server  # sources without a step count give the server's figure
         assert r["avg_commit"] == pytest.approx(expected(r["prompt_tokens"]), rel=0.01)
+        assert r["avg_commit_basis"] == ("delivered" if truth else "server")
         assert r["step_ms"] == pytest.approx(1000 * r["avg_commit"] / r["tok_per_s"])
         assert r["ended_at"] > r["started_at"] > 0  # wall clock, for matching server logs
     assert name in capsys.readouterr().out
@@ -100,7 +112,7 @@ def test_sglang_ignoring_unknown_fields_gives_exact_acceptance_not_gauge_or_life
     assert doc["acceptance_source"]["name"] == "sglang.generate" and not doc["acceptance_source"]["approximate"]
     assert doc["backend"]["route"].endswith("/generate")
     by_ctx = {r["context"]: r["avg_commit"] for r in doc["records"]}
-    assert by_ctx[16] == pytest.approx(2.5, rel=0.01) and by_ctx[48] == pytest.approx(4.0, rel=0.01)
+    assert by_ctx[16] == pytest.approx(19 / 8, rel=0.01) and by_ctx[48] == pytest.approx(19 / 5, rel=0.01)
     refused = doc["acceptance_refused"]
     assert set(refused) == {"sglang.sglext", "sglang.meta_info"}
     assert "sglext.spec_tokens_details" in refused["sglang.sglext"]
@@ -116,7 +128,7 @@ def test_sglang_counters_when_generate_is_unreachable(tmp_path, capsys):
     assert not doc["acceptance_source"]["approximate"]
     assert "/generate failed: HTTP 404" in doc["acceptance_refused"]["sglang.generate"]
     for r in doc["records"]:
-        assert r["avg_commit"] == pytest.approx(planted(r["prompt_tokens"]), rel=0.01)
+        assert r["avg_commit"] == pytest.approx(delivered(r["prompt_tokens"]), rel=0.01)
 
 
 def test_sglang_lifetime_average_comes_from_server_info_not_the_deprecated_route(tmp_path, capsys):

@@ -116,4 +116,4 @@ def test_sweep_reads_the_servers_exact_acceptance(llama_server, tmp_path, capsys
         assert not r["error"] and r["completion_tokens"] == 64 and r["prompt_tokens"] == r["context"]
         assert 1.2 < r["avg_commit"] < 5.0  # drafting happened, and not all of it was accepted
         # the server's own `mean len = %5.2f` for this request, matched by wall-clock window
-        assert r["log_lines"] == 1 and r["avg_commit"] == pytest.approx(r["log_avg_commit"], abs=0.006)
+        assert r["log_lines"] == 1 and r["server_avg_commit"] == pytest.approx(r["log_avg_commit"], abs=0.006)

@@ -92,7 +92,7 @@ def test_exact_source_wins_over_the_log(tmp_path):
     with serve(vllm_app(per_request=True, log=LogWriter(path, "vllm"))) as url:
         doc = sweep(url, tmp_path / "out", "--server-log", str(path), "--log-gap", "1.4")
     assert doc["acceptance_source"]["name"] == "vllm.response"
-    assert all(r["log_avg_commit"] == pytest.approx(r["avg_commit"], rel=0.03) for r in doc["records"])
+    assert all(r["log_avg_commit"] == pytest.approx(r["server_avg_commit"], rel=0.03) for r in doc["records"])
 
 
 def test_window_attribution_rules(tmp_path):

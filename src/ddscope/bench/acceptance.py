@@ -48,7 +48,7 @@ class AcceptanceReader:
             case "per_request":
                 return per_request(source.name, obs.body, obs.completion_tokens)
             case "counter_delta":
-                return counter_delta(source.name, obs.before, obs.after)
+                return counter_delta(source.name, obs.before, obs.after, obs.completion_tokens)
             case "log":
                 if obs.log is None:
                     return "no --server-log or --log-cmd given"

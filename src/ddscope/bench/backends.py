@@ -25,8 +25,14 @@ def num(value: Any) -> float | None:
 
 
 # ---- per request ---------------------------------------------------------------------------------
+# A reader gives (the server's own avg_commit, the verify steps behind the tokens after the first).
+# The bench's primary number is the delivered avg_commit, (completion_tokens - 1) / those steps: the
+# first token comes from prefill, and a server may count drafts accepted past max_tokens (vLLM).
 
-def _per_step(tokens: float | None, steps: float | None) -> tuple[float, float] | None:
+Steps = tuple[float, float] | None
+
+
+def _per_step(tokens: float | None, steps: float | None) -> Steps:
     return (tokens / steps, steps) if tokens and steps else None
 
 
@@ -35,33 +41,36 @@ def _choice(body: dict[str, Any]) -> dict[str, Any]:
     return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
 
 
-def _ddscope(body: dict[str, Any], _: int) -> tuple[float, float] | None:
+def _ddscope(body: dict[str, Any], _: int) -> Steps:
     ext = body.get("ddscope") or {}
     avg, steps = num(ext.get("avg_commit")), num(ext.get("verify_steps"))
     return (avg, steps) if avg and steps else None
 
 
-def _vllm(body: dict[str, Any], _: int) -> tuple[float, float] | None:
+def _vllm(body: dict[str, Any], _: int) -> Steps:
     spec = (body.get("metrics") or {}).get("speculative_decoding") or {}
     avg, steps = num(spec.get("mean_acceptance_length")), num(spec.get("num_spec_steps"))
     return (avg, steps) if avg and steps else None
 
 
-def _legacy(predicted: float, accepted: float) -> tuple[float, float] | None:
-    # llama.cpp counts drafted/accepted tokens only (timings, older builds' counters): steps ~ predicted - accepted.
-    return (predicted / (predicted - accepted), predicted - accepted) if predicted > accepted else None
+def _llamacpp_steps(completion: int, accepted: float) -> float | None:
+    # llama.cpp's output is 1 prefill token + (accepted + 1) per drafted step + 1 per undrafted step
+    # (drafts are capped at the tokens left), so the steps behind the rest are completion - 1 - accepted.
+    steps = completion - 1 - accepted
+    return steps if steps > 0 else None
 
 
-def _llamacpp_timings(body: dict[str, Any], _: int) -> tuple[float, float] | None:
+def _llamacpp_timings(body: dict[str, Any], completion: int) -> Steps:
     t = body.get("timings") or {}
     predicted, accepted = num(t.get("predicted_n")), num(t.get("draft_n_accepted"))
     if t.get("draft_n") is None or predicted is None or accepted is None:  # no drafting on this request
         return None
-    return _legacy(predicted, accepted)
+    steps = _llamacpp_steps(completion, accepted)
+    return (predicted / (predicted - accepted), steps) if steps and predicted > accepted else None
 
 
-# source -> (what the response must carry, reader(body, completion_tokens) -> (avg_commit, steps))
-PER_REQUEST: dict[str, tuple[str, Callable[[dict[str, Any], int], tuple[float, float] | None]]] = {
+# source -> (what the response must carry, reader(body, completion_tokens) -> (server avg_commit, steps))
+PER_REQUEST: dict[str, tuple[str, Callable[[dict[str, Any], int], Steps]]] = {
     "ddscope.response": ("ddscope.avg_commit", _ddscope),
     "sglang.sglext": ("sglext.spec_tokens_details.spec_verify_ct", lambda b, n: _per_step(
         n, num(((b.get("sglext") or {}).get("spec_tokens_details") or {}).get("spec_verify_ct")))),
@@ -78,6 +87,13 @@ def per_request(name: str, body: dict[str, Any], completion_tokens: int) -> Read
     what, reader = PER_REQUEST[name]
     got = reader(body, completion_tokens)
     return Acceptance(got[0], got[1], SOURCES[name]) if got else f"the response has no {what}"
+
+
+def delivered(acc: Acceptance, completion_tokens: int) -> float | None:
+    """Tokens returned after the first, per verify step; None where the source counts no steps."""
+    if not acc.verify_steps or completion_tokens < 2:
+        return None
+    return (completion_tokens - 1) / acc.verify_steps
 
 
 # ---- counters ------------------------------------------------------------------------------------
@@ -107,19 +123,32 @@ def parse_metrics(text: str) -> Scrape:
     return Scrape(out, {m.group(1) for m in _ROUNDED.finditer(text)})
 
 
-def _bonus(accepted: float, drafts: float) -> tuple[float, float] | None:
+def _bonus(accepted: float, drafts: float, _: int) -> Steps:
     return (1.0 + accepted / drafts, drafts) if drafts else None
 
 
-# source -> (counter names, rule(delta of each) -> (avg_commit, verify_steps))
-COUNTERS: dict[str, tuple[tuple[str, str], Callable[[float, float], tuple[float, float] | None]]] = {
-    "ddscope.counters": (("ddscope:committed_tokens_total", "ddscope:verify_steps_total"), _per_step),
+def _llamacpp_bonus(accepted: float, drafts: float, completion: int) -> Steps:
+    steps = _llamacpp_steps(completion, accepted)
+    return (1.0 + accepted / drafts, steps) if drafts and steps else None
+
+
+def _legacy(predicted: float, accepted: float, completion: int) -> Steps:
+    # Older llama.cpp counts drafted/accepted tokens only; its own figure is predicted / (predicted - accepted).
+    steps = _llamacpp_steps(completion, accepted)
+    return (predicted / (predicted - accepted), steps) if steps and predicted > accepted else None
+
+
+# source -> (counter names, rule(delta of each, completion_tokens) -> (server avg_commit, steps))
+COUNTERS: dict[str, tuple[tuple[str, str], Callable[[float, float, int], Steps]]] = {
+    "ddscope.counters": (("ddscope:committed_tokens_total", "ddscope:verify_steps_total"),
+                         lambda tokens, steps, _: _per_step(tokens, steps)),
     # source: sglang/srt/observability/metrics_collector.py:1861,1866
-    "sglang.counters": (("sglang:generation_tokens_total", "sglang:spec_verify_calls_total"), _per_step),
+    "sglang.counters": (("sglang:generation_tokens_total", "sglang:spec_verify_calls_total"),
+                        lambda tokens, steps, _: _per_step(tokens, steps)),
     "vllm.counters": (("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"), _bonus),
     # source: llama_cpp_python-0.3.36/vendor/llama.cpp/tools/server/server-task.cpp:1558,1562 (drafts = verify steps)
     "llamacpp.counters": (("llamacpp:spec_decode_num_accepted_tokens_total",
-                           "llamacpp:spec_decode_num_drafts_total"), _bonus),
+                           "llamacpp:spec_decode_num_drafts_total"), _llamacpp_bonus),
     "llamacpp.legacy_counters": (("llamacpp:tokens_predicted_total", "llamacpp:tokens_drafted_accepted_total"),
                                  _legacy),
 }
@@ -128,7 +157,7 @@ COUNTERS: dict[str, tuple[tuple[str, str], Callable[[float, float], tuple[float,
 PRINTF_G = {"llamacpp.counters", "llamacpp.legacy_counters"}  # sources whose server prints `%g`
 
 
-def counter_delta(name: str, before: Scrape | None, after: Scrape | None) -> Reading:
+def counter_delta(name: str, before: Scrape | None, after: Scrape | None, completion_tokens: int) -> Reading:
     if before is None or after is None:
         return "no readable /metrics"
     metrics, rule = COUNTERS[name]
@@ -138,7 +167,7 @@ def counter_delta(name: str, before: Scrape | None, after: Scrape | None) -> Rea
         if name in PRINTF_G and (metric in before.rounded or metric in after.rounded):
             return (f"{metric} is printed %g-rounded to 6 significant digits (e.g. 1.23457e+06): deltas "
                     f"would be off by tens of tokens")
-    got = rule(*(sum(after.values[m]) - sum(before.values[m]) for m in metrics))
+    got = rule(*(sum(after.values[m]) - sum(before.values[m]) for m in metrics), completion_tokens)
     return Acceptance(got[0], got[1], SOURCES[name]) if got else f"{metrics[1]} did not move over the request"
 
 
@@ -175,15 +204,28 @@ def engine_step_ms(backend: str, body: dict[str, Any]) -> float | None:
     return num((body.get("ddscope") or {}).get("mean_step_ms")) if backend == "ddscope" else None
 
 
-def step_commits(backend: str, body: dict[str, Any]) -> list[int] | None:
-    """Tokens committed at each verify step, in order, where the server reports per-step data."""
+def step_commits(backend: str, body: dict[str, Any], completion_tokens: int) -> list[int] | None:
+    """Tokens delivered at each verify step, in order, where the server reports per-step data: they
+    sum to completion_tokens - 1 (a server's last steps may count drafts cut at max_tokens)."""
+    commits = None
     if backend == "ddscope":
         rounds = (body.get("ddscope") or {}).get("rounds")
-        return [int(r["committed"]) for r in rounds] if isinstance(rounds, list) and rounds else None
-    if backend == "vllm":  # --per-request-spec-decode-metrics detailed; +1 for the bonus token
+        commits = [int(r["committed"]) for r in rounds] if isinstance(rounds, list) and rounds else None
+    elif backend == "vllm":  # --per-request-spec-decode-metrics detailed; +1 for the bonus token
         accepted = ((body.get("metrics") or {}).get("speculative_decoding") or {}).get("per_step_accepted")
-        return [int(a) + 1 for a in accepted] if isinstance(accepted, list) and accepted else None
-    return None
+        commits = [int(a) + 1 for a in accepted] if isinstance(accepted, list) and accepted else None
+    return _cut(commits, completion_tokens - 1) if commits else None
+
+
+def _cut(commits: list[int], total: int) -> list[int]:
+    """The per-step list as delivered: the steps past `total` tokens dropped, the last one trimmed."""
+    out, left = [], total
+    for c in commits:
+        if left <= 0:
+            break
+        out.append(min(c, left))
+        left -= out[-1]
+    return out
 
 
 def usage_of(body: dict[str, Any]) -> tuple[int | None, int | None]:

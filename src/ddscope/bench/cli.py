@@ -159,21 +159,34 @@ def _check_sweep_args(args: argparse.Namespace) -> None:
         args.max_tokens = EMBEDDED_MAX_TOKENS if embedded else URL_MAX_TOKENS
 
 
-def _load_tokenizer(args: argparse.Namespace) -> Any:
-    """--tokenizer, else the embedded server's target (the demo pair's when none is given)."""
+def _tokenizer(args: argparse.Namespace, base_url: str, client: Any) -> tuple[Any, str]:
+    """The tokenizer that sizes prompts exactly, and where it came from: --tokenizer; the embedded
+    server's target; else the server's own /tokenize or model directory (ddscope.bench.tokens)."""
+    from ddscope.bench.backends import Server
+    from ddscope.bench.tokens import find_tokenizer, local_tokenizer
+
     directory = args.tokenizer
     if directory is None and not args.url:
-        from ddscope.engine import DEMO_DIR  # torch is loaded by then: the server is up
+        from ddscope.engine import DEMO_DIR
 
         directory = args.target or DEMO_DIR / "target"
     if directory is None:
-        return None
-    from transformers import AutoTokenizer
-
+        return find_tokenizer(base_url, client, Server(base_url, client).models())
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        return local_tokenizer(directory), f"--tokenizer {directory}" if args.tokenizer else f"the target {directory}"
     except (OSError, ValueError) as e:
         raise BenchError(f"cannot load a tokenizer from {directory}: {e}") from e
+
+
+def _embedded(args: argparse.Namespace) -> Any:
+    """`ddscope serve` in its own process, as the sweep's server (ddscope.bench.embedded)."""
+    from ddscope.bench.embedded import serve_process
+
+    flags = ["--method", args.method, "--budget", str(args.budget), "--device", args.device, "--dtype", args.dtype]
+    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
+        if value:
+            flags += [flag, str(value)]
+    return serve_process(flags, args.out / "server.log")
 
 
 class _Progress:
@@ -183,7 +196,7 @@ class _Progress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        # No refresh thread: an embedded server shares this process, and its GIL, with the bar.
+        # No refresh thread: nothing in the client's process competes with the server for a core.
         self.bar = Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             TextColumn("{task.description}"), console=Console(stderr=True), auto_refresh=False)
         self.task = self.bar.add_task("", total=total)
@@ -222,34 +235,41 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
 
     import httpx
 
+    from ddscope.bench.embedded import ServerFailed
+
+    server = contextlib.nullcontext(args.url) if args.url else _embedded(args)
+    try:
+        with server as base_url, httpx.Client() as client, _server_log(args) as log:
+            return _sweep_each(args, workloads, dirs, base_url, client, log)
+    except ServerFailed as e:
+        raise BenchError(str(e)) from e
+
+
+def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path], base_url: str, client: Any,
+                log: Any) -> tuple[list[Path], str | None]:
     from ddscope.bench.sweep import RequestFailed, Sweep, SweepConfig
 
-    if args.url:
-        server = contextlib.nullcontext(args.url)
-    else:
-        from ddscope.server.launch import serve_in_background
-
-        server = serve_in_background(target=args.target, drafter=args.drafter, method=args.method,
-                                     budget=args.budget, host="127.0.0.1", port=0, device=args.device,
-                                     dtype=args.dtype)
+    tokenizer, origin = _tokenizer(args, base_url, client)
+    if tokenizer is None:
+        _warn("no tokenizer for exact prompt lengths (the server has no /tokenize and /v1/models names no "
+              "local model directory): prompts are sized from a probe, so lengths will be off; the rows "
+              "show the lengths the server counted. Pass --tokenizer DIR for exact ones.")
     paths = []
-    with server as base_url, httpx.Client() as client, _server_log(args) as log:
-        tokenizer = _load_tokenizer(args)
-        for workload, out in zip(workloads, dirs):
-            cfg = SweepConfig(contexts=args.contexts, max_tokens=args.max_tokens, repeats=args.repeats,
-                              warmup=args.warmup, workload=workload, api=args.api, temperature=args.temperature,
-                              stream=args.stream, model=args.model, backend=args.backend, timeout_s=args.timeout,
-                              clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap)
-            sweep = Sweep(cfg, base_url, client, tokenizer, log)
-            total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)
-            try:
-                with _Progress(total, f"{sweep.workload.label} on {sweep.backend}") as bar:
-                    sweep.run(out, bar.advance)
-            except RequestFailed as e:
-                raise BenchError(f"{base_url}: {e}") from e
-            paths.append(out / "results.json")
-            if sweep.lost:
-                return paths, f"{base_url}: {sweep.lost}; the sweep stopped, and {out} holds what it measured"
+    for workload, out in zip(workloads, dirs):
+        cfg = SweepConfig(contexts=args.contexts, max_tokens=args.max_tokens, repeats=args.repeats,
+                          warmup=args.warmup, workload=workload, api=args.api, temperature=args.temperature,
+                          stream=args.stream, model=args.model, backend=args.backend, timeout_s=args.timeout,
+                          clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap)
+        sweep = Sweep(cfg, base_url, client, tokenizer, log, origin)
+        total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)
+        try:
+            with _Progress(total, f"{sweep.workload.label} on {sweep.backend}") as bar:
+                sweep.run(out, bar.advance)
+        except RequestFailed as e:
+            raise BenchError(f"{base_url}: {e}") from e
+        paths.append(out / "results.json")
+        if sweep.lost:
+            return paths, f"{base_url}: {sweep.lost}; the sweep stopped, and {out} holds what it measured"
     return paths, None
 
 
@@ -322,6 +342,10 @@ def _tags(paths: list[Path]) -> list[str]:
     """A short distinct name per file: its folder (old/results.json -> old), else its path."""
     names = [p.resolve().parent.name or p.stem for p in paths]
     return names if len(set(names)) == len(names) else [str(p) for p in paths]
+
+
+def _warn(message: str) -> None:
+    print(f"ddscope bench: warning: {message}", file=sys.stderr)
 
 
 def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

@@ -24,6 +24,8 @@ import httpx
 from ddscope.bench.acceptance import AcceptanceReader, Observation
 from ddscope.bench.backends import (
     Server,
+    Reading,
+    delivered,
     engine_step_ms,
     server_decode,
     server_prefill_s,
@@ -31,11 +33,14 @@ from ddscope.bench.backends import (
     usage_of,
 )
 from ddscope.bench.serverlog import ServerLog, WindowReading
+from ddscope.bench.sources import Acceptance
+from ddscope.bench.tokens import TokenizerError
 from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
 
 SCHEMA = "ddscope.bench.results/1"
 CSV_FIELDS = ("label", "context", "repeat", "prompt_tokens", "completion_tokens", "latency_s", "prefill_s",
-              "tok_per_s", "tok_per_s_basis", "e2e_tok_per_s", "avg_commit", "verify_steps", "step_ms",
+              "tok_per_s", "tok_per_s_basis", "e2e_tok_per_s", "avg_commit", "server_avg_commit",
+              "avg_commit_basis", "verify_steps", "step_ms",
               "engine_step_ms", "log_lines", "log_straddling", "error")
 PROBE_TOKENS = 8
 
@@ -49,7 +54,8 @@ REQUEST_EXTRAS: dict[str, list[dict[str, Any]]] = {
 TOK_PER_S_BASIS = {
     "server_decode": "(completion_tokens - 1) / the server's own decode time, first to last output token "
                      "(vLLM metrics.generation_time_ms, SGLang /generate e2e_latency - first_token_latency)",
-    "client_minus_prefill": "completion_tokens / (client latency - prefill), prefill as the server reports it "
+    "client_minus_prefill": "(completion_tokens - 1) / (client latency - prefill), prefill (which yields the "
+                            "first token) as the server reports it "
                             "(ddscope prefill_ms, llama.cpp timings.prompt_ms) or the streamed time to first token",
     "client_latency": "completion_tokens / client latency: includes prefill (the server gives no timing)",
 }
@@ -197,17 +203,30 @@ def post(client: httpx.Client, url: str, payload: dict[str, Any], stream: bool,
         raise RequestFailed(f"unreadable response: {e}") from e
 
 
+def acceptance_fields(acc: Reading, completion: int, tps: float) -> dict[str, Any]:
+    """The record's acceptance: delivered avg_commit where the source counts verify steps, else the
+    server's own figure (`avg_commit_basis` says which); the server's figure is kept beside it."""
+    if isinstance(acc, str):
+        return {"avg_commit": None, "server_avg_commit": None, "avg_commit_basis": None, "verify_steps": None,
+                "step_ms": None, "acceptance_note": acc}
+    truth = delivered(acc, completion)
+    avg = truth if truth is not None else acc.avg_commit
+    return {"avg_commit": avg, "server_avg_commit": acc.avg_commit,
+            "avg_commit_basis": "delivered" if truth is not None else "server", "verify_steps": acc.verify_steps,
+            "step_ms": 1000.0 * avg / tps, "acceptance_note": None}
+
+
 def decode_rate(backend: str, body: dict[str, Any], completion: int, latency: float,
                 ttft: float | None) -> tuple[float, str, float | None]:
-    """(tok/s, basis, prefill s): the server's own decode timing, else client latency less prefill,
-    else the whole latency (which then includes prefill)."""
+    """(tok/s, basis, prefill s): the server's own decode timing, else client latency less prefill
+    (which yields the first token), else the whole latency (which then includes prefill)."""
     decode = server_decode(backend, body, completion)
     if decode is not None:
         return decode[0] / decode[1], "server_decode", None
     prefill = server_prefill_s(backend, body)
     prefill = prefill if prefill is not None else ttft
-    if prefill is not None and prefill < latency:
-        return completion / (latency - prefill), "client_minus_prefill", prefill
+    if prefill is not None and prefill < latency and completion > 1:
+        return (completion - 1) / (latency - prefill), "client_minus_prefill", prefill
     return completion / latency, "client_latency", prefill
 
 
@@ -215,8 +234,9 @@ class Sweep:
     """One sweep against one server: probe, then warmup and timed repeats per context."""
 
     def __init__(self, cfg: SweepConfig, base_url: str, client: httpx.Client, tokenizer: Tokenizer | None = None,
-                 log: ServerLog | None = None):
+                 log: ServerLog | None = None, tokenizer_origin: str = "--tokenizer"):
         self.cfg = cfg
+        self.tokenizer_origin = tokenizer_origin if tokenizer is not None else "none (sized from a probe)"
         self.client = client
         self.server = Server(base_url, client)
         self.tokenizer = tokenizer
@@ -280,18 +300,35 @@ class Sweep:
         try:
             body, latency, ttft = self._send(route, prompt, PROBE_TOKENS)
         finally:
-            logged = self._close_window(t0)
+            logged = self._close_window(t0, untimed=True)
         completion = usage_of(body)[1] or 0
         return Observation(body, completion, before, self.server.metrics(), logged), ttft, latency
 
-    def _close_window(self, started: float) -> WindowReading | None:
+    def _close_window(self, started: float, untimed: bool = False) -> WindowReading | None:
         """Close the request's log window, wait the idle gap so windows never touch, then read the
-        window: its last lines have arrived by then."""
+        window: its last lines have arrived by then. An untimed request (probe, warm-up) gets a
+        context-layer window of its own too, so no context's reading takes in its traffic."""
         if self.log is None:
             return None
-        window = self.log.window(started, time.time())
+        ended = time.time()
+        window = self.log.window(started, ended)
+        if untimed:
+            self.log.window(started, ended, "context")
         time.sleep(self.cfg.log_gap_s)
         return self.log.read(window)
+
+    def _read_context(self, opened: float, records: list[dict[str, Any]]) -> None:
+        """The log over one context's timed repeats: recorded on each of them, and their acceptance
+        where the log is the source and their own windows held no line."""
+        timed = [r for r in records if not r["error"]]
+        if self.log is None or not timed:
+            return
+        reading = self.log.read(self.log.window(opened, timed[-1]["ended_at"], "context"))
+        for r in timed:
+            r.update(log_context_avg_commit=reading.avg_commit, log_context_lines=reading.lines)
+            if self.reader.source.kind == "log" and r["avg_commit"] is None and reading.avg_commit is not None:
+                got = Acceptance(reading.avg_commit, None, self.reader.source)
+                r.update(acceptance_fields(got, r["completion_tokens"], r["tok_per_s"]), avg_commit_basis="server_context")
 
     def probe(self) -> None:
         """Short requests that pick the request extras the server accepts, token-id or text prompts,
@@ -345,7 +382,12 @@ class Sweep:
             record["error"] = f"context + max_tokens exceeds the server's context limit {self.max_model_len}"
             return record
         route = self.openai_route if self.reader.route == "openai" else self.reader.route
-        prompt = self.prompt(context, index)
+        try:
+            prompt = self.prompt(context, index)
+        except TokenizerError as e:  # the server's /tokenize: the server is gone
+            record["error"] = str(e)
+            self.lost = self.lost or f"the server stopped answering: {e}"
+            return record
         before, started = self.reader.snapshot(), time.time()
         record["started_at"] = started  # wall clock, to match server log lines against
         try:
@@ -356,22 +398,18 @@ class Sweep:
             return record
         finally:
             record["ended_at"] = time.time()
-            logged = self._close_window(started)
+            logged = self._close_window(started, untimed=repeat < 0)
         prompt_tokens, completion = usage_of(body)
         if not completion:
             record["error"] = "the response has no usage.completion_tokens"
             return record
         tps, basis, prefill = decode_rate(self.backend, body, completion, latency, ttft)
         acc = self.reader.read(body, completion, before, logged)
-        ok = not isinstance(acc, str)
         record.update(
-            prompt_tokens=prompt_tokens or context, completion_tokens=completion, latency_s=round(latency, 6),
-            prefill_s=None if prefill is None else round(prefill, 6), tok_per_s=tps, tok_per_s_basis=basis,
-            e2e_tok_per_s=completion / latency,
-            avg_commit=acc.avg_commit if ok else None, verify_steps=acc.verify_steps if ok else None,
-            step_ms=1000.0 * acc.avg_commit / tps if ok else None, acceptance_note=None if ok else acc,
-            engine_step_ms=engine_step_ms(self.backend, body), commits=step_commits(self.backend, body),
-        )
+            prompt_tokens=prompt_tokens or context, completion_tokens=completion, response_id=body.get("id"),
+            latency_s=round(latency, 6), prefill_s=None if prefill is None else round(prefill, 6), tok_per_s=tps,
+            tok_per_s_basis=basis, e2e_tok_per_s=completion / latency, engine_step_ms=engine_step_ms(self.backend, body),
+            commits=step_commits(self.backend, body, completion), **acceptance_fields(acc, completion, tps))
         if logged is not None:
             record.update(log_avg_commit=logged.avg_commit, log_lines=logged.lines,
                           log_straddling=logged.straddling, log_formats=logged.formats)
@@ -384,7 +422,8 @@ class Sweep:
             "backend": {"name": self.backend, "url": self.server.base_url, "model": self.model,
                         "max_model_len": self.max_model_len, "request_extras": self.extras,
                         "route": self.url(self.openai_route if self.reader.route == "openai" else self.reader.route),
-                        "prompt_format": "token_ids" if self.token_ids else "text"},
+                        "prompt_format": "token_ids" if self.token_ids else "text",
+                        "prompt_tokenizer": self.tokenizer_origin},
             "acceptance_source": self.reader.source.to_dict(),
             "acceptance_refused": self.reader.refused,
             "tok_per_s": self._bases([]),
@@ -415,12 +454,16 @@ class Sweep:
                     on_request(f"ctx {context}: warmup")
                     if self.lost:
                         raise ServerLost
+                opened, timed = time.time(), []
                 for r in range(self.cfg.repeats):
                     record = self.measure(context, r, ci * self.cfg.repeats + r)
                     writer.add(record)
+                    timed.append(record)
                     on_request(_note(record))
                     if self.lost:
                         raise ServerLost
+                self._read_context(opened, timed)
+                writer.flush()
         except KeyboardInterrupt:
             status = "interrupted"
         except ServerLost:
