@@ -253,3 +253,37 @@ def test_overlay_maps_an_untagged_baseline_and_shows_each_runs_source(tmp_path, 
         assert f"refused sglang.sglext: refused in {name}" in out
         assert f"tok/s [{name}]: {bases[name]}" in out
     assert "time tok/s differently" in out
+
+
+def test_poor_fit_withholds_shares_and_says_so():
+    """A step curve that does not follow context (R^2 well under 0.5): no shares, a warning, raw ratios."""
+    rows = [row("padding", ctx, commit, ms) for ctx, commit, ms in
+            ((13, 6.0, 20.0), (1663, 2.0, 30.0), (3333, 6.0, 20.5), (5553, 5.5, 21.0))]
+    a = analyze(rows)
+    assert a.fit.r2 < 0.5 and any("fit is poor" in n for n in a.notes)
+    att = only(a, "padding", 1663)
+    assert att.acceptance_share is None and att.context_share is None and att.warning
+    assert "shares withheld" in att.verdict and "avg_commit x0.33" in att.verdict
+    assert "of the gap" not in att.verdict
+
+
+def test_shares_outside_range_carry_the_warning():
+    """Acceptance up, step time further up: terms pull apart and shares would read 317% and -217%."""
+    rows = baseline(2.5) + [row("code", 3333, 4.0, 2.0 * step(3333))]
+    att = only(analyze(rows), "code", 3333)
+    assert att.warning and "opposite directions" in att.warning and att.acceptance_share is None
+    assert "shares withheld" in att.verdict and "avg_commit x1.60" in att.verdict
+
+
+def test_no_printed_share_is_outside_its_range_without_a_warning():
+    """Across many random sweeps, every share printed lies in [-100%, 200%]; beyond it, a warning."""
+    import random
+    rng = random.Random(7)
+    for _ in range(200):
+        rows = [row("padding", ctx, rng.uniform(1.5, 9), rng.uniform(10, 40)) for ctx in (13, 1663, 3333, 5553)]
+        rows += [row("code", 3333, rng.uniform(1.5, 9), rng.uniform(10, 40))]
+        for att in analyze(rows).attributions:
+            shares = [s for s in (att.acceptance_share, att.step_share, att.context_share, att.residual_share)
+                      if s is not None]
+            assert all(-1.0 <= s <= 2.0 for s in shares) or att.warning
+            assert att.warning or shares or abs(att.gap_log) < 1e-12

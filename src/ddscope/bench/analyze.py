@@ -8,7 +8,9 @@ step_ms(ctx) = a + b*ctx is fitted to the baseline's points. A point is compared
                       + ln(step_fit(ctx) / step_fit(ctx_ref))   context scaling (0 at the same ctx)
                       + ln(step / step_fit(ctx)) - ln(step_ref / step_fit(ctx_ref))   other step cost
 
-and each term's share of the gap is term / ln(tps_ref / tps).
+and each term's share of the gap is term / ln(tps_ref / tps). Shares are only as good as the fit and
+only readable when the terms do not cancel: with a poor fit (R^2 < R2_MIN on 3+ contexts) or a share
+outside [SHARE_MIN, SHARE_MAX], the verdict says so and gives the raw ratios instead.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import numpy as np
 
 ON_PAR = math.log(1.03)  # gaps under 3%, about the run-to-run noise on a shared CPU, are on par
 HUBER_K = 1.345          # the usual 95%-efficiency tuning constant
+R2_MIN = 0.5             # below this the line explains less step-time variance than it leaves
+SHARE_MIN, SHARE_MAX = -1.0, 2.0  # beyond these, opposing terms cancel and a share reads as nonsense
 
 
 class AnalysisError(ValueError):
@@ -61,6 +65,11 @@ class Fit:
 
     def step_ms(self, ctx: float) -> float:
         return self.a_ms + self.b_ms_per_token * ctx
+
+    @property
+    def poor(self) -> bool:
+        """A line through 3+ contexts that explains under R2_MIN of the step-time variance."""
+        return self.r2 is not None and self.n_points >= 3 and self.r2 < R2_MIN
 
     def tok_per_s(self, ctx: float, commit: float) -> float:
         """The prediction tok/s(ctx, commit) = commit / step(ctx)."""
@@ -218,6 +227,7 @@ class Attribution:
     context_share: float | None
     residual_share: float | None
     step_vs_curve_pct: float
+    warning: str | None = None  # why the shares are withheld (None: they are printed)
     verdict: str = ""
 
 
@@ -227,6 +237,7 @@ def _share(term: float, gap: float) -> float | None:
 
 def attribute(p: Point, fit: Fit, ref_ctx: float, ref_commit: float, ref_step: float,
               reference: str) -> Attribution:
+    """The gap's terms and shares; shares set to None, with a warning, where they cannot be read."""
     step = p.step_ms
     assert p.avg_commit and step
     curve, ref_curve = fit.step_ms(p.prompt_tokens), fit.step_ms(ref_ctx)
@@ -242,8 +253,21 @@ def attribute(p: Point, fit: Fit, ref_ctx: float, ref_commit: float, ref_step: f
         acceptance_share=_share(acc, gap), step_share=_share(ctx + resid, gap),
         context_share=_share(ctx, gap), residual_share=_share(resid, gap),
         step_vs_curve_pct=100.0 * (step / curve - 1.0))
+    a.warning = _share_warning(a, fit)
+    if a.warning:
+        a.acceptance_share = a.step_share = a.context_share = a.residual_share = None
     a.verdict = verdict(a)
     return a
+
+
+def _share_warning(a: Attribution, fit: Fit) -> str | None:
+    if fit.poor:
+        return f"the step-time fit is poor (R^2 = {fit.r2:.2f} < {R2_MIN:g})"
+    shares = (a.acceptance_share, a.step_share, a.context_share, a.residual_share)
+    if any(s is not None and not SHARE_MIN <= s <= SHARE_MAX for s in shares):
+        return (f"the terms pull in opposite directions (a share would fall outside "
+                f"[{SHARE_MIN:.0%}, {SHARE_MAX:.0%}])")
+    return None
 
 
 def _pct(x: float | None) -> str:
@@ -258,6 +282,12 @@ def verdict(a: Attribution) -> str:
             f"tokens, against {a.reference})")
     if abs(a.gap_log) < ON_PAR:
         return f"on par: within {head}"
+    direction = "slower" if a.gap_log > 0 else "faster"
+    if a.warning:
+        return (f"{direction} by {head}; shares withheld: {a.warning}. Raw ratios: avg_commit "
+                f"x{a.avg_commit / a.ref_avg_commit:.2f} ({a.avg_commit:.2f} vs {a.ref_avg_commit:.2f} tokens/step), "
+                f"step time x{a.step_ms / a.ref_step_ms:.2f} ({a.step_ms:.2f} vs {a.ref_step_ms:.2f} ms), "
+                f"fitted step x{math.exp(a.context_log):.2f}")
     terms = {"acceptance": a.acceptance_log, "context scaling": a.context_log, "other step cost": a.residual_log}
     cause = max(terms, key=lambda k: terms[k] * math.copysign(1.0, a.gap_log))
     parts = [(f"{_pct(a.acceptance_share)} of the gap is acceptance "
@@ -268,7 +298,6 @@ def verdict(a: Attribution) -> str:
         parts.append(f"{_pct(a.residual_share)} is other step cost")
     parts.append(f"step time is {abs(a.step_vs_curve_pct):.0f}% "
                  f"{'above' if a.step_vs_curve_pct >= 0 else 'below'} the baseline curve")
-    direction = "slower" if a.gap_log > 0 else "faster"
     return f"{direction} by {head}, mostly {cause}: " + "; ".join(parts)
 
 
@@ -370,6 +399,9 @@ def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int
         notes.append(f"baseline {baseline!r} has no acceptance data: tok/s only, no decomposition")
         return Analysis(baseline, None, points, [], _position_report(rows, window), notes)
     fit = robust_fit([p.prompt_tokens for p in base], [p.step_ms for p in base])
+    if fit.poor:
+        notes.append(f"the step-time fit is poor (R^2 = {fit.r2:.2f} < {R2_MIN:g}): attribution shares are "
+                     f"withheld and raw ratios shown; step time does not follow context on a line here")
     if fit.r2 is None:
         notes.append("the baseline has one context: the step curve is flat, context scaling is not measured")
     ref = base[0]

