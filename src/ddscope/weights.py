@@ -1,11 +1,13 @@
-"""Reading safetensors checkpoints (single file or sharded) into a module, with strict key checks."""
+"""Reading safetensors checkpoints (single file or sharded) into a module, with strict key checks; writing them
+with ordinary file permissions."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ddscope.config import CheckpointError
@@ -44,3 +46,17 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], where: Path,
             raise CheckpointError(
                 f"{where}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}")
     module.load_state_dict(state, strict=False)
+
+
+def umask_mode(path: Path) -> None:
+    """Give `path` the mode a plain open() would (0644 under the usual umask 022): safetensors writes through a
+    private temporary file and keeps its 0600, so other users could not read the weights."""
+    mask = os.umask(0)  # reading the umask means setting it; restored at once
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with ordinary file permissions."""
+    save_file(tensors, str(path))
+    umask_mode(path)

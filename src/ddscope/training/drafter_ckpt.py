@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-
 from ddscope.config import default_target_layer_ids, rope_theta_of, text_config
+from ddscope.weights import save_weights
 
 MASK_TOKEN = "<|mask|>"
 
@@ -81,6 +80,6 @@ def save_drafter(directory: Path, config: dict[str, Any], state: dict[str, torch
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {prefix + k: v.detach().cpu().contiguous() for k, v in state.items()
                if not k.startswith(("embed_tokens.", "lm_head."))}
-    save_file(tensors, str(directory / "model.safetensors"))
+    save_weights(tensors, directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3Config
 
 from ddscope.training.corpus import DEFAULT_MIX, DOMAINS, Document, is_heldout, iter_documents
+from ddscope.weights import umask_mode
 
 SPLITS = ("train", "heldout")
 POSITION_BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 6144))
@@ -221,6 +222,8 @@ def save_checkpoint(path: Path, model: PreTrainedModel, optimizer: torch.optim.O
 
 def save_hf(model: PreTrainedModel, tokenizer_dir: Path, out: Path) -> None:
     model.save_pretrained(out)
+    for weights in out.glob("*.safetensors"):
+        umask_mode(weights)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
 
 
