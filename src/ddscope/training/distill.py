@@ -24,14 +24,14 @@ from typing import Any
 from tqdm import tqdm
 
 from ddscope.training.contexts import parse_context_lengths, sample_length
-from ddscope.training.corpus import DOMAINS, IM_START, iter_documents
+from ddscope.training.corpus import IM_START, READERS, iter_documents
 
 ASSISTANT_HEADER = f"{IM_START}assistant\n"
-# Corpus prompts: code and docs are windows of a document (code often ending at a docstring), chat is
-# a conversation up to its first reply.
-DEFAULT_DATA = "code:0.5,docs:0.2,chat:0.3"
+# Corpus prompts: code, docs and pydoc are windows of a document (code often ending at a docstring), chat
+# is a conversation up to its first reply. The default needs only the README's install (docs needs apt).
+DEFAULT_DATA = "code:0.5,pydoc:0.2,chat:0.3"
 # `padding`: one prose sentence repeated, then a short instruction, like the bench's padding prompts.
-SOURCES = (*DOMAINS, "padding")
+SOURCES = (*READERS, "padding")
 PADDING_SUFFIXES = ("\nContinue:", "\n", "", "\nRepeat the text above:")
 
 
@@ -206,8 +206,10 @@ def append_whole_lines(path: Path) -> Any:
 
 
 def check_meta(out_dir: Path, spec: DistillSpec) -> None:
+    """Refuse to mix records of other settings into `out_dir`; record this run's settings. Settings without
+    records (a run that failed before its first record) bind nothing, so a retry may change them."""
     meta = out_dir / "distill.meta.json"
-    if meta.is_file():
+    if meta.is_file() and read_cache(out_dir):
         old = {**asdict(DistillSpec()), **json.loads(meta.read_text())}  # fields added later take defaults
         if old != asdict(spec):
             raise ValueError(f"{out_dir} holds distillation data made with {old}; the current settings are "
