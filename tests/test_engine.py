@@ -9,19 +9,37 @@ from ddscope.cli import main
 def test_stats_are_consistent(tiny_engine):
     out = tiny_engine.generate("def add(a, b):", max_new_tokens=40, method="ddtree", budget=8, ignore_eos=True)
     s = out.stats.to_dict()
-    assert s["committed_tokens"] == s["completion_tokens"] == len(out.token_ids) == 40
+    assert s["completion_tokens"] == len(out.token_ids) == 40
+    assert s["committed_tokens"] == 39  # the first token is the prefill's, not a verify round's
     assert s["avg_commit"] == pytest.approx(s["committed_tokens"] / s["verify_steps"])
-    assert sum(int(k) * v for k, v in s["commit_histogram"].items()) == 40
+    assert sum(int(k) * v for k, v in s["commit_histogram"].items()) == 39
     assert len(s["rounds"]) == s["verify_steps"]
     assert s["nodes_verified"] == sum(r["nodes"] for r in s["rounds"]) == 8 * s["verify_steps"]
     assert s["mean_step_ms"] > 0 and s["decode_tok_per_s"] > 0
-    assert [r["ctx_len"] for r in s["rounds"]][0] == s["prompt_tokens"] - 1
+    assert [r["ctx_len"] for r in s["rounds"]][0] == s["prompt_tokens"]  # the whole prompt is cached
     json.dumps(s)
 
 
 def test_ar_commits_one_token_per_step(tiny_engine):
     s = tiny_engine.generate([7, 8, 9], max_new_tokens=25, method="ar", ignore_eos=True).stats.to_dict()
-    assert s["verify_steps"] == 25 and s["avg_commit"] == 1.0 and s["nodes_verified"] == 0
+    assert s["verify_steps"] == 24 and s["avg_commit"] == 1.0 and s["nodes_verified"] == 0
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_one_token_comes_from_prefill_alone(tiny_engine, method):
+    steps = list(tiny_engine.stream([7, 8, 9], max_new_tokens=1, method=method, ignore_eos=True))
+    assert len(steps) == 1 and steps[0].round is None and steps[0].finish_reason == "length"
+    s = steps[0].stats.to_dict()
+    assert (s["completion_tokens"], s["committed_tokens"], s["verify_steps"]) == (1, 0, 0)
+    assert s["avg_commit"] == s["mean_step_ms"] == s["decode_tok_per_s"] == 0.0 and s["commit_histogram"] == {}
+
+
+def test_first_step_is_the_prefill_token(tiny_engine):
+    ref = tiny_engine.generate([7, 8, 9], max_new_tokens=6, method="ar", ignore_eos=True).token_ids
+    steps = tiny_engine.stream([7, 8, 9], max_new_tokens=6, method="ddtree", ignore_eos=True)
+    first = next(steps)
+    assert first.token_ids == ref[:1] and first.round is None and first.stats.verify_steps == 0
+    steps.close()
 
 
 def test_streamed_text_equals_full_decode(tiny_engine):
@@ -37,7 +55,7 @@ def test_stop_string_cuts_text(tiny_engine):
     stop = next(w for w in words if w.isascii() and w.strip().isalnum())
     cut = tiny_engine.generate("The quick", max_new_tokens=60, method="ddtree", ignore_eos=True, stop=[stop])
     assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
-    assert cut.stats.committed_tokens == len(cut.token_ids) < 60
+    assert cut.stats.completion_tokens == len(cut.token_ids) < 60
 
 
 def test_eos_stops_and_min_tokens_defers_it(tiny_engine):

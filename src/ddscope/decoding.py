@@ -2,6 +2,7 @@
 
 Invariant between rounds: the target cache holds K/V for every committed token but the last one
 (the root of the next tree), and the drafter has been given target features up to the same point.
+Prefill establishes it: it caches the whole prompt and chooses the first token, the first root.
 """
 from __future__ import annotations
 
@@ -44,21 +45,21 @@ class Decoder:
         self.prompt_len = 0
         self.pending: torch.Tensor | None = None  # target features not yet given to the drafter
 
-    def prefill(self, prompt: list[int]) -> float:
-        """Cache the prompt minus its last token, which becomes the first root. Returns ms."""
+    def prefill(self, prompt: list[int]) -> tuple[int, float]:
+        """Cache the whole prompt and choose the first token from its last position's logits, as the
+        DDTree reference and vLLM do: no verify round is spent on it. Returns (that token, ms)."""
         t0 = self.clock()
         self.cache.length = 0
         if self.draft_cache is not None:
             self.draft_cache.length = 0
         self.tokens, self.prompt_len = list(prompt), len(prompt)
-        ids = torch.tensor(prompt[:-1], dtype=torch.long, device=self.device)
-        if len(ids):
-            self.pending = self.target(ids, torch.arange(len(ids), device=self.device), self.cache,
-                                       capture=self.capture).features
-        elif self.capture:
-            width = len(self.capture) * self.target.cfg.geometry.hidden_size
-            self.pending = torch.zeros(0, width, device=self.device, dtype=self.target.lm_head.weight.dtype)
-        return self.clock() - t0
+        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        out = self.target(ids, torch.arange(len(ids), device=self.device), self.cache, capture=self.capture)
+        self.pending = out.features
+        last = self._suppress_early_eos(out.logits[-1:], torch.zeros(1, dtype=torch.long, device=self.device))
+        first = self.sampling.choose(last, self.generator)[0]
+        self.tokens.append(first)  # the root of the first tree
+        return first, self.clock() - t0
 
     def step(self) -> tuple[list[int], RoundStats]:
         start, root = self.cache.length, self.tokens[-1]

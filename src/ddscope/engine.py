@@ -29,7 +29,7 @@ MAX_BUDGET = 512
 class Step:
     token_ids: list[int]
     text: str
-    round: RoundStats
+    round: RoundStats | None  # None for the first token, which the prefill chose
     stats: GenerationStats  # running totals of this generation, final on the last step
     finish_reason: str | None = None
     matched_stop: int | str | None = None  # on "stop": the EOS id or the stop string that ended it
@@ -136,7 +136,8 @@ class Engine:
                budget: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
                stop: list[str] | None = None) -> Iterator[Step]:
-        """Validate now, then yield one Step per verify round (prefill runs at the first `next`).
+        """Validate now, then yield the prefill's token as the first Step (prefill runs at the first `next`)
+        and one Step per verify round after it.
 
         Closing the iterator cancels generation at the next round.
         """
@@ -158,12 +159,13 @@ class Engine:
 
     def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats, max_new: int,
                 eos: tuple[int, ...], stop: list[str]) -> Iterator[Step]:
-        stats.prefill_ms = decoder.prefill(prompt)
+        first, stats.prefill_ms = decoder.prefill(prompt)
+        stats.from_prefill = 1
+        new, rnd = [first], None  # the prefill's token is yielded on its own, before any verify round
         n_out, emitted = 0, 0  # tokens kept, characters yielded
         text = IncrementalText(self.tokenizer)
         holdback = max((len(s) for s in stop), default=1) - 1
         while True:
-            new, rnd = decoder.step()
             kept, reason = _truncate(new, n_out, eos, max_new, decoder.min_tokens)
             n_out += len(kept)
             full = text.push(kept, final=reason is not None)
@@ -176,12 +178,14 @@ class Engine:
                 end, reason, matched = hit, "stop", string
             elif reason is None:  # hold back what may still become a stop string
                 end = max(emitted, end - holdback)
-            rnd.committed = len(kept)
-            stats.rounds.append(rnd)
+            if rnd is not None:
+                rnd.committed = len(kept)
+                stats.rounds.append(rnd)
             delta, emitted = full[emitted:end], max(emitted, end)
             yield Step(kept, delta, rnd, stats, reason, matched)
             if reason:
                 return
+            new, rnd = decoder.step()
 
     def generate(self, prompt: str | list[int], **kwargs) -> Generation:
         steps = list(self.stream(prompt, **kwargs))

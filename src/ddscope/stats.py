@@ -1,4 +1,9 @@
-"""Per-round and per-generation instrumentation, serialisable to JSON."""
+"""Per-round and per-generation instrumentation, serialisable to JSON.
+
+The first completion token comes from the prefill, not from a verify round; every later one is
+committed by a round. So committed_tokens = completion_tokens - 1 and avg_commit = committed_tokens /
+verify_steps, which is vLLM's delivered (completion_tokens - 1) / num_drafts.
+"""
 from __future__ import annotations
 
 from collections import Counter
@@ -29,6 +34,7 @@ class GenerationStats:
     budget: int | str | None
     prompt_tokens: int
     prefill_ms: float = 0.0
+    from_prefill: int = 0  # completion tokens chosen from the prefill's logits: 1 once it ran, 0 before
     rounds: list[RoundStats] = field(default_factory=list)
 
     @property
@@ -37,7 +43,12 @@ class GenerationStats:
 
     @property
     def committed_tokens(self) -> int:
+        """Tokens committed by verify rounds: every completion token but the prefill's."""
         return sum(r.committed for r in self.rounds)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.from_prefill + self.committed_tokens
 
     @property
     def decode_s(self) -> float:
@@ -49,7 +60,7 @@ class GenerationStats:
             "method": self.method,
             "budget": self.budget,
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": committed,
+            "completion_tokens": self.completion_tokens,
             "verify_steps": steps,
             "committed_tokens": committed,
             "avg_commit": committed / steps if steps else 0.0,

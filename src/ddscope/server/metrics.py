@@ -35,8 +35,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.verify_steps = Counter("ddscope:verify_steps", "Target verify steps.", m, registry=r)
-        self.committed_tokens = Counter("ddscope:committed_tokens",
-                                        "Tokens committed by verify steps (bonus token included).", m, registry=r)
+        self.committed_tokens = Counter(
+            "ddscope:committed_tokens", "Tokens committed by verify steps (bonus included, the prefill's token not).",
+            m, registry=r)
         self.draft_nodes = Counter("ddscope:draft_nodes_verified",
                                    "Draft-tree nodes verified by the target (root excluded).", m, registry=r)
         self.prompt_tokens = Counter("ddscope:prompt_tokens", "Prompt tokens prefilled.", m, registry=r)
@@ -48,7 +49,7 @@ class ServerMetrics:
                                        buckets=COMMIT_BUCKETS, registry=r)
         self.step_phase = Histogram("ddscope:step_phase_seconds", "Seconds per verify step, by phase.",
                                     m + ["phase"], buckets=PHASE_BUCKETS, registry=r)
-        self.ttft = Histogram("ddscope:time_to_first_token_seconds", "Arrival to first committed step.", m,
+        self.ttft = Histogram("ddscope:time_to_first_token_seconds", "Arrival to the first token (the prefill's).", m,
                               buckets=TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("ddscope:e2e_request_latency_seconds", "Arrival to finish, finished requests.", m,
                              buckets=E2E_BUCKETS, registry=r)

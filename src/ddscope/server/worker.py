@@ -76,27 +76,31 @@ class Job:
 
 
 class DecodeWindow:
-    """Counts steps and tokens, and logs a windowed decode line every `interval` seconds of activity."""
+    """Counts verify steps and tokens, and logs a windowed decode line every `interval` seconds of activity."""
 
     def __init__(self, interval: float):
         self.interval = interval
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
-        self.start, self.steps, self.tokens = now, 0, 0
+        self.start, self.steps, self.committed, self.tokens = now, 0, 0, 0
 
-    def record(self, tokens: int) -> None:
-        self.steps += 1
+    def record(self, tokens: int, verified: bool) -> None:
+        """`tokens` completion tokens, committed by a verify step unless they are a prefill's first token."""
         self.tokens += tokens
+        if verified:
+            self.steps += 1
+            self.committed += tokens
 
     def maybe_log(self, running: bool, waiting: int) -> None:
         now = time.monotonic()
         elapsed = now - self.start
         if elapsed < self.interval:
             return
-        if self.steps:
+        if self.tokens:
             log.info("decode window_s=%.1f steps=%d avg_commit=%.3f gen_tok_s=%.1f running=%d waiting=%d",
-                     elapsed, self.steps, self.tokens / self.steps, self.tokens / elapsed, running, waiting)
+                     elapsed, self.steps, self.committed / self.steps if self.steps else 0.0,
+                     self.tokens / elapsed, running, waiting)
         self._reset(now)
 
 
@@ -209,14 +213,16 @@ class EngineWorker:
 
     def _record_step(self, step: Step) -> None:
         n, rnd = len(step.token_ids), step.round
+        self.metrics.generation_tokens.inc(n)
+        self._window.record(n, verified=rnd is not None)
+        if rnd is None:  # the prefill's first token: no verify step
+            return
         self.metrics.verify_steps.inc()
         self.metrics.committed_tokens.inc(n)
-        self.metrics.generation_tokens.inc(n)
         self.metrics.draft_nodes.inc(rnd.nodes)
         self.metrics.commit_length.observe(n)
         for phase in PHASES:
             self.metrics.step_phase[phase].observe(getattr(rnd, f"{phase}_ms") / 1000)
-        self._window.record(n)
 
     def _finish(self, job: Job, outcome: Done | Failed) -> None:
         now = time.monotonic()
