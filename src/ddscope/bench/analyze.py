@@ -50,6 +50,7 @@ class Point:
     step_ms_sd: float = 0.0
     engine_step_ms: float | None = None
     log_lines: int | None = None  # server log lines behind avg_commit, over the repeats
+    server_avg_commit: float | None = None  # the server's own figure, where it differs from the delivered one
 
     @property
     def step_ms(self) -> float | None:
@@ -117,12 +118,14 @@ def _aggregate(rows: list[dict[str, Any]]) -> list[Point]:
         engine = [r["engine_step_ms"] for r in grp if r.get("engine_step_ms")]
         tps = [r["tok_per_s"] for r in grp]
         logged = [int(r["log_lines"]) for r in grp if r.get("log_lines") is not None]
+        server = [r["server_avg_commit"] for r in grp if r.get("server_avg_commit")]
         points.append(Point(
             label=label, prompt_tokens=median(r["prompt_tokens"] for r in grp), tok_per_s=median(tps),
             avg_commit=median(commits) if len(commits) == len(grp) else None, n=len(grp),
             tok_per_s_sd=pstdev(tps), avg_commit_sd=pstdev(commits) if commits else 0.0,
             step_ms_sd=pstdev(steps) if steps else 0.0, engine_step_ms=median(engine) if engine else None,
-            log_lines=sum(logged) if logged else None))
+            log_lines=sum(logged) if logged else None,
+            server_avg_commit=median(server) if len(server) == len(grp) else None))
     return sorted(points, key=lambda p: (p.label, p.prompt_tokens))
 
 
@@ -143,7 +146,7 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
     if raw.get("error"):
         return None
     row = {"label": str(raw.get("label") or default_label), "context": raw.get("context")}
-    for key in ("prompt_tokens", "tok_per_s", "avg_commit", "engine_step_ms", "log_lines"):
+    for key in ("prompt_tokens", "tok_per_s", "avg_commit", "server_avg_commit", "engine_step_ms", "log_lines"):
         row[key] = _num(raw.get(key), key, where)
     if not row["prompt_tokens"] or not row["tok_per_s"]:
         raise AnalysisError(f"{where}: prompt_tokens and tok_per_s must both be > 0")
@@ -376,11 +379,31 @@ def _position_report(rows: list[dict[str, Any]], window: int) -> list[dict[str, 
         if r.get("commits"):
             groups.setdefault((r["label"], r["context"]), []).append(r["commits"])
     out = []
+    lengths = _real_lengths(rows)
     for (label, ctx), lists in sorted(groups.items(), key=lambda kv: (kv[0][0], float(kv[0][1]))):
         wins = acceptance_windows(lists, window)
         decay = wins[-1]["avg_commit"] / wins[0]["avg_commit"] if len(wins) > 1 else 1.0
-        out.append({"label": label, "context": ctx, "windows": wins, "last_over_first": decay})
+        out.append({"label": label, "context": lengths[(label, ctx)], "windows": wins, "last_over_first": decay})
     return out
+
+
+def _real_lengths(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], float]:
+    """The median prompt length the server counted, per (label, requested context)."""
+    groups: dict[tuple[str, Any], list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["context"]), []).append(r["prompt_tokens"])
+    return {key: median(values) for key, values in groups.items()}
+
+
+def _length_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Where the server counted other prompt lengths than were asked for (prompts sized without a tokenizer)."""
+    notes = []
+    for (label, ctx), real in sorted(_real_lengths(rows).items(), key=lambda kv: (kv[0][0], float(kv[0][1]))):
+        asked = _num(ctx, "context", label)
+        if asked and abs(real - asked) > max(2.0, 0.02 * asked):
+            notes.append(f"{label}: {asked:.0f} tokens were asked for and the server counted {real:.0f} "
+                         f"({100 * (real / asked - 1):+.0f}%); rows show the server's count")
+    return notes
 
 
 def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int = 32) -> Analysis:
@@ -393,7 +416,7 @@ def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int
         baseline = "padding" if "padding" in labels else labels[0]
     elif baseline not in labels:
         raise AnalysisError(f"baseline {baseline!r} is not among the labels: {', '.join(labels)}")
-    notes = []
+    notes = _length_notes(rows)
     base = sorted((p for p in points if p.label == baseline and p.avg_commit), key=lambda p: p.prompt_tokens)
     if not base:
         notes.append(f"baseline {baseline!r} has no acceptance data: tok/s only, no decomposition")

@@ -1,4 +1,5 @@
-"""The bench's own server when no --url is given: `ddscope serve` in a process of its own.
+"""Servers in processes of their own: the bench's `ddscope serve` when no --url is given, and real
+peers (ddscope.vllm_peer).
 
 A server on a thread of the bench's process shares its interpreter lock and its cores with the client
 that times it, and so measures their contention rather than the engine (2.4x slower on a 2-core CPU).
@@ -23,7 +24,7 @@ class ServerFailed(RuntimeError):
     """The server process exited or never became healthy; the message ends with its log's tail."""
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -35,19 +36,16 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 @contextmanager
-def serve_process(serve_args: list[str], log_path: Path, startup_timeout_s: float = 600.0,
-                  host: str = "127.0.0.1") -> Iterator[str]:
-    """Start `ddscope serve SERVE_ARGS` on a free port of `host`, its output in `log_path`; yield its
-    URL once /health answers 200; stop it (SIGINT, then SIGKILL) on exit."""
-    port = _free_port(host)
-    cmd = [sys.executable, "-m", "ddscope.cli", "serve", "--host", host, "--port", str(port), *serve_args]
+def server_process(cmd: list[str], url: str, log_path: Path, startup_timeout_s: float = 600.0,
+                   env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run `cmd`, its output in `log_path`, until `url`/health answers 200; stop it (SIGINT, then
+    SIGKILL) on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://{host}:{port}"
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     try:
         _wait_healthy(url, proc, log_path, startup_timeout_s)
-        yield url
+        yield proc
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -55,6 +53,16 @@ def serve_process(serve_args: list[str], log_path: Path, startup_timeout_s: floa
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def serve_process(serve_args: list[str], log_path: Path, host: str = "127.0.0.1") -> Iterator[str]:
+    """`ddscope serve SERVE_ARGS` on a free port of `host`; yields its URL."""
+    port = free_port(host)
+    url = f"http://{host}:{port}"
+    cmd = [sys.executable, "-m", "ddscope.cli", "serve", "--host", host, "--port", str(port), *serve_args]
+    with server_process(cmd, url, log_path):
+        yield url
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:

@@ -18,20 +18,34 @@ def _pm(value: float | None, sd: float, digits: int) -> str:
     return f"{value:.{digits}f} ±{sd:.{digits}f}" if sd else f"{value:.{digits}f}"
 
 
-def _row(p: Point, with_log: bool) -> list[str]:
+def _row(p: Point, headers: list[str]) -> list[str]:
     engine = f"{p.engine_step_ms:.2f}" if p.engine_step_ms else "-"
     row = [p.label, f"{p.prompt_tokens:.0f}", _pm(p.tok_per_s, p.tok_per_s_sd, 1),
            _pm(p.avg_commit, p.avg_commit_sd, 2), _pm(p.step_ms, p.step_ms_sd, 2), engine, str(p.n)]
-    return row + ([str(p.log_lines) if p.log_lines is not None else "-"] if with_log else [])
+    if SERVER_HEADER in headers:
+        row.append(f"{p.server_avg_commit:.2f}" if p.server_avg_commit else "-")
+    if LOG_HEADER in headers:
+        row.append(str(p.log_lines) if p.log_lines is not None else "-")
+    return row
 
 
 DECAY_NOTE = 0.1  # the terminal lists acceptance-by-position only where it moved this much
 HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine step_ms", "n"]
+SERVER_HEADER = "server avg_commit"  # shown where the server's own figure differs from the delivered one
 LOG_HEADER = "log lines"  # shown when a server log was followed: the lines behind each avg_commit
+SERVER_NOTE = ("avg_commit is delivered: the tokens returned after the first (which prefill yields) per verify "
+               "step. server avg_commit is the server's own figure; it reads higher where the server counts the "
+               "prefill token (SGLang's accept length) or drafts accepted past max_tokens (vLLM), and llama.cpp's "
+               "counters leave out undrafted steps.")
+
+
+def _differs(p: Point) -> bool:
+    return bool(p.server_avg_commit and p.avg_commit and abs(p.server_avg_commit / p.avg_commit - 1) > 0.005)
 
 
 def _headers(a: Analysis) -> list[str]:
-    return HEADERS + ([LOG_HEADER] if any(p.log_lines is not None for p in a.points) else [])
+    return (HEADERS + ([SERVER_HEADER] if any(_differs(p) for p in a.points) else [])
+            + ([LOG_HEADER] if any(p.log_lines is not None for p in a.points) else []))
 
 
 def _acceptance_lines(run: dict[str, Any], tag: str | None) -> list[str]:
@@ -98,8 +112,10 @@ def print_report(a: Analysis, console: Console, meta: dict[str, Any],
     for h in headers:
         table.add_column(h, justify="left" if h == "workload" else "right")
     for p in a.points:
-        table.add_row(*_row(p, LOG_HEADER in headers))
+        table.add_row(*_row(p, headers))
     console.print(table)
+    if SERVER_HEADER in headers:
+        console.print(SERVER_NOTE, highlight=False)
     for line in setup_lines(meta):
         console.print(line, highlight=False, markup=False)
     console.print(fit_line(a))
@@ -188,8 +204,10 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
         lines.append(f"- status: {meta['status']}{reason}")
     headers = _headers(a)
     lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(_row(p, LOG_HEADER in headers)) + " |" for p in a.points]
+    lines += ["| " + " | ".join(_row(p, headers)) + " |" for p in a.points]
     lines += ["", "Values are medians over repeats, ± the standard deviation."]
+    if SERVER_HEADER in headers:
+        lines += ["", SERVER_NOTE]
     if plot_name:
         lines += ["", f"![sweep]({plot_name})"]
     lines += ["", "## Fit", "", fit_line(a), "", "## Verdict", ""]

