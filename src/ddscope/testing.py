@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, 
 
 from ddscope.config import DrafterConfig
 from ddscope.drafter import Drafter
+from ddscope.engine import Engine
+from ddscope.model import KVCache, Target
 from ddscope.training.drafter_ckpt import drafter_config, pick_layer_ids, save_drafter
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
@@ -97,3 +100,54 @@ def make_tiny_pair(directory: Path, arch: str = "qwen3", block_size: int = 8) ->
     directory = Path(directory)
     target = make_target(directory / f"{arch}-target", arch)
     return target, make_drafter(directory / f"{arch}-drafter", target, block_size=block_size)
+
+
+class OracleDrafter:
+    """A drafter with controlled acceptance, for tests: its logits at each depth of the block are the
+    target's own (sharpened), along the target's greedy continuation of the committed prefix. So at T=0
+    every draft token is accepted, and under sampling the tree holds the target's likeliest tokens. With `accuracy`
+    below 1, each depth's two best tokens are swapped with probability 1 - accuracy: the top-1 is right
+    that often (a tree can still find the target's choice among the siblings).
+
+    The real drafter still drafts each block (its logits unused), so its context cache is exercised as
+    in real runs. The continuation is read off the engine's own target cache, which holds the committed
+    prefix up to the block start; the slots written past it are overwritten by the verify.
+    """
+
+    def __init__(self, drafter: Drafter, target: Target, cache: KVCache, accuracy: float = 1.0, seed: int = 0):
+        self.drafter, self.target, self.cache = drafter, target, cache
+        self.accuracy, self.rng = accuracy, random.Random(seed)
+
+    def __getattr__(self, name: str):
+        return getattr(self.drafter, name)
+
+    @torch.inference_mode()
+    def draft(self, target: Target, last_token: int, start: int, features: torch.Tensor,
+              cache: KVCache) -> torch.Tensor:
+        self.drafter.draft(target, last_token, start, features, cache)
+        logits = self._greedy_path(last_token, start)
+        for row in logits:
+            if self.rng.random() >= self.accuracy:
+                top2 = row.topk(2).indices
+                row[top2] = row[top2.flip(0)]
+        return logits
+
+    def _greedy_path(self, token: int, start: int) -> torch.Tensor:
+        """[block_size - 1, vocab]: the target's logits for positions start+1 .. as it decodes greedily."""
+        dev = self.target.lm_head.weight.device
+        rows = []
+        for pos in range(start, start + self.drafter.block_size - 1):
+            out = self.target(torch.tensor([token], device=dev), torch.tensor([pos], device=dev), self.cache)
+            rows.append(out.logits[0] * 3)  # sharpened: a confident drafter, so best-first trees go deep
+            token = int(rows[-1].argmax())
+        self.cache.length = start
+        return torch.stack(rows)
+
+
+def oracle_engine(engine: Engine, accuracy: float = 1.0, seed: int = 0) -> Engine:
+    """Another engine over `engine`'s target and drafter (weights shared, caches its own) that drafts with
+    an OracleDrafter: accuracy 1.0 is accepted in full at T=0, 0.5 about half the time per token."""
+    oracle = Engine(engine.target, engine.drafter, engine.tokenizer, Path(engine.source), engine.max_model_len,
+                    engine.default_budget)
+    oracle.drafter = OracleDrafter(engine.drafter, oracle.target, oracle.cache, accuracy, seed)
+    return oracle
