@@ -149,6 +149,8 @@ class Engine:
                              f"max_model_len ({self.max_model_len})")
         if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], got {min_tokens!r}")
+        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
         sampling = SamplingParams(temperature, top_p, top_k, seed)
         proposer = self.proposer(method, budget, sampling)
         generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
