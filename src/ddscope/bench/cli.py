@@ -63,13 +63,15 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     g.add_argument("--url", help="an OpenAI-compatible server (ddscope, SGLang, vLLM, llama.cpp); without it an "
                                  "embedded ddscope server is started on 127.0.0.1")
     g.add_argument("--model", help="model name to send (default: the first of /v1/models)")
-    g.add_argument("--api", choices=("completions", "chat"), default="completions")
-    g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="skip auto-detection")
-    g.add_argument("--tokenizer", type=Path, help="HF tokenizer dir, for exact token-id prompts against a --url "
-                                                  "server (embedded: the served target's tokenizer)")
+    g.add_argument("--api", choices=("completions", "chat"), default="completions", help="(default: %(default)s)")
+    g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                   help="skip auto-detection (default: %(default)s)")
+    g.add_argument("--tokenizer", type=Path, help="HF tokenizer dir for exact token-id prompts (default: the "
+                                                  "server's /tokenize, else the model directory /v1/models names, "
+                                                  "else sized from a probe, with a warning; embedded: the target's)")
     e = p.add_argument_group("embedded server (without --url)")
     add_model_args(e)
-    e.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree")
+    e.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree", help="(default: %(default)s)")
     e.add_argument("--budget", type=budget_arg, default=32, help="DDTree node budget or 'auto' (default: 32)")
     s = p.add_argument_group("sweep")
     s.add_argument("--contexts", type=_contexts,
@@ -77,14 +79,15 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     s.add_argument("--max-tokens", type=_at_least(1),
                    help=f"fixed output length, ignore_eos (default {URL_MAX_TOKENS} with --url; "
                         f"{EMBEDDED_MAX_TOKENS} on the embedded server, so the sweep ends in minutes on a 2-core CPU)")
-    s.add_argument("--repeats", type=_at_least(1), default=3, help="timed requests per context")
-    s.add_argument("--warmup", type=_at_least(0), default=1, help="untimed requests per context")
-    s.add_argument("--workload", default=workload_default, help="padding|code|math|chat|file:PATH")
-    s.add_argument("--temperature", type=_number(0.0, 2.0), default=0.0)
+    s.add_argument("--repeats", type=_at_least(1), default=3, help="timed requests per context (default: %(default)s)")
+    s.add_argument("--warmup", type=_at_least(0), default=1, help="untimed requests per context (default: %(default)s)")
+    s.add_argument("--workload", default=workload_default, help="padding|code|math|chat|file:PATH (default: %(default)s)")
+    s.add_argument("--temperature", type=_number(0.0, 2.0), default=0.0, help="(default: %(default)s)")
     s.add_argument("--stream", action="store_true", help="stream (SSE) instead of one non-streaming response")
-    s.add_argument("--timeout", type=_number(0.0, 86400.0, low_open=True), default=600.0, help="per-request timeout in seconds")
+    s.add_argument("--timeout", type=_number(0.0, 86400.0, low_open=True), default=600.0,
+                   help="per-request timeout in seconds (default: %(default)s)")
     s.add_argument("--window", type=_at_least(1), default=32,
-                   help="generated tokens per window for acceptance against position")
+                   help="generated tokens per window for acceptance against position (default: %(default)s)")
     lg = p.add_argument_group("server log (acceptance from the server's own log lines)")
     src = lg.add_mutually_exclusive_group()
     src.add_argument("--server-log", type=Path, metavar="PATH", help="a log file the server appends to")
@@ -107,7 +110,8 @@ def register(subparsers: Any) -> None:
                                        "tok/s = avg_commit / step_time. Writes results.json, results.csv, "
                                        "sweep.png and report.md to --out.")
     _add_sweep_flags(sweep, "padding")
-    sweep.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder")
+    sweep.add_argument("--out", type=Path, default=Path("bench-out/sweep"),
+                       help="output folder; the files a sweep writes are replaced (default: %(default)s)")
     sweep.set_defaults(func=cmd_sweep)
 
     analyze = sub.add_parser("analyze", help="fit, predict and attribute from results.json or CSV files")
@@ -120,7 +124,7 @@ def register(subparsers: Any) -> None:
     analyze.add_argument("--predict", action="append", default=[], metavar="CTX:COMMIT",
                          help="tok/s the fitted step curve predicts, e.g. 8000:4 (avg_commit 4 at 8000 tokens)")
     analyze.add_argument("--window", type=_at_least(1), default=32,
-                         help="generated tokens per window for acceptance against position")
+                         help="generated tokens per window for acceptance against position (default: %(default)s)")
     analyze.add_argument("--json", action="store_true", help="print the analysis as JSON")
     analyze.add_argument("--out", type=Path, help="also write sweep.png and report.md here")
     analyze.set_defaults(func=cmd_analyze)
@@ -132,8 +136,9 @@ def register(subparsers: Any) -> None:
     _add_sweep_flags(diagnose, "code")
     diagnose.add_argument("--load", nargs=2, type=Path, metavar=("PADDING_RESULTS", "WORKLOAD_RESULTS"),
                           help="analyse two earlier results files instead of sweeping")
-    diagnose.add_argument("--out", type=Path, default=Path("bench-out"),
-                          help="output folder (sweeps go to OUT/padding and OUT/<workload>)")
+    diagnose.add_argument("--out", type=Path, default=Path("bench-out/diagnose"),
+                          help="output folder: report.md and sweep.png, the sweeps in OUT/padding and "
+                               "OUT/<workload>; the files it writes are replaced (default: %(default)s)")
     diagnose.add_argument("--json", action="store_true", help="print the analysis as JSON")
     diagnose.set_defaults(func=cmd_diagnose)
 
@@ -237,6 +242,8 @@ def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
 
     from ddscope.bench.embedded import ServerFailed
 
+    for out in dirs:  # before the embedded server opens its log in the first of them
+        clear_outputs(out)
     server = contextlib.nullcontext(args.url) if args.url else _embedded(args)
     try:
         with server as base_url, httpx.Client() as client, _server_log(args) as log:
@@ -344,6 +351,15 @@ def _tags(paths: list[Path]) -> list[str]:
     return names if len(set(names)) == len(names) else [str(p) for p in paths]
 
 
+OUTPUTS = ("results.json", "results.csv", "sweep.png", "report.md", "server.log")
+
+
+def clear_outputs(out: Path) -> None:
+    """Remove what an earlier run left in `out`, so no report is left beside data it does not describe."""
+    for name in OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+
+
 def _warn(message: str) -> None:
     print(f"ddscope bench: warning: {message}", file=sys.stderr)
 
@@ -394,6 +410,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if args.workload == "padding":
             raise BenchError("diagnose compares a workload with padding: pick --workload code|math|chat|file:PATH")
         label = args.workload.split(":", 1)[0]
+        clear_outputs(args.out)
         paths, lost = _run_sweeps(args, ["padding", args.workload], [args.out / "padding", args.out / label])
         if lost:
             raise BenchError(lost)

@@ -1,12 +1,15 @@
 """Terminal table, sweep.png and report.md from an `Analysis`."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ddscope.bench.analyze import Analysis, Point
 from ddscope.bench.sweep import atomic_write
@@ -30,7 +33,7 @@ def _row(p: Point, headers: list[str]) -> list[str]:
 
 
 DECAY_NOTE = 0.1  # the terminal lists acceptance-by-position only where it moved this much
-HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine step_ms", "n"]
+HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine ms", "n"]
 SERVER_HEADER = "server avg_commit"  # shown where the server's own figure differs from the delivered one
 LOG_HEADER = "log lines"  # shown when a server log was followed: the lines behind each avg_commit
 SERVER_NOTE = ("avg_commit is delivered: the tokens returned after the first (which prefill yields) per verify "
@@ -107,33 +110,35 @@ def fit_line(a: Analysis) -> str:
 def print_report(a: Analysis, console: Console, meta: dict[str, Any],
                  predictions: list[dict[str, float]] = ()) -> None:
     """The terminal table (median ±sd over repeats), the setup, the fit, verdicts and notes."""
-    table = Table(title="ddscope bench: tok/s = avg_commit / step_time")
+    # Compact and unwrapped, so a row holds on one line of an 80-column terminal.
+    table = Table(title="ddscope bench: tok/s = avg_commit / step_time", box=box.SIMPLE_HEAD, pad_edge=False)
     headers = _headers(a)
     for h in headers:
-        table.add_column(h, justify="left" if h == "workload" else "right")
+        table.add_column(h, justify="left" if h == "workload" else "right", no_wrap=h != "workload")
     for p in a.points:
-        table.add_row(*_row(p, headers))
+        table.add_row(*(Text(cell) for cell in _row(p, headers)))  # Text: "[old]" in a label is no markup
     console.print(table)
     if SERVER_HEADER in headers:
         console.print(SERVER_NOTE, highlight=False)
     for line in setup_lines(meta):
         console.print(line, highlight=False, markup=False)
-    console.print(fit_line(a))
+    say = functools.partial(console.print, highlight=False, markup=False)
+    say(fit_line(a))
     for pred in predictions:
-        console.print(f"- predicted at {pred['prompt_tokens']:.0f} tokens with avg_commit {pred['avg_commit']:.2f}: "
-                      f"{pred['tok_per_s']:.1f} tok/s (step {pred['step_ms']:.2f} ms)", highlight=False)
+        say(f"- predicted at {pred['prompt_tokens']:.0f} tokens with avg_commit {pred['avg_commit']:.2f}: "
+            f"{pred['tok_per_s']:.1f} tok/s (step {pred['step_ms']:.2f} ms)")
     for att in a.attributions:
-        console.print(f"- {att.label} @ {att.prompt_tokens:.0f}: {att.verdict}", highlight=False)
+        say(f"- {att.label} @ {att.prompt_tokens:.0f}: {att.verdict}")
     moved = [pos for pos in _decay_rows(a) if abs(pos["last_over_first"] - 1.0) >= DECAY_NOTE]
     for pos in moved:
         wins = pos["windows"]
-        console.print(f"- acceptance over the generation, {pos['label']} @ {pos['context']}: "
-                      f"{wins[0]['avg_commit']:.2f} (tokens {wins[0]['start']}-{wins[0]['end']}) -> "
-                      f"{wins[-1]['avg_commit']:.2f} (tokens {wins[-1]['start']}-{wins[-1]['end']})")
+        say(f"- acceptance over the generation, {pos['label']} @ {pos['context']:.0f}: "
+            f"{wins[0]['avg_commit']:.2f} (tokens {wins[0]['start']}-{wins[0]['end']}) -> "
+            f"{wins[-1]['avg_commit']:.2f} (tokens {wins[-1]['start']}-{wins[-1]['end']})")
     if _decay_rows(a) and not moved:
-        console.print(f"- acceptance holds over the generation (last window within {DECAY_NOTE:.0%} of the first)")
+        say(f"- acceptance holds over the generation (last window within {DECAY_NOTE:.0%} of the first)")
     for note in a.notes:
-        console.print(f"note: {note}", highlight=False)
+        say(f"note: {note}")
     for message, count in (meta.get("errors") or {}).items():
         console.print(f"[red]errors[/red]: {count} x {message}", highlight=False)
 
@@ -218,7 +223,7 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
                   "| workload | context | first window | last window | last/first |", "|---|---|---|---|---|"]
         for pos in _decay_rows(a):
             first, last = pos["windows"][0], pos["windows"][-1]
-            lines.append(f"| {pos['label']} | {pos['context']} | {first['avg_commit']:.2f} "
+            lines.append(f"| {pos['label']} | {pos['context']:.0f} | {first['avg_commit']:.2f} "
                          f"({first['start']}-{first['end']}) | {last['avg_commit']:.2f} "
                          f"({last['start']}-{last['end']}) | {pos['last_over_first']:.2f} |")
     errors = meta.get("errors") or {}
