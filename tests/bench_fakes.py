@@ -327,6 +327,13 @@ def sglang_line(avg: float) -> str:
             f"gen throughput (token/s): 412.33, #queue-req: 0")
 
 
+def sglang_default_line(avg: float) -> str:
+    # SGLang's default: no ms (SGLANG_LOG_MS off) and no " TPn" (tp_size 1); sglang/srt/utils/common.py:2629-2636
+    return (f"[{datetime.now():%Y-%m-%d %H:%M:%S}] Decode batch, #running-req: 1, #token: 180, token usage: 0.01, "
+            f"accept len: {avg:.2f}, accept rate: {(avg - 1) / 3:.2f}, cuda graph: False, "
+            f"gen throughput (token/s): 412.33, #queue-req: 0")
+
+
 def vllm_line(avg: float, drafts: int = 40) -> str:
     # source: vllm/logger.py:28-33 (prefix, datefmt "%m-%d %H:%M:%S"); vllm/v1/spec_decode/metrics.py:120-137
     accepted = round((avg - 1) * drafts)
@@ -376,7 +383,7 @@ class LogWriter:
     def _line(self, avg: float) -> str:
         now = time.monotonic()
         span, self.last = now - self.last, now
-        return {"sglang": sglang_line, "vllm": vllm_line, "kv": kv_line,
+        return {"sglang": sglang_line, "sglang_default": sglang_default_line, "vllm": vllm_line, "kv": kv_line,
                 "ddscope": lambda a: ddscope_line(a, span)}[self.fmt](avg)
 
     def __call__(self, n_prompt: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from datetime import datetime
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -191,3 +192,73 @@ def test_header_warns_when_the_gap_is_within_the_timestamp_resolution(tmp_path):
     assert short["min_gap_s"] == pytest.approx(END_SLACK_S + 1.0)
     assert any("warning: --log-gap 0.6 s" in line for line in setup_lines({"server_log": short}))
     assert not any("warning" in line for line in setup_lines({"server_log": enough}))
+
+
+def _log(tmp_path: Path) -> ServerLog:
+    path = tmp_path / "server.log"
+    path.touch()
+    return ServerLog(path=path)
+
+
+def test_vllm_lines_weigh_by_their_draft_count(tmp_path):
+    """'mean 1.00 / 100 drafts' and 'mean 4.00 / 100 drafts' average to 2.5, whatever the rounding."""
+    def line(accepted: int, drafted: int) -> str:
+        mean = 1 + accepted / (drafted / 3)
+        return (f"(APIServer pid=7) INFO 12-01 10:00:00 [metrics.py:120] SpecDecoding metrics: Mean acceptance "
+                f"length: {mean:.2f}, Accepted throughput: 1.00 tokens/s, Drafted throughput: 3.00 tokens/s, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: 0.500, "
+                f"0.400, 0.300, Avg Draft acceptance rate: 10.0%")
+    log = _log(tmp_path)
+    try:
+        log.window(90.0, 95.0)  # an earlier request: a line with nothing known before it reaches into it
+        window = log.window(100.0, 110.0)
+        log.add(line(0, 300), arrival=101.0)   # the first line: straddles
+        log.add(line(0, 300), arrival=102.0)   # 100 drafts, nothing accepted
+        log.add(line(300, 300), arrival=103.0)  # 100 drafts, 3 accepted each
+        assert log.read(window).avg_commit == pytest.approx(2.5)
+    finally:
+        log.close()
+
+
+def test_ansi_colour_and_ranks(tmp_path):
+    """Colour codes do not hide the timestamp; each rank chains its own lines."""
+    log = _log(tmp_path)
+    try:
+        log.window(190.0, 195.0)
+        window = log.window(200.0, 210.0)
+        for at, rank, avg in ((201, "TP0", 2.0), (201, "TP1", 4.0), (202, "TP0", 3.0), (202, "TP1", 5.0)):
+            when = datetime.fromtimestamp(at).strftime("%Y-%m-%d %H:%M:%S")
+            log.add(f"\x1b[32m[{when} {rank}]\x1b[0m Decode batch, #running-req: 1, accept len: {avg:.2f}, "
+                    f"accept rate: 0.50", arrival=at + 0.5)
+        got = log.read(window)
+        # the first line of each rank has nothing before it; the second of each covers only its own rank's second
+        assert (got.avg_commit, got.lines) == (pytest.approx(4.0), 2)
+    finally:
+        log.close()
+
+
+@pytest.mark.skipif(shutil.which("tail") is None, reason="needs tail(1)")
+def test_sglang_default_format_on_stderr_end_to_end(tmp_path):
+    """SGLang's default line (no ms, no TP suffix), read from a command that writes it to stderr."""
+    path = tmp_path / "server.log"
+    path.touch()
+    writer = LogWriter(path, "sglang_default", interval_s=0.5)
+    with serve(sglang_app(generate=False, metrics=False, log=writer)) as url:
+        doc = sweep(url, tmp_path / "out", "--log-cmd", f"tail -n 0 -s 0.05 -F {path} 1>&2", "--log-gap", "1.4")
+    assert doc["acceptance_source"]["name"] == "server_log"
+    for r in doc["records"]:
+        assert r["avg_commit"] == pytest.approx(planted(r["prompt_tokens"]), rel=0.03), r
+        assert r["log_formats"] == "sglang"
+
+
+def test_colour_codes_do_not_hide_vllms_timestamp():
+    from ddscope.bench.serverlog import parse_line
+
+    now = time.time()
+    stamp = datetime.fromtimestamp(now).strftime("%m-%d %H:%M:%S")
+    line = (f"(APIServer pid=7) \x1b[32mINFO\x1b[0m \x1b[2m{stamp}\x1b[0m [metrics.py:120] SpecDecoding metrics: "
+            f"Mean acceptance length: 2.00, Accepted throughput: 1.00 tokens/s, Drafted throughput: 3.00 tokens/s, "
+            f"Accepted: 10 tokens, Drafted: 30 tokens, Per-position acceptance rate: 0.5, 0.3, 0.2, Avg Draft "
+            f"acceptance rate: 33.3%")
+    got = parse_line(line, arrival=now + 5)  # arrived 5 s late: only its own timestamp places it
+    assert got is not None and got.hi - got.lo == 1.0 and abs(got.lo - int(now)) <= 1
