@@ -8,6 +8,7 @@ from ddscope.budget import MAX_AUTO_BUDGET, Acceptance, AutoBudget, SizeRatio, V
 from ddscope.proposers import DDTree
 from ddscope.sampling import SamplingParams
 from ddscope.stats import RoundStats
+from ddscope.testing import oracle_engine
 from ddscope.tree import DraftTree
 
 
@@ -174,3 +175,13 @@ def test_auto_skips_drafts_for_a_useless_drafter_and_stays_lossless(tiny_engine)
     assert out.token_ids == ref.token_ids
     nodes = [r.nodes for r in out.stats.rounds]
     assert 0 in nodes and any(nodes), "the random drafter should be dropped, with periodic probes"
+
+
+@pytest.mark.parametrize("accuracy", [1.0, 0.7])
+def test_auto_drafts_for_an_accepted_drafter_and_stays_lossless(tiny_engine, accuracy):
+    prompt = [5, 6, 7, 8]
+    ref = tiny_engine.generate(prompt, max_new_tokens=120, method="ar", ignore_eos=True)
+    out = oracle_engine(tiny_engine, accuracy).generate(prompt, max_new_tokens=120, method="ddtree", budget="auto",
+                                                        ignore_eos=True)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.to_dict()["avg_commit"] > 1.5

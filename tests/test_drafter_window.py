@@ -7,7 +7,8 @@ import torch
 from ddscope import Engine
 from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
 from ddscope.drafter import Drafter
-from ddscope.testing import TINY_PROMPTS, make_drafter, make_target, run_cli, write_prompts
+from ddscope.testing import (TINY_PROMPTS, make_drafter, make_target, oracle_engine, run_cli,
+                             write_prompts)
 from ddscope.training.contexts import parse_context_lengths, select_mix
 from ddscope.training.distill import read_cache
 from ddscope.training.train_drafter import TrainSpec, block_mask
@@ -118,14 +119,18 @@ def test_causal_layers_do_not_look_ahead_in_the_block(target_dir, tmp_path):
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 8)])
 def test_windowed_drafter_is_lossless(target_dir, tmp_path, method, budget):
+    """The windowed drafter as it is (random: nearly never accepted), and drafting under an oracle that the
+    target accepts, so long accepted paths feed its sliced context cache."""
     d = make_drafter(tmp_path / "w", target_dir, layers=2, block_size=B, sliding_window=B + 2)
     assert DrafterConfig.load(d).attention == (LayerAttention(B + 2),) * 2
     engine = Engine.load(target_dir, d)
     prompt = [int(t) for t in torch.randint(5, 300, (60,), generator=torch.Generator().manual_seed(4))]
     ar = engine.generate(prompt, max_new_tokens=40, method="ar", ignore_eos=True).token_ids
     kwargs = {"budget": budget} if budget else {}
-    out = engine.generate(prompt, max_new_tokens=40, method=method, ignore_eos=True, **kwargs)
-    assert out.token_ids == ar
+    assert engine.generate(prompt, max_new_tokens=40, method=method, ignore_eos=True, **kwargs).token_ids == ar
+    out = oracle_engine(engine, accuracy=0.7).generate(prompt, max_new_tokens=40, method=method, ignore_eos=True,
+                                                       **kwargs)
+    assert out.token_ids == ar and out.stats.to_dict()["avg_commit"] > 1.5
 
 
 def test_train_drafter_sliding_window_fine_tunes_a_full_drafter(tmp_path, target_dir, capsys):

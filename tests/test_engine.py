@@ -1,9 +1,10 @@
-"""Engine behaviour around the loop: stops, streaming text, stats consistency."""
+"""Engine behaviour around the loop: streaming text, stats consistency, the CLI (stops: test_stops.py)."""
 import json
 
 import pytest
 
 from ddscope.cli import main
+from ddscope.testing import oracle_engine
 
 
 def test_stats_are_consistent(tiny_engine):
@@ -43,34 +44,11 @@ def test_first_step_is_the_prefill_token(tiny_engine):
 
 
 def test_streamed_text_equals_full_decode(tiny_engine):
-    steps = list(tiny_engine.stream("The quick", max_new_tokens=60, method="ddtree", ignore_eos=True))
+    steps = list(oracle_engine(tiny_engine).stream("The quick", max_new_tokens=60, method="ddtree", ignore_eos=True))
     ids = [t for s in steps for t in s.token_ids]
+    assert max(len(s.token_ids) for s in steps) > 4  # multi-token rounds
     assert "".join(s.text for s in steps) == tiny_engine.tokenizer.decode(ids, skip_special_tokens=True)
     assert [s.finish_reason for s in steps][-1] == "length" and all(s.finish_reason is None for s in steps[:-1])
-
-
-def test_stop_string_cuts_text(tiny_engine):
-    full = tiny_engine.generate("The quick", max_new_tokens=60, method="ar", ignore_eos=True)
-    words = [tiny_engine.tokenizer.decode([t]) for t in full.token_ids[5:]]
-    stop = next(w for w in words if w.isascii() and w.strip().isalnum())
-    cut = tiny_engine.generate("The quick", max_new_tokens=60, method="ddtree", ignore_eos=True, stop=[stop])
-    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
-    assert cut.stats.completion_tokens == len(cut.token_ids) < 60
-
-
-def test_eos_stops_and_min_tokens_defers_it(tiny_engine):
-    eos = tiny_engine.tokenizer.eos_token_id
-    # find a prompt whose greedy continuation hits EOS: force it with a target whose EOS is any token seen
-    ref = tiny_engine.generate([11, 12], max_new_tokens=30, method="ar", ignore_eos=True).token_ids
-    tiny_engine.eos_ids = (ref[4],)
-    try:
-        stopped = tiny_engine.generate([11, 12], max_new_tokens=30, method="ddtree")
-        assert stopped.finish_reason == "stop" and stopped.token_ids == ref[:ref.index(ref[4]) + 1]
-        assert list(tiny_engine.stream([11, 12], max_new_tokens=30, method="ddtree"))[-1].matched_stop == ref[4]
-        later = tiny_engine.generate([11, 12], max_new_tokens=30, method="ddtree", min_tokens=ref.index(ref[4]) + 2)
-        assert ref[4] not in later.token_ids[:ref.index(ref[4]) + 2]
-    finally:
-        tiny_engine.eos_ids = (eos,)
 
 
 def test_cli_generate_json(tiny_pair, capsys):
@@ -86,13 +64,19 @@ def test_cli_reports_bad_checkpoint(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_stop_string_spanning_two_steps_never_leaks(tiny_engine):
-    full = tiny_engine.generate("The quick", max_new_tokens=40, method="ar", ignore_eos=True)
-    pieces = [tiny_engine.tokenizer.decode([t]) for t in full.token_ids]
-    k = next(i for i in range(3, 39) if pieces[i].isascii() and pieces[i + 1].isascii()
-             and pieces[i].strip() and pieces[i + 1].strip())
-    stop = pieces[k][-1] + pieces[k + 1][0]  # ar commits one token per step: the stop spans two steps
-    steps = list(tiny_engine.stream("The quick", max_new_tokens=40, method="ar", ignore_eos=True, stop=[stop]))
-    text = "".join(s.text for s in steps)
-    assert steps[-1].finish_reason == "stop" and steps[-1].matched_stop == stop and stop not in text
-    assert text == full.text[:full.text.index(stop)]
+def test_prefill_token_respects_eos_and_min_tokens(tiny_engine):
+    first = tiny_engine.generate([7, 8, 9], max_new_tokens=1, method="ar", ignore_eos=True).token_ids[0]
+    saved, tiny_engine.eos_ids = tiny_engine.eos_ids, (first,)
+    try:
+        out = tiny_engine.generate([7, 8, 9], max_new_tokens=8, method="ddtree")
+        assert (out.token_ids, out.finish_reason, out.stats.verify_steps) == ([first], "stop", 0)
+        later = tiny_engine.generate([7, 8, 9], max_new_tokens=8, method="ddtree", min_tokens=1)
+        assert later.token_ids[0] != first  # EOS masked for the prefill's token too
+    finally:
+        tiny_engine.eos_ids = saved
+
+
+@pytest.mark.parametrize("stop", [[""], "ab", [None]])
+def test_bad_stop_is_a_value_error(tiny_engine, stop):
+    with pytest.raises(ValueError, match="stop must be"):
+        tiny_engine.stream("x", stop=stop)

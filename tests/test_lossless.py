@@ -7,28 +7,7 @@ from scipy.stats import chisquare
 from ddscope import Engine
 from ddscope.decoding import Decoder
 from ddscope.model import rope
-from ddscope.testing import make_drafter, make_target
-
-
-class OracleDrafter:
-    """Wraps a drafter: for some blocks, plant the reference continuation at rank 1 or rank 2.
-
-    This forces long accepted paths, full blocks, sibling acceptance and compaction at every depth.
-    """
-
-    def __init__(self, drafter, reference: list[int], seed: int, rate: float = 0.7):
-        self.real, self.ref, self.rng, self.rate = drafter.draft, reference, np.random.default_rng(seed), rate
-
-    def draft(self, target, last_token, start, features, cache):
-        logits = self.real(target, last_token, start, features, cache).clone()
-        if self.rng.random() < self.rate:
-            for k in range(self.rng.integers(1, logits.shape[0] + 1)):
-                pos = start + 1 + k
-                if pos >= len(self.ref):
-                    break
-                top = logits[k].max()
-                logits[k, self.ref[pos]] = top + 5 if self.rng.random() < 0.7 else top - 1e-3
-        return logits
+from ddscope.testing import make_drafter, make_target, oracle_engine
 
 
 def prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -39,33 +18,45 @@ def prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ar_references(tiny_engine):
-    """20 prompts (lengths 1 to 39) and their 300-token greedy AR continuations."""
-    return [(p, tiny_engine.generate(p, max_new_tokens=300, method="ar", ignore_eos=True).token_ids)
-            for p in prompts(tiny_engine.vocab_size, 20, seed=3)]
+    """12 prompts (lengths 1 to 39) and their 160-token greedy AR continuations."""
+    return [(p, tiny_engine.generate(p, max_new_tokens=160, method="ar", ignore_eos=True).token_ids)
+            for p in prompts(tiny_engine.vocab_size, 12, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_engine):
+    """Right at 70% of depths, with the target's choice second where wrong: long accepted paths, full
+    blocks, sibling acceptance and compaction at every depth."""
+    return oracle_engine(tiny_engine, accuracy=0.7)
 
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 1), ("ddtree", 4), ("ddtree", 16),
                                            ("ddtree", 64), ("ddtree", "auto")])
-def test_greedy_equals_ar(tiny_engine, ar_references, monkeypatch, method, budget):
-    engine = tiny_engine
-    block = engine.drafter.block_size
+def test_greedy_equals_ar(oracle, ar_references, method, budget):
+    block = oracle.drafter.block_size
     deepest = block if method == "dflash" or budget == "auto" else min(budget, block - 1) + 1
-    longest = 0
+    longest = committed = steps = 0
     for i, (prompt, ref) in enumerate(ar_references):
-        monkeypatch.setattr(engine.drafter, "draft", OracleDrafter(engine.drafter, prompt + ref, seed=i).draft)
-        out = engine.generate(prompt, max_new_tokens=300, method=method, budget=budget, ignore_eos=True)
-        monkeypatch.undo()
+        out = oracle.generate(prompt, max_new_tokens=160, method=method, budget=budget, ignore_eos=True)
         assert out.token_ids == ref, f"prompt {i}: {method} diverged from ar"
-        assert out.stats.completion_tokens == 300
+        assert out.stats.completion_tokens == 160
         longest = max(longest, max(int(k) for k in out.stats.to_dict()["commit_histogram"]))
+        committed, steps = committed + out.stats.committed_tokens, steps + out.stats.verify_steps
     assert longest == deepest, f"deepest accepted path {longest} < {deepest}: the test lost its power"
+    assert committed / steps > 1.5
 
 
-def test_cache_equals_fresh_prefill_after_every_round(tiny_engine, monkeypatch):
-    engine = tiny_engine
+def test_greedy_equals_ar_with_a_drafter_never_accepted(tiny_engine, ar_references):
+    """The random drafter, on purpose: nearly every round rejects the whole tree."""
+    for prompt, ref in ar_references[:4]:
+        out = tiny_engine.generate(prompt, max_new_tokens=160, method="ddtree", budget=16, ignore_eos=True)
+        assert out.token_ids == ref
+        assert out.stats.to_dict()["avg_commit"] < 1.3
+
+
+def test_cache_equals_fresh_prefill_after_every_round(oracle):
+    engine = oracle
     prompt = prompts(engine.vocab_size, 3, seed=5)[2]
-    ref = engine.generate(prompt, max_new_tokens=120, method="ar", ignore_eos=True)
-    monkeypatch.setattr(engine.drafter, "draft", OracleDrafter(engine.drafter, prompt + ref.token_ids, 0).draft)
     committed = list(prompt)
     depths = set()
     for step in engine.stream(prompt, max_new_tokens=120, method="ddtree", budget=16, ignore_eos=True):

@@ -25,13 +25,20 @@ from ddscope.engine import Engine
 from ddscope.server import cli
 from ddscope.server.app import attach_engine, create_app
 from ddscope.server.launch import serve_in_background
+from ddscope.testing import oracle_engine
 
 COUNTERS = ("verify_steps", "committed_tokens", "draft_nodes_verified", "prompt_tokens", "generation_tokens")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_engine):
-    with serve_in_background(engine=tiny_engine, log_interval=0.2) as url:
+def served(tiny_engine):
+    """The engine behind `server`: the tiny target with a drafter it accepts (avg_commit well above 1)."""
+    return oracle_engine(tiny_engine)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    with serve_in_background(engine=served, log_interval=0.2) as url:
         yield url
 
 
@@ -176,18 +183,37 @@ def test_stream_without_usage_puts_extension_on_finish_chunk(server):
     assert final["ddscope"]["completion_tokens"] == 6 and "usage" not in final
 
 
-def test_stop_string_ends_the_text_before_it(server):
-    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "method": "ar", "ignore_eos": True}
+def completion(server: str, body: dict) -> tuple[dict, str]:
+    """The non-streamed response, and the streamed text of the same request."""
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()
     with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
-        chunks = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
-                  if line.startswith("data: {")]
-    full = "".join(chunks)
-    # A stop string that starts where a step's text starts, and appears nowhere before.
-    start, stop = next((s, c) for s, c in zip(itertools.accumulate([0, *map(len, chunks)]), chunks)
-                       if s > 0 and c.strip() and full.find(c) == s)
-    r = httpx.post(f"{server}/v1/completions", json={**body, "stop": [stop]}, timeout=30).json()
-    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["matched_stop"] == stop
-    assert r["choices"][0]["text"] == full[:start]
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    final = next(c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"])
+    assert (final["finish_reason"], final["matched_stop"]) == (whole["choices"][0]["finish_reason"],
+                                                                whole["choices"][0]["matched_stop"])
+    assert chunks[-1]["ddscope"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    return whole, "".join(c["choices"][0]["text"] for c in chunks)
+
+
+def test_stop_strings_end_every_method_where_ar_ends(server):
+    """Stops taken from ar's text: text, finish_reason, matched_stop and usage, streamed or not, equal ar's."""
+    body = {"prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(f"{server}/v1/completions", json={**body, "method": "ar"}, timeout=30).json()["choices"][0]["text"]
+    stops = [s for i in (6, 15, 27) if "\ufffd" not in (s := full[i:i + 3]) and full.find(s) == i]
+    assert stops
+    committed = steps = 0
+    for stop in stops:
+        ar, ar_text = completion(server, {**body, "method": "ar", "stop": [stop]})
+        assert ar["choices"][0]["text"] == ar_text == full[:full.index(stop)]
+        assert (ar["choices"][0]["finish_reason"], ar["choices"][0]["matched_stop"]) == ("stop", stop)
+        for method, budget in (("dflash", None), ("ddtree", 8), ("ddtree", "auto")):
+            r, text = completion(server, {**body, "method": method, "budget": budget, "stop": [stop]})
+            assert text == r["choices"][0]["text"] == ar_text
+            assert r["choices"][0] | {"text": None} == ar["choices"][0] | {"text": None}
+            assert r["usage"] == ar["usage"], f"{stop!r}: {method} {budget}"
+            committed += r["ddscope"]["committed_tokens"]
+            steps += r["ddscope"]["verify_steps"]
+    assert committed / steps > 1.5
 
 
 # --- telemetry ----------------------------------------------------------------------------------
