@@ -39,6 +39,8 @@ def test_sweep_embedded_tiny_pair_writes_consistent_outputs(tiny_pair, tmp_path,
     assert [r["context"] for r in records] == [c for c in CONTEXTS for _ in range(REPEATS)]
     for r in records:
         assert r["prompt_tokens"] == r["context"]  # token-id prompts: exact lengths, usage agrees
+        if r["repeat"] > 0:  # padding repeats its prompt: whole 64-token blocks come from the prefix cache
+            assert r["cached_tokens"] == (r["context"] - 1) // 64 * 64
         assert r["completion_tokens"] == MAX_TOKENS
         # delivered: the tokens after the first (which prefill yields) per verify step
         assert r["avg_commit"] * r["verify_steps"] == pytest.approx(MAX_TOKENS - 1)

@@ -60,3 +60,41 @@ def test_least_recently_used_blocks_go_first_within_the_budget():
     assert store.bytes <= store.max_bytes and len(store.blocks) == 1
     assert store.load(a, _cache(0.0, 0), None) == 0 and store.load(b, _cache(0.0, 0), None) == BLOCK
     assert PrefixCache(0).load(a, _cache(0.0, 0), None) == 0
+
+
+def test_engine_outputs_are_the_same_with_and_without_the_cache():
+    """Demo pair, drafts really accepted: a repeated prompt and one sharing its head are served from the
+    cache, and every method's output equals a cache-less engine's."""
+    from ddscope.bench.workloads import fit_ids, load_workload
+    from ddscope.engine import Engine
+
+    cached, plain = Engine.load(), Engine.load(prefix_cache_mb=0)
+    head = fit_ids(load_workload("padding"), 0, 700, cached.tokenizer)
+    other = head[:400] + cached.encode(" Something else entirely, then continue:")
+    for method, budget in (("dflash", None), ("ddtree", 32), ("ar", None)):
+        for prompt in (head, head, other):
+            got = cached.generate(prompt, max_new_tokens=48, method=method, budget=budget, ignore_eos=True)
+            want = plain.generate(prompt, max_new_tokens=48, method=method, budget=budget, ignore_eos=True)
+            assert got.token_ids == want.token_ids, (method, len(prompt))
+            assert want.stats.cached_tokens == 0
+            if method != "ar":
+                assert got.stats.to_dict()["avg_commit"] > 1.5  # drafts were accepted
+        assert got.stats.cached_tokens == 384  # `other` shares 400 tokens: 6 whole blocks
+    assert cached.generate(head, max_new_tokens=4, method="ar").stats.cached_tokens == 640
+
+
+def test_server_reports_cached_tokens_in_usage_and_metrics():
+    import httpx
+
+    from ddscope.bench.workloads import fit_ids, load_workload
+    from ddscope.engine import Engine
+    from ddscope.server.launch import serve_in_background
+
+    engine = Engine.load()
+    prompt = fit_ids(load_workload("padding"), 0, 300, engine.tokenizer)
+    with serve_in_background(engine=engine, method="dflash") as url, httpx.Client(timeout=120) as client:
+        usages = [client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+                  .json()["usage"] for _ in range(2)]
+        metrics = client.get(f"{url}/metrics").text
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 256]
+    assert 'ddscope:cached_prompt_tokens_total{model_name="target"} 256.0' in metrics

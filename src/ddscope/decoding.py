@@ -45,16 +45,18 @@ class Decoder:
         self.prompt_len = 0
         self.pending: torch.Tensor | None = None  # target features not yet given to the drafter
 
-    def prefill(self, prompt: list[int]) -> tuple[int, float]:
+    def prefill(self, prompt: list[int], cached: int = 0) -> tuple[int, float]:
         """Cache the whole prompt and choose the first token from its last position's logits, as the
-        DDTree reference and vLLM do: no verify round is spent on it. Returns (that token, ms)."""
+        DDTree reference and vLLM do: no verify round is spent on it. The caches may already hold the
+        first `cached` positions (a prefix-cache hit): only the rest is run. Returns (that token, ms)."""
         t0 = self.clock()
-        self.cache.length = 0
+        self.cache.length = cached
         if self.draft_cache is not None:
-            self.draft_cache.length = 0
+            self.draft_cache.length = cached if self.capture else 0
         self.tokens, self.prompt_len = list(prompt), len(prompt)
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        out = self.target(ids, torch.arange(len(ids), device=self.device), self.cache, capture=self.capture)
+        ids = torch.tensor(prompt[cached:], dtype=torch.long, device=self.device)
+        positions = torch.arange(cached, len(prompt), device=self.device)
+        out = self.target(ids, positions, self.cache, capture=self.capture)
         self.pending = out.features
         last = self._suppress_early_eos(out.logits[-1:], torch.zeros(1, dtype=torch.long, device=self.device))
         first = self.sampling.choose(last, self.generator)[0]

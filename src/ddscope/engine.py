@@ -15,6 +15,7 @@ from ddscope.decoding import Decoder
 from ddscope.drafter import Drafter
 from ddscope.hf_target import HFTarget, load_target
 from ddscope.model import Target
+from ddscope.prefix_cache import PrefixCache
 from ddscope.proposers import AR, DDTree, DFlash, Proposer
 from ddscope.sampling import SamplingParams
 from ddscope.stats import GenerationStats, RoundStats
@@ -23,6 +24,7 @@ DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 METHODS = ("ar", "dflash", "ddtree")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_BUDGET = 512
+PREFIX_CACHE_MB = 512  # default prefix-cache budget: the demo pair's K/V is 6 KiB a token
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Engine:
     """Batch-1 engine; one generation at a time (the server serialises requests)."""
 
     def __init__(self, target: Target | HFTarget, drafter: Drafter | None, tokenizer, source: Path, max_model_len: int,
-                 default_budget: int | str = 32):
+                 default_budget: int | str = 32, prefix_cache_mb: int = PREFIX_CACHE_MB):
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source, self.model_name = str(source.resolve()), source.name
         self.max_model_len, self.default_budget = max_model_len, default_budget
@@ -58,11 +60,13 @@ class Engine:
         self.cache = target.new_cache(max_model_len + MAX_BUDGET + 1)
         self.draft_cache = drafter.new_cache(max_model_len + 1) if drafter is not None else None
         self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
+        # The native target's caches only: transformers' DynamicCache (HFTarget) is rebuilt per request.
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if isinstance(target, Target) else None
 
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
              dtype: str = "float32", max_model_len: int | None = None, target_backend: str = "auto",
-             device_map: str | None = None) -> "Engine":
+             device_map: str | None = None, prefix_cache_mb: int = PREFIX_CACHE_MB) -> "Engine":
         """`target_backend`: the native Qwen3/Llama model where it applies (auto), or transformers for any
         other causal LM (ddscope.hf_target); `device_map` (transformers) shards a target over several GPUs."""
         if target is None:
@@ -81,7 +85,7 @@ class Engine:
         limit = model.cfg.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
-        return cls(model, draft, tokenizer, target_dir, max_model_len or limit)
+        return cls(model, draft, tokenizer, target_dir, max_model_len or limit, prefix_cache_mb=prefix_cache_mb)
 
     def with_drafter(self, drafter: str | Path) -> "Engine":
         """Another engine over this one's target (weights shared, caches its own), with another drafter:
@@ -162,14 +166,18 @@ class Engine:
 
     def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats,
                 completion: Completion) -> Iterator[Step]:
-        first, stats.prefill_ms = decoder.prefill(prompt)
-        stats.from_prefill = 1
+        draft_cache = self.draft_cache if decoder.capture else None
+        cached = self.prefix_cache.load(prompt, self.cache, draft_cache) if self.prefix_cache else 0
+        first, stats.prefill_ms = decoder.prefill(prompt, cached)
+        stats.from_prefill, stats.cached_tokens = 1, cached
         new, rnd = [first], None  # the prefill's token is yielded on its own, before any verify round
         while True:
             kept = completion.extend(new)
             if rnd is not None:
                 rnd.committed = len(kept)
                 stats.rounds.append(rnd)
+            if completion.finish_reason and self.prefix_cache:  # the caches hold what the tokens say
+                self.prefix_cache.save(decoder.tokens, self.cache, draft_cache)
             yield Step(kept, completion.release(), rnd, stats, completion.finish_reason, completion.matched_stop)
             if completion.finish_reason:
                 return

@@ -35,6 +35,7 @@ class GenerationStats:
     prompt_tokens: int
     prefill_ms: float = 0.0
     from_prefill: int = 0  # completion tokens chosen from the prefill's logits: 1 once it ran, 0 before
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (not prefilled)
     rounds: list[RoundStats] = field(default_factory=list)
 
     @property
@@ -60,6 +61,7 @@ class GenerationStats:
             "method": self.method,
             "budget": self.budget,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "verify_steps": steps,
             "committed_tokens": committed,

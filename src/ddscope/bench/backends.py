@@ -228,6 +228,18 @@ def _cut(commits: list[int], total: int) -> list[int]:
     return out
 
 
+def cached_of(body: dict[str, Any]) -> int | None:
+    """Prompt tokens the server took from its prefix cache: `usage.prompt_tokens_details.cached_tokens`
+    (vLLM, SGLang, ddscope), SGLang /generate `meta_info.cached_tokens`, llama.cpp `tokens_cached`
+    or `timings.cache_n` (tools/server/server-common.cpp:84)."""
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    for value in (details.get("cached_tokens"), (body.get("meta_info") or {}).get("cached_tokens"),
+                  body.get("tokens_cached"), (body.get("timings") or {}).get("cache_n")):
+        if num(value) is not None:
+            return int(value)
+    return None
+
+
 def usage_of(body: dict[str, Any]) -> tuple[int | None, int | None]:
     """(prompt_tokens, completion_tokens): OpenAI `usage`, or SGLang /generate's `meta_info`."""
     usage = body.get("usage") or body.get("meta_info") or {}

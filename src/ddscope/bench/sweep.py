@@ -25,6 +25,7 @@ from ddscope.bench.acceptance import AcceptanceReader, Observation
 from ddscope.bench.backends import (
     Server,
     Reading,
+    cached_of,
     delivered,
     engine_step_ms,
     server_decode,
@@ -38,7 +39,7 @@ from ddscope.bench.tokens import TokenizerError
 from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
 
 SCHEMA = "ddscope.bench.results/1"
-CSV_FIELDS = ("label", "context", "repeat", "prompt_tokens", "completion_tokens", "latency_s", "prefill_s",
+CSV_FIELDS = ("label", "context", "repeat", "prompt_tokens", "cached_tokens", "completion_tokens", "latency_s", "prefill_s",
               "tok_per_s", "tok_per_s_basis", "e2e_tok_per_s", "avg_commit", "server_avg_commit",
               "avg_commit_basis", "verify_steps", "step_ms",
               "engine_step_ms", "log_lines", "log_straddling", "error")
@@ -406,7 +407,8 @@ class Sweep:
         tps, basis, prefill = decode_rate(self.backend, body, completion, latency, ttft)
         acc = self.reader.read(body, completion, before, logged)
         record.update(
-            prompt_tokens=prompt_tokens or context, completion_tokens=completion, response_id=body.get("id"),
+            prompt_tokens=prompt_tokens or context, cached_tokens=cached_of(body), completion_tokens=completion,
+            response_id=body.get("id"),
             latency_s=round(latency, 6), prefill_s=None if prefill is None else round(prefill, 6), tok_per_s=tps,
             tok_per_s_basis=basis, e2e_tok_per_s=completion / latency, engine_step_ms=engine_step_ms(self.backend, body),
             commits=step_commits(self.backend, body, completion), **acceptance_fields(acc, completion, tps))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from ddscope.engine import PREFIX_CACHE_MB
 from ddscope.options import add_model_args, add_threads_arg, budget_arg, set_threads
 
 
@@ -21,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens (default: the model's)")
+    p.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_MB, metavar="MB",
+                   help="memory for the prefix cache, which serves a repeated prompt head without prefilling it; "
+                        "0 turns it off (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait; beyond it the server answers 503 (default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -35,8 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from ddscope.server.launch import serve
 
-    if args.max_queue < 1 or args.request_timeout <= 0 or args.log_interval <= 0:
-        raise SystemExit("ddscope serve: --max-queue, --request-timeout and --log-interval must be positive")
+    if args.max_queue < 1 or args.request_timeout <= 0 or args.log_interval <= 0 or args.prefix_cache < 0:
+        raise SystemExit("ddscope serve: --max-queue, --request-timeout and --log-interval must be positive, "
+                         "--prefix-cache at least 0")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_threads(args.threads)
@@ -44,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
         serve(args.target, args.drafter, method=args.method, budget=args.budget, host=args.host, port=args.port,
               max_queue=args.max_queue, request_timeout=args.request_timeout, log_interval=args.log_interval,
               shutdown_timeout=args.shutdown_timeout, device=args.device, dtype=args.dtype,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, prefix_cache_mb=args.prefix_cache)
     except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         logging.getLogger("ddscope.server").error("cannot serve: %s", e)
         return 1

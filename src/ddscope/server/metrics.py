@@ -40,7 +40,10 @@ class ServerMetrics:
             m, registry=r)
         self.draft_nodes = Counter("ddscope:draft_nodes_verified",
                                    "Draft-tree nodes verified by the target (root excluded).", m, registry=r)
-        self.prompt_tokens = Counter("ddscope:prompt_tokens", "Prompt tokens prefilled.", m, registry=r)
+        self.prompt_tokens = Counter("ddscope:prompt_tokens", "Prompt tokens of requests that reached the engine.", m,
+                                     registry=r)
+        self.cached_prompt_tokens = Counter("ddscope:cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache, not prefilled.", m, registry=r)
         self.generation_tokens = Counter("ddscope:generation_tokens", "Completion tokens generated.", m,
                                          registry=r)
         self.requests = Counter("ddscope:requests", "Requests that reached the engine queue, by outcome.",
@@ -71,6 +74,7 @@ class ModelMetrics:
         self.committed_tokens = m.committed_tokens.labels(model_name)
         self.draft_nodes = m.draft_nodes.labels(model_name)
         self.prompt_tokens = m.prompt_tokens.labels(model_name)
+        self.cached_prompt_tokens = m.cached_prompt_tokens.labels(model_name)
         self.generation_tokens = m.generation_tokens.labels(model_name)
         self.requests = {s: m.requests.labels(model_name, s) for s in STATUSES}
         self.commit_length = m.commit_length.labels(model_name)

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def usage(stats: dict[str, Any]) -> dict[str, int]:
+def usage(stats: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI usage; `prompt_tokens_details.cached_tokens` as vLLM and SGLang report prefix-cache hits."""
     prompt, completion = stats["prompt_tokens"], stats["completion_tokens"]
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": stats["cached_tokens"]}}
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -190,6 +190,7 @@ class EngineWorker:
                 if first_at is None:
                     first_at = now
                     self.metrics.ttft.observe(now - job.arrival)
+                    self.metrics.cached_prompt_tokens.inc(last.stats.cached_tokens)
                 self._record_step(last)
                 text.append(last.text)
                 if job.stream:
