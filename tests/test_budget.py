@@ -4,7 +4,7 @@ import pytest
 
 import torch
 
-from ddscope.budget import MAX_AUTO_BUDGET, Acceptance, AutoBudget, SizeRatio, VerifyCost
+from ddscope.budget import MAX_AUTO_BUDGET, Acceptance, AutoBudget, Learned, SizeRatio, VerifyCost
 from ddscope.proposers import DDTree
 from ddscope.sampling import SamplingParams
 from ddscope.stats import RoundStats
@@ -185,3 +185,14 @@ def test_auto_drafts_for_an_accepted_drafter_and_stays_lossless(tiny_engine, acc
                                                         ignore_eos=True)
     assert out.token_ids == ref.token_ids
     assert out.stats.to_dict()["avg_commit"] > 1.5
+
+
+def test_a_new_request_starts_from_what_the_pair_learned():
+    """Drafting did not pay on the last request under this sampler: the next one starts plain, with no
+    warm-up rounds to find it out again; one where drafting paid starts drafting."""
+    learned = Learned()
+    run_plain_or_drafted(AutoBudget(cost(0.02), learned), 12, committed=1)
+    assert run_plain_or_drafted(AutoBudget(cost(0.02), learned), 1, committed=1) == [False]
+    good = Learned()
+    run_plain_or_drafted(AutoBudget(cost(0.02), good), 8, committed=12)
+    assert run_plain_or_drafted(AutoBudget(cost(0.02), good), 3, committed=12) == [True] * 3

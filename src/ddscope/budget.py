@@ -203,10 +203,18 @@ class SizeRatio:
 
 @dataclass
 class Learned:
-    """What the policy learns about a (target, drafter, sampler) and keeps across requests."""
+    """What the policy learns about a (target, drafter, sampler) and keeps across requests: each new
+    request starts from it, so one that begins where drafting does not pay spends no rounds finding out."""
 
     acceptance: Acceptance = field(default_factory=Acceptance)
     cost: SizeRatio = field(default_factory=SizeRatio)  # ms of a step, drafting excluded
+    # Exponential averages over recent rounds (None before the first): plain step ms; drafted rounds'
+    # committed tokens, step ms and drafting ms.
+    plain_ms: float | None = None
+    committed: float | None = None
+    drafted_ms: float | None = None
+    draft_ms: float | None = None
+    drafted_rounds: int = 0
 
 
 class AutoBudget:
@@ -219,15 +227,10 @@ class AutoBudget:
     when the text turns predictable, while a plain round learns nothing about the drafter.
     """
 
-    def __init__(self, cost: VerifyCost, learned: Learned | None = None, probe_every: int = 16,
-                 warmup: int = 4, skip_below: float = 0.8):
+    def __init__(self, cost: VerifyCost, learned: Learned | None = None, probe_every: int = 32,
+                 warmup: int = 4, skip_below: float = 0.9):
         self.cost, self.probe_every, self.warmup, self.skip_below = cost, probe_every, warmup, skip_below
         self.learned = learned or Learned()
-        # Exponential averages over recent rounds (None before the first): plain step ms; drafted
-        # rounds' committed tokens, step ms and drafting ms.
-        self.plain_ms: float | None = None
-        self.committed = self.drafted_ms = self.draft_ms = None
-        self.drafted_rounds = 0
         self.since_draft, self.probe_gap = 0, 1
         self.last_choice = MAX_AUTO_BUDGET
         self._chosen: list[tuple[int, float, bool]] = []  # per chosen node: parent, drafter log-p, top-1
@@ -238,7 +241,7 @@ class AutoBudget:
         return self.learned.acceptance
 
     def drafts(self, ctx: int) -> bool:
-        if self.drafted_rounds < self.warmup or self._drafting_pays(ctx):
+        if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx):
             self.probe_gap = 1
             return True
         if self.since_draft >= self.probe_gap:
@@ -247,8 +250,9 @@ class AutoBudget:
         return False
 
     def _drafting_pays(self, ctx: int) -> bool:
-        plain_ms = self.plain_ms or self.cost.at(ctx, 1) * self.learned.cost.at(1)
-        return self.committed / self.drafted_ms > self.skip_below / plain_ms
+        m = self.learned
+        plain_ms = m.plain_ms or self.cost.at(ctx, 1) * m.cost.at(1)
+        return m.committed / m.drafted_ms > self.skip_below / plain_ms
 
     def candidates(self) -> int:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
@@ -267,7 +271,7 @@ class AutoBudget:
     def _size(self, log_chances: list[float], ctx: int) -> int:
         """argmax over B of (1 + expected accepted tokens) / expected step ms."""
         verify = self.cost.curve(ctx)
-        draft = self.draft_ms or verify[0]  # before any draft: a forward's worth
+        draft = self.learned.draft_ms or verify[0]  # before any draft: a forward's worth
         best, best_rate, accepted = 1, 0.0, 1.0
         for n, log_chance in enumerate(log_chances, start=1):  # n draft nodes + the root
             accepted += math.exp(log_chance)
@@ -278,17 +282,18 @@ class AutoBudget:
         return best
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
+        m = self.learned
         if rnd.nodes == 0:  # a plain round: only its cost is news
-            self.plain_ms = _average(self.plain_ms, rnd.step_ms)
-            self.learned.cost.update(1, rnd.step_ms, self.cost.at(rnd.ctx_len, 1))
+            m.plain_ms = _average(m.plain_ms, rnd.step_ms)
+            m.cost.update(1, rnd.step_ms, self.cost.at(rnd.ctx_len, 1))
             self.since_draft += 1
             return
         self.since_draft = 0
-        self.drafted_rounds += 1
-        self.committed = _average(self.committed, rnd.committed)
-        self.drafted_ms = _average(self.drafted_ms, rnd.step_ms)
-        self.draft_ms = _average(self.draft_ms, rnd.draft_ms)
-        self.learned.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self._predicted_verify)
+        m.drafted_rounds += 1
+        m.committed = _average(m.committed, rnd.committed)
+        m.drafted_ms = _average(m.drafted_ms, rnd.step_ms)
+        m.draft_ms = _average(m.draft_ms, rnd.draft_ms)
+        m.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self._predicted_verify)
         on_path = set(path)  # a token is tested only if its parent was accepted
         self.acceptance.update([(logp, top1, i in on_path) for i, (parent, logp, top1)
                                 in enumerate(self._chosen, start=1) if parent in on_path])
