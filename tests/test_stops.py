@@ -173,6 +173,18 @@ def test_max_tokens_against_stops(engines, accepted, ref):
     assert (on_last["finish_reason"], on_last["matched_stop"]) == ("stop", stop)  # the stop string wins, as in vLLM
 
 
+def test_a_stop_string_longer_than_the_text_holds_it_back_and_loses_nothing(engines, accepted, ref):
+    never = "x" * 40 + "\u00e9"
+    head = ref.text[:ref.ends[30]]
+    out = same_as_ar(engines, accepted, max_new_tokens=N, ignore_eos=True, stop=[never, head])
+    assert (out["finish_reason"], out["text"]) == ("stop", "")
+    assert out["token_ids"] == ref.ids[:ref.token_ending(head) + 1]
+    out = same_as_ar(engines, accepted, max_new_tokens=20, ignore_eos=True, stop=[never])
+    assert (out["text"], out["finish_reason"]) == (ref.text[:len(out["text"])], "length")
+    steps = list(engines["oracle"].stream(PROMPT, max_new_tokens=20, method="ddtree", ignore_eos=True, stop=[never]))
+    assert all(s.text == "" for s in steps[:-1]) and steps[-1].text == out["text"]  # everything held back
+
+
 def test_first_token_can_end_it(engines, accepted, ref):
     stop = ref.text[:ref.ends[0]]
     if stop:
@@ -182,21 +194,26 @@ def test_first_token_can_end_it(engines, accepted, ref):
     assert one["token_ids"] == ref.ids[:1] and one["finish_reason"] == "length"
 
 
+def shortest_unique_tail(text: str, ends: list[int], i: int) -> str:
+    """The shortest tail (3 characters or more) of text[:ends[i]] whose first occurrence ends in token i."""
+    return next(s for n in range(3, ends[i] + 1) if text.find(s := text[ends[i] - n:ends[i]]) + n > ends[i - 1])
+
+
 @pytest.fixture(scope="module")
 def demo() -> Engine:
     return Engine.load()
 
 
 def test_demo_pair_stops_taken_from_ar_output(demo):
-    """The bundled pair on looping text (avg_commit ~8): stop strings from ar's own text, ending mid-round."""
+    """The bundled pair on looping text (avg_commit ~8): stop strings from ar's own text, ending at tokens
+    spread over it, most of them mid-round in the loop where whole blocks are accepted."""
     full = demo.generate(PAD, max_new_tokens=96, method="ar", ignore_eos=True)
     ends = [len(demo.tokenizer.decode(full.token_ids[:i + 1])) for i in range(len(full.token_ids))]
-    stops = [s for i in range(1, 96) if (s := full.text[ends[i] - 3:ends[i]]) and full.text.find(s) + 3 > ends[i - 1]]
-    assert len(stops) >= 4, stops
+    stops = [shortest_unique_tail(full.text, ends, i) for i in (5, 15, 25, 35, 50, 70, 90)]
     committed = steps = 0
     for stop in stops:
         ar = demo.generate(PAD, max_new_tokens=96, method="ar", ignore_eos=True, stop=[stop])
-        assert ar.finish_reason == "stop" and len(ar.token_ids) < 96
+        assert ar.finish_reason == "stop" and ar.text == full.text[:full.text.index(stop)]
         for method, budget in (("dflash", None), ("ddtree", 32), ("ddtree", "auto")):
             out = demo.generate(PAD, max_new_tokens=96, method=method, budget=budget, ignore_eos=True, stop=[stop])
             assert (out.token_ids, out.text, out.finish_reason) == (ar.token_ids, ar.text, ar.finish_reason), \

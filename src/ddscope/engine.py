@@ -224,9 +224,9 @@ class Completion:
         if self.finish_reason:
             end = len(self.text.text) if self.cut is None else self.cut
         else:
-            end = len(self.text.text) - self.holdback
+            end = max(self.released, len(self.text.text) - self.holdback)
         delta = self.text.text[self.released:end]
-        self.released = max(self.released, end)
+        self.released = end
         return delta
 
     def _add(self, token: int) -> None:
