@@ -13,7 +13,7 @@ import torch
 from ddscope.drafter import Drafter
 from ddscope.model import KVCache, Target
 from ddscope.proposers import Proposer
-from ddscope.sampling import SamplingParams
+from ddscope.sampling import Noise, SamplingParams
 from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree
 
@@ -36,7 +36,7 @@ class Decoder:
                  eos_ids: tuple[int, ...] = (), min_tokens: int = 0):
         self.target, self.drafter, self.proposer = target, drafter, proposer
         self.cache, self.draft_cache = cache, draft_cache
-        self.sampling, self.generator = sampling, generator
+        self.sampling, self.noise = sampling, Noise(generator)
         self.eos_ids, self.min_tokens = list(eos_ids), min_tokens
         self.capture = drafter.cfg.target_layer_ids if proposer.uses_drafter else ()
         self.device = target.lm_head.weight.device
@@ -58,8 +58,7 @@ class Decoder:
         positions = torch.arange(cached, len(prompt), device=self.device)
         out = self.target(ids, positions, self.cache, capture=self.capture)
         self.pending = out.features
-        last = self._suppress_early_eos(out.logits[-1:], torch.zeros(1, dtype=torch.long, device=self.device))
-        first = self.sampling.choose(last, self.generator)[0]
+        first = self.choose(out.logits[-1:], [0])[0]
         self.tokens.append(first)  # the root of the first tree
         return first, self.clock() - t0
 
@@ -81,7 +80,7 @@ class Decoder:
         t2 = self.clock()
         out = self.target(tokens, positions, self.cache, mask, capture=self.capture)
         t_fwd = self.clock()
-        path, choices = self.accept(tree, self._suppress_early_eos(out.logits, positions - start))
+        path, choices = self.accept(tree, out.logits)
         t3 = self.clock()
         self.cache.keep(start, torch.tensor(path, device=self.device))
         if self.capture:  # accumulates over rounds without a draft
@@ -96,15 +95,22 @@ class Decoder:
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""
-        choices = self.sampling.choose(logits, self.generator)
+        choices = self.choose(logits, tree.depths)
         return tree.walk(choices), choices
 
-    def _suppress_early_eos(self, logits: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, depths: list[int]) -> list[int]:
+        """The target's choice at each node; the node at depth d chooses generated index `generated + d`."""
+        index = [len(self.tokens) - self.prompt_len + d for d in depths]
+        logits = self._suppress_early_eos(logits, index)
+        noise = None if self.sampling.greedy else self.noise.at(index, logits.shape[-1], logits.device)
+        return self.sampling.choose(logits, noise)
+
+    def _suppress_early_eos(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
         """`min_tokens`: EOS is impossible for generated indices below it (part of the target law)."""
-        generated = len(self.tokens) - self.prompt_len
-        if generated >= self.min_tokens or not self.eos_ids:
+        early = [i for i, n in enumerate(index) if n < self.min_tokens]
+        if not early or not self.eos_ids:
             return logits
-        early = (depths + generated) < self.min_tokens
         logits = logits.clone()
-        logits[early.nonzero().squeeze(-1)[:, None], torch.tensor(self.eos_ids, device=logits.device)] = float("-inf")
+        rows, eos = (torch.tensor(x, device=logits.device) for x in (early, self.eos_ids))
+        logits[rows[:, None], eos] = float("-inf")
         return logits

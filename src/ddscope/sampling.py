@@ -40,9 +40,31 @@ class SamplingParams:
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         return logits.log_softmax(-1)
 
-    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
-        """One token per row: argmax when greedy, else a sample from that row's distribution."""
+    def choose(self, logits: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
+        """One token per row: argmax when greedy, else an exponential race over this sampler's distribution,
+        argmax(log p - log E) with E ~ Exp(1) given by `noise` (a Gumbel-max draw, as vLLM's random_sample)."""
         if self.greedy:
             return logits.argmax(-1).tolist()
-        probs = self.log_probs(logits).exp()
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1).tolist()
+        return (self.log_probs(logits) - noise.log()).argmax(-1).tolist()
+
+
+class Noise:
+    """The Exp(1) noise of `choose`, one row per generated index, drawn in index order from the request's
+    generator. So the token at index i depends only on the seed, i and the tokens before it, never on the
+    tree that reached it: a seeded request gives the same output under every method, budget and policy,
+    and whatever ran before it. Each node uses the row of the index it predicts (siblings share one)."""
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+        self.first = 0  # the index of rows[0]; earlier rows are never asked for again
+        self.rows: list[torch.Tensor] = []
+
+    def at(self, index: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        """[len(index), vocab]: each index's row. Indices never go below the lowest asked for before."""
+        while self.first + len(self.rows) <= max(index):
+            e = torch.empty(vocab, device=device).exponential_(generator=self.generator)
+            self.rows.append(e.clamp_min_(torch.finfo(e.dtype).tiny))  # E == 0 would make log E -inf
+        low = min(index)
+        del self.rows[:low - self.first]
+        self.first = low
+        return torch.stack([self.rows[i - low] for i in index])
