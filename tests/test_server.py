@@ -199,7 +199,8 @@ def test_stop_strings_end_every_method_where_ar_ends(server):
     """Stops ending mid-round, taken from ar's text: text, finish_reason, matched_stop and usage, streamed
     or not, equal ar's."""
     body = {"prompt": "for i in range(10):", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    full = httpx.post(f"{server}/v1/completions", json={**body, "method": "ar"}, timeout=30).json()["choices"][0]["text"]
+    full = httpx.post(f"{server}/v1/completions", json={**body, "method": "ar"}, timeout=30).json()
+    full = full["choices"][0]["text"]
     stops = [s for i in range(4, 40, 6) if "\ufffd" not in (s := full[i:i + 2]) and full.find(s) == i]
     assert len(stops) >= 3
     committed = steps = 0
@@ -237,6 +238,31 @@ def test_extension_is_consistent_for_every_method(server, method):
         assert all(x["nodes"] <= 8 for x in rounds)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_token_request_has_no_verify_step(server, stream):
+    """max_tokens 1: the prefill's token alone; no verify step, and nothing divides by zero."""
+    body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0, "ignore_eos": True, "return_rounds": True}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    before = scrape(server)
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        ext, usage = chunks[-1]["ddscope"], chunks[-1]["usage"]
+    else:
+        r = httpx.post(f"{server}/v1/completions", json=body, timeout=30).json()
+        text, ext, usage = r["choices"][0]["text"], r["ddscope"], r["usage"]
+    after = scrape(server)
+    assert ext.pop("rounds") == [] and usage["completion_tokens"] == 1 and isinstance(text, str)
+    check_extension(ext, usage)
+    assert (ext["verify_steps"], ext["committed_tokens"], ext["avg_commit"], ext["decode_tok_per_s"]) == (0, 0, 0, 0)
+    assert moved(before, after, "ddscope:verify_steps_total") == 0
+    assert moved(before, after, "ddscope:commit_length_count") == 0
+    assert moved(before, after, "ddscope:generation_tokens_total") == 1
+    assert moved(before, after, "ddscope:time_to_first_token_seconds_count") == 1
+
+
 def test_metrics_move_by_exactly_one_request(server, model):
     metrics = httpx.get(f"{server}/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -256,6 +282,8 @@ def test_metrics_move_by_exactly_one_request(server, model):
     ext, usage = r["ddscope"], r["usage"]
     assert moved(before, after, "ddscope:verify_steps_total") == ext["verify_steps"]
     assert moved(before, after, "ddscope:committed_tokens_total") == ext["committed_tokens"]
+    assert moved(before, after, "ddscope:committed_tokens_total") / moved(
+        before, after, "ddscope:verify_steps_total") == pytest.approx(ext["avg_commit"])
     assert moved(before, after, "ddscope:draft_nodes_verified_total") == ext["nodes_verified"]
     assert moved(before, after, "ddscope:prompt_tokens_total") == usage["prompt_tokens"]
     assert moved(before, after, "ddscope:generation_tokens_total") == usage["completion_tokens"] == 30
