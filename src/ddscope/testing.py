@@ -105,9 +105,9 @@ def make_tiny_pair(directory: Path, arch: str = "qwen3", block_size: int = 8) ->
 class OracleDrafter:
     """A drafter with controlled acceptance, for tests: its logits at each depth of the block are the
     target's own (sharpened), along the target's greedy continuation of the committed prefix. So at T=0
-    every draft token is accepted, and under sampling the tree holds the target's likeliest tokens. With `accuracy`
-    below 1, each depth's two best tokens are swapped with probability 1 - accuracy: the top-1 is right
-    that often (a tree can still find the target's choice among the siblings).
+    every draft token is accepted, and under sampling the tree holds the target's likeliest tokens. With
+    `accuracy` below 1, each depth's two best tokens are swapped with probability 1 - accuracy: the top-1
+    is right that often (a tree can still find the target's choice among the siblings).
 
     The real drafter still drafts each block (its logits unused), so its context cache is exercised as
     in real runs. The continuation is read off the engine's own target cache, which holds the committed
