@@ -14,9 +14,9 @@ def prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ar_references(tiny_engine):
-    """12 prompts (lengths 1 to 39) and their 160-token greedy AR continuations."""
+    """8 prompts (lengths 1 to 39) and their 160-token greedy AR continuations."""
     return [(p, tiny_engine.generate(p, max_new_tokens=160, method="ar", ignore_eos=True).token_ids)
-            for p in prompts(tiny_engine.vocab_size, 12, seed=3)]
+            for p in prompts(tiny_engine.vocab_size, 8, seed=3)]
 
 
 @pytest.fixture(scope="module")
