@@ -56,7 +56,7 @@ class Decoder:
         self.tokens, self.prompt_len = list(prompt), len(prompt)
         ids = torch.tensor(prompt[cached:], dtype=torch.long, device=self.device)
         positions = torch.arange(cached, len(prompt), device=self.device)
-        out = self.target(ids, positions, self.cache, capture=self.capture)
+        out = self.target(ids, positions, self.cache, capture=self.capture, last_only=True)
         self.pending = out.features
         first = self.choose(out.logits[-1:], [0])[0]
         self.tokens.append(first)  # the root of the first tree

@@ -126,7 +126,7 @@ class HFTarget(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCache,
-                mask: torch.Tensor | None = None, capture: tuple[int, ...] = ()) -> ForwardOut:
+                mask: torch.Tensor | None = None, capture: tuple[int, ...] = (), last_only: bool = False) -> ForwardOut:
         """As `Target.forward`: `mask` is a boolean [n, cache.length + n] (True = may attend), None = causal."""
         start, n = cache.length, tokens.shape[0]
         if start + n > cache.capacity:
@@ -140,7 +140,8 @@ class HFTarget(nn.Module):
             attn = torch.zeros(mask.shape, dtype=dtype, device=tokens.device).masked_fill(
                 ~mask, torch.finfo(dtype).min)[None, None]
         out = self.model(input_ids=tokens[None], position_ids=positions[None], attention_mask=attn,
-                         past_key_values=cache.dynamic, use_cache=True, output_hidden_states=bool(capture))
+                         past_key_values=cache.dynamic, use_cache=True, output_hidden_states=bool(capture),
+                         logits_to_keep=1 if last_only else 0)
         # With `device_map` each layer's state stays on its GPU: gather them on the head's, with the drafter.
         dev = self.lm_head.weight.device
         features = torch.cat([out.hidden_states[i + 1][0].to(dev) for i in capture], dim=-1) if capture else None

@@ -188,11 +188,12 @@ class Target(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None = None, capture: tuple[int, ...] = ()) -> ForwardOut:
+                mask: torch.Tensor | None = None, capture: tuple[int, ...] = (), last_only: bool = False) -> ForwardOut:
         """Run `tokens` at `positions`, writing their K/V at slots `[cache.length, +n)`.
 
         `mask` is a boolean [n, cache.length + n] (True = may attend); None means causal.
         `capture` lists layer ids whose outputs are returned, HF-style (output of layer id).
+        `last_only`: logits of the last token alone (a prefill needs no others: the head is vocab-wide).
         """
         start, n = cache.length, tokens.shape[0]
         if start + n > cache.capacity:
@@ -216,4 +217,4 @@ class Target(nn.Module):
         if last in capture:  # HF's last hidden state is the normed one
             captured[last] = h
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return ForwardOut(self.logits(h), features)
+        return ForwardOut(self.logits(h[-1:] if last_only else h), features)
