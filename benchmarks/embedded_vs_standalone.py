@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
+from ddscope.bench.cli import EMBEDDED_MAX_TOKENS
 from ddscope.bench.embedded import serve_process
 
 
@@ -44,6 +45,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="also write the table as markdown here")
     args = p.parse_args()
     flags = args.sweep_flags.split()
+    if "--max-tokens" not in flags:  # with --url the default is longer: both get the main job's length
+        flags += ["--max-tokens", str(EMBEDDED_MAX_TOKENS)]
     rows: dict[int, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, serve_process([], Path(tmp) / "serve.log") as url:
         for i in range(args.rounds):

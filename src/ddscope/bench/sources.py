@@ -42,7 +42,8 @@ LOG = _src("server_log", "log",
            "requests are dropped and counted; no line in a window gives null")
 SOURCES = {s.name: s for s in (
     _src("ddscope.response", "per_request",
-         "response extension ddscope.avg_commit = committed_tokens / verify_steps"),
+         "response extension ddscope.avg_commit = committed_tokens / verify_steps = (completion_tokens - 1) "
+         "/ verify_steps: the first token is the prefill's"),
     _src("ddscope.counters", "counter_delta",
          "delta ddscope:committed_tokens_total / delta ddscope:verify_steps_total around the request"),
     _src("sglang.sglext", "per_request",
