@@ -29,8 +29,8 @@ def budget_arg(value: str) -> int | str:
 def default_threads() -> int:
     """One fewer torch thread than the CPUs this process may use (at least 1). torch splits each op evenly over
     its OpenMP threads and waits for the slowest, so a thread whose core another process keeps busy stalls
-    every op (2 threads on 2 cores: 602 -> 154 tok/s); vLLM's CPU backend likewise keeps a core free
-    (docs/server.md, Threads)."""
+    every op (`serve --method ar` on 2 cores, 2 threads: 384 tok/s alone, 13 beside one busy process; 1 thread:
+    338 and 317). vLLM's CPU backend likewise keeps a core free (docs/server.md, Threads)."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
