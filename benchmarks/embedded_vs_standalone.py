@@ -48,15 +48,19 @@ def main() -> int:
     if "--max-tokens" not in flags:  # with --url the default is longer: both get the main job's length
         flags += ["--max-tokens", str(EMBEDDED_MAX_TOKENS)]
     rows: dict[int, dict[str, list[float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, serve_process([], Path(tmp) / "serve.log") as url:
+    with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            for arm, target in (("embedded", None), ("standalone", url)):
-                got = sweep(Path(tmp) / f"{arm}{i}", target, flags)
+            for arm in ("embedded", "standalone"):
+                if arm == "embedded":
+                    got = sweep(Path(tmp) / f"{arm}{i}", None, flags)
+                else:  # fresh each round, as the embedded one is
+                    with serve_process([], Path(tmp) / f"serve{i}.log") as url:
+                        got = sweep(Path(tmp) / f"{arm}{i}", url, flags)
                 for ctx, tps in got.items():
                     rows.setdefault(ctx, {"embedded": [], "standalone": []})[arm].append(tps)
                 print(f"round {i + 1} {arm}: " + ", ".join(f"{c}: {t:.1f}" for c, t in got.items()), file=sys.stderr)
     lines = [f"CPU: {cpu_model()}; `ddscope bench sweep {' '.join(flags)}` (the main job), embedded vs "
-             f"`--url` a standalone `ddscope serve` with the same defaults, {args.rounds} interleaved rounds; "
+             f"`--url` a standalone `ddscope serve` (started fresh each round) with the same defaults, {args.rounds} interleaved rounds; "
              "tok/s is the median of each sweep's repeats, the ratio the median of per-round ratios.", "",
              "| prompt_tok | embedded tok/s | standalone tok/s | embedded / standalone |", "|---|---|---|---|"]
     for ctx, arms in rows.items():
