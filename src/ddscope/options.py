@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,20 +35,22 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def threads_arg(value: str) -> int:
-    """A torch thread count: an integer >= 1."""
-    try:
-        threads = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"threads must be an integer >= 1, got {value!r}") from None
-    if threads < 1:
-        raise argparse.ArgumentTypeError(f"threads must be >= 1, got {threads}")
-    return threads
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low` (argparse names the option in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
 
 
 def add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--threads, defaulting to default_threads() (shown in --help as this machine's number)."""
-    p.add_argument("--threads", type=threads_arg, default=default_threads(),
+    p.add_argument("--threads", type=at_least(1), default=default_threads(),
                    help="torch CPU threads (default: %(default)s, one fewer than the usable CPUs, so a busy core "
                         "elsewhere cannot stall every op; see docs/server.md, Threads)")
 

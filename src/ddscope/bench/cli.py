@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from ddscope.bench.serverlog import END_SLACK_S
-from ddscope.options import add_model_args, budget_arg
+from ddscope.options import add_model_args, at_least, budget_arg
 
 # The experiment. On the embedded demo pair (a 2-core CPU) the output is shorter, so the
 # main job ends in about two minutes; contexts that do not fit max_model_len shrink to fit.
@@ -31,18 +31,6 @@ def _contexts(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
-
-
-def _at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
 
 
 def _number(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
@@ -76,17 +64,17 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     s = p.add_argument_group("sweep")
     s.add_argument("--contexts", type=_contexts,
                    help=f"prompt lengths in tokens (default {CONTEXTS}, shrunk to fit the server's max_model_len)")
-    s.add_argument("--max-tokens", type=_at_least(1),
+    s.add_argument("--max-tokens", type=at_least(1),
                    help=f"fixed output length, ignore_eos (default {URL_MAX_TOKENS} with --url; "
                         f"{EMBEDDED_MAX_TOKENS} on the embedded server, so the sweep ends in minutes on a 2-core CPU)")
-    s.add_argument("--repeats", type=_at_least(1), default=3, help="timed requests per context (default: %(default)s)")
-    s.add_argument("--warmup", type=_at_least(0), default=1, help="untimed requests per context (default: %(default)s)")
+    s.add_argument("--repeats", type=at_least(1), default=3, help="timed requests per context (default: %(default)s)")
+    s.add_argument("--warmup", type=at_least(0), default=1, help="untimed requests per context (default: %(default)s)")
     s.add_argument("--workload", default=workload_default, help="padding|code|math|chat|file:PATH (default: %(default)s)")
     s.add_argument("--temperature", type=_number(0.0, 2.0), default=0.0, help="(default: %(default)s)")
     s.add_argument("--stream", action="store_true", help="stream (SSE) instead of one non-streaming response")
     s.add_argument("--timeout", type=_number(0.0, 86400.0, low_open=True), default=600.0,
                    help="per-request timeout in seconds (default: %(default)s)")
-    s.add_argument("--window", type=_at_least(1), default=32,
+    s.add_argument("--window", type=at_least(1), default=32,
                    help="generated tokens per window for acceptance against position (default: %(default)s)")
     lg = p.add_argument_group("server log (acceptance from the server's own log lines)")
     src = lg.add_mutually_exclusive_group()
@@ -123,7 +111,7 @@ def register(subparsers: Any) -> None:
                          help='an observed point, e.g. 4000:45:3.1 for "45 tok/s at 4000 tokens, avg_commit 3.1"')
     analyze.add_argument("--predict", action="append", default=[], metavar="CTX:COMMIT",
                          help="tok/s the fitted step curve predicts, e.g. 8000:4 (avg_commit 4 at 8000 tokens)")
-    analyze.add_argument("--window", type=_at_least(1), default=32,
+    analyze.add_argument("--window", type=at_least(1), default=32,
                          help="generated tokens per window for acceptance against position (default: %(default)s)")
     analyze.add_argument("--json", action="store_true", help="print the analysis as JSON")
     analyze.add_argument("--out", type=Path, help="also write sweep.png and report.md here")
