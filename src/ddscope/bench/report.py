@@ -34,10 +34,10 @@ def _row(p: Point, headers: list[str]) -> list[str]:
 
 DECAY_NOTE = 0.1  # the terminal lists acceptance-by-position only where it moved this much
 HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine ms", "n"]
-SERVER_HEADER = "server avg_commit"  # shown where the server's own figure differs from the delivered one
+SERVER_HEADER = "server"  # the server's own avg_commit, shown where it differs from the delivered one
 LOG_HEADER = "log lines"  # shown when a server log was followed: the lines behind each avg_commit
 SERVER_NOTE = ("avg_commit is delivered: the tokens returned after the first (which prefill yields) per verify "
-               "step. server avg_commit is the server's own figure; it reads higher where the server counts the "
+               "step; `server` is the server's own avg_commit, which reads higher where the server counts the "
                "prefill token (SGLang's accept length) or drafts accepted past max_tokens (vLLM), and llama.cpp's "
                "counters leave out undrafted steps.")
 
@@ -110,13 +110,19 @@ def fit_line(a: Analysis) -> str:
 def print_report(a: Analysis, console: Console, meta: dict[str, Any],
                  predictions: list[dict[str, float]] = ()) -> None:
     """The terminal table (median ±sd over repeats), the setup, the fit, verdicts and notes."""
-    # Compact and unwrapped, so a row holds on one line of an 80-column terminal.
-    table = Table(title="ddscope bench: tok/s = avg_commit / step_time", box=box.SIMPLE_HEAD, pad_edge=False)
+    # Compact and unwrapped, so a row holds on one line of an 80-column terminal: one workload goes
+    # into the title instead of a column.
     headers = _headers(a)
-    for h in headers:
-        table.add_column(h, justify="left" if h == "workload" else "right", no_wrap=h != "workload")
+    labels = sorted({p.label for p in a.points})
+    keep = [i for i, h in enumerate(headers) if not (h == "workload" and len(labels) == 1)]
+    title = "ddscope bench" + (f" ({labels[0]})" if len(labels) == 1 else "") + ": tok/s = avg_commit / step_time"
+    table = Table(title=Text(title), box=box.SIMPLE_HEAD, pad_edge=False)
+    for i in keep:
+        table.add_column(headers[i], justify="left" if headers[i] == "workload" else "right",
+                         no_wrap=headers[i] != "workload")
     for p in a.points:
-        table.add_row(*(Text(cell) for cell in _row(p, headers)))  # Text: "[old]" in a label is no markup
+        row = _row(p, headers)
+        table.add_row(*(Text(row[i]) for i in keep))  # Text: "[old]" in a label is no markup
     console.print(table)
     if SERVER_HEADER in headers:
         console.print(SERVER_NOTE, highlight=False)
