@@ -196,3 +196,12 @@ def test_a_new_request_starts_from_what_the_pair_learned():
     good = Learned()
     run_plain_or_drafted(AutoBudget(cost(0.02), good), 8, committed=12)
     assert run_plain_or_drafted(AutoBudget(cost(0.02), good), 3, committed=12) == [True] * 3
+
+
+def test_plain_rounds_are_measured_now_and_then():
+    """A policy that keeps drafting still runs a plain round about every 60, so that what a plain round
+    costs is measured rather than borrowed from the tree rounds' overhead."""
+    policy = AutoBudget(cost(0.02))
+    decisions = run_plain_or_drafted(policy, 200, committed=12)
+    plain = [i for i, d in enumerate(decisions) if not d]
+    assert 2 <= len(plain) <= 5 and all(b - a > 40 for a, b in zip(plain, plain[1:]))

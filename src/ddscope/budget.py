@@ -29,6 +29,9 @@ from ddscope.tree import DraftTree, Score, grow, top_k
 NODE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 65)
 CTX_GRID = (0, 512, 1024, 2048, 4096, 6144, 8192, 16384, 32768)
 MAX_AUTO_BUDGET = NODE_GRID[-1] - 1
+# Decayed weight of plain-round evidence below which `auto` runs one plain round: about every 60 rounds
+# (SizeRatio decays 0.95 a round). Without it a plain round's cost would borrow the tree rounds' overhead.
+PLAIN_EVIDENCE = 0.05
 
 
 def smooth(ms: np.ndarray) -> np.ndarray:
@@ -208,9 +211,8 @@ class Learned:
 
     acceptance: Acceptance = field(default_factory=Acceptance)
     cost: SizeRatio = field(default_factory=SizeRatio)  # ms of a step, drafting excluded
-    # Exponential averages over recent rounds (None before the first): plain step ms; drafted rounds'
-    # committed tokens, step ms and drafting ms.
-    plain_ms: float | None = None
+    # Exponential averages over recent drafted rounds (None before the first): committed tokens, step ms
+    # and drafting ms. What a plain round costs is the calibration's, times `cost.at(1)`.
     committed: float | None = None
     drafted_ms: float | None = None
     draft_ms: float | None = None
@@ -241,6 +243,8 @@ class AutoBudget:
         return self.learned.acceptance
 
     def drafts(self, ctx: int) -> bool:
+        if self.learned.drafted_rounds >= self.warmup and self.learned.cost.weights[0] < PLAIN_EVIDENCE:
+            return False  # a plain round now and then, so that what one costs is measured, not assumed
         if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx):
             self.probe_gap = 1
             return True
@@ -251,8 +255,7 @@ class AutoBudget:
 
     def _drafting_pays(self, ctx: int) -> bool:
         m = self.learned
-        plain_ms = m.plain_ms or self.cost.at(ctx, 1) * m.cost.at(1)
-        return m.committed / m.drafted_ms > self.skip_below / plain_ms
+        return m.committed / m.drafted_ms > self.skip_below / (self.cost.at(ctx, 1) * m.cost.at(1))
 
     def candidates(self) -> int:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
@@ -284,7 +287,6 @@ class AutoBudget:
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
         m = self.learned
         if rnd.nodes == 0:  # a plain round: only its cost is news
-            m.plain_ms = _average(m.plain_ms, rnd.step_ms)
             m.cost.update(1, rnd.step_ms, self.cost.at(rnd.ctx_len, 1))
             self.since_draft += 1
             return
