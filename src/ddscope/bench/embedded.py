@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+from ddscope.server.launch import wait_healthy
 
 POLL_S = 0.2
 
@@ -66,17 +65,10 @@ def serve_process(serve_args: list[str], log_path: Path, host: str = "127.0.0.1"
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise ServerFailed(f"the server exited with code {proc.returncode} during startup "
-                                   f"(log: {log_path}):\n{_tail(log_path)}")
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(POLL_S)
-    raise ServerFailed(f"the server at {url} was not healthy within {timeout_s:g} s (log: {log_path}):\n"
-                       f"{_tail(log_path)}")
+    why = wait_healthy(url, lambda: proc.poll() is None, timeout_s, POLL_S)
+    if why == "stopped":
+        raise ServerFailed(f"the server exited with code {proc.returncode} during startup "
+                           f"(log: {log_path}):\n{_tail(log_path)}")
+    if why == "timeout":
+        raise ServerFailed(f"the server at {url} was not healthy within {timeout_s:g} s (log: {log_path}):\n"
+                           f"{_tail(log_path)}")

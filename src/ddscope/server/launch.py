@@ -5,7 +5,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,15 +98,25 @@ def serve_in_background(target: str | Path | None = None, drafter: str | Path | 
 
 
 def _wait_healthy(url: str, thread: threading.Thread, timeout: float) -> None:
+    why = wait_healthy(url, thread.is_alive, timeout)
+    if why == "stopped":
+        raise RuntimeError(f"the server at {url} stopped during startup; see the log")
+    if why == "timeout":
+        raise TimeoutError(f"the server at {url} was not healthy within {timeout:g} s")
+
+
+def wait_healthy(url: str, alive: Callable[[], bool], timeout: float, poll_s: float = 0.05) -> str | None:
+    """Poll `url`/health until it answers 200 (None), the server stops ("stopped"), or `timeout` s pass
+    ("timeout")."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
-            if not thread.is_alive():
-                raise RuntimeError(f"the server at {url} stopped during startup; see the log")
+            if not alive():
+                return "stopped"
             try:
                 if client.get(f"{url}/health").status_code == 200:
-                    return
+                    return None
             except httpx.TransportError:
                 pass
-            time.sleep(0.05)
-    raise TimeoutError(f"the server at {url} was not healthy within {timeout:g} s")
+            time.sleep(poll_s)
+    return "timeout"
