@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
-from ddscope.model import DecoderLayer, KVCache, RMSNorm, RopeTable, Target
+from ddscope.model import DecoderLayer, KVCache, RMSNorm, RopeTable, Target, grouped_bias
 from ddscope.weights import load_into, read_state_dict
 
 
@@ -44,8 +44,9 @@ class Drafter(nn.Module):
         return drafter.to(p.dtype).eval()
 
     def new_cache(self, capacity: int) -> KVCache:
+        """A cache for `capacity` context positions, and room after them for the block being drafted."""
         p = self.fc.weight
-        return KVCache(self.cfg.geometry, capacity, p.device, p.dtype)
+        return KVCache(self.cfg.geometry, capacity + self.block_size, p.device, p.dtype)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Project concatenated target hidden states to the drafter's context stream."""
@@ -72,29 +73,41 @@ class Drafter(nn.Module):
         """The decoder stack: queries from `block`, keys/values from `[ctx (+cached), block]`.
 
         Training passes many anchor blocks at once with a boolean `mask` [n_block, n_ctx + n_block].
+        Inference appends the block's K/V to the cache after the context (the next round overwrites them),
+        so every layer reads one contiguous slice of it.
         """
         cos_c, sin_c = self.rope(ctx_pos, block.dtype)
         cos_b, sin_b = self.rope(block_pos, block.dtype)
+        seen: dict[LayerAttention, tuple[int, torch.Tensor | None]] = {}  # per rule: first key slot, mask
         h = block
         for i, (layer, rule) in enumerate(zip(self.layers, self.cfg.attention)):
             attn = layer.self_attn
-            k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
-            key_pos = ctx_pos
-            if cache is not None:
-                k_ctx, v_ctx = cache.write(i, cache.length, k_ctx, v_ctx)
-                # The cache holds positions [0, block start). Keys outside every query's window are
-                # sliced off rather than masked: that is the saving at long context.
-                end = k_ctx.shape[1]
-                first = 0 if rule.window is None else max(0, end - rule.window + 1)
-                k_ctx, v_ctx = k_ctx[:, first:], v_ctx[:, first:]
-                key_pos = torch.arange(first, end, device=block.device)
             x = layer.input_layernorm(h)
+            k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
             k_blk, v_blk = attn.key_value(x, cos_b, sin_b)
             k, v = torch.cat([k_ctx, k_blk], dim=1), torch.cat([v_ctx, v_blk], dim=1)
-            seen = visible(rule, block_pos, key_pos, mask)
-            h = h + attn.attend(attn.query(x, cos_b, sin_b), k, v, seen)
+            first = 0
+            if cache is not None:  # k, v so far: the new context and the block; the cache holds the rest
+                k, v = cache.write(i, cache.length, k, v)
+            if rule not in seen:
+                seen[rule] = self._visible(rule, block_pos, ctx_pos, mask, cache)
+            first, layer_mask = seen[rule]
+            h = h + attn.attend(attn.query(x, cos_b, sin_b), k[:, first:], v[:, first:], layer_mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    def _visible(self, rule: LayerAttention, block_pos: torch.Tensor, ctx_pos: torch.Tensor,
+                 mask: torch.Tensor | None, cache: KVCache | None) -> tuple[int, torch.Tensor | None]:
+        """(first key slot, mask over the keys from there) for a layer under `rule`. With a cache, keys
+        outside every query's window are sliced off rather than masked: that is the saving at long context."""
+        if cache is None:
+            return 0, visible(rule, block_pos, torch.cat([ctx_pos, block_pos]), mask)
+        start = int(block_pos[0])  # the cache holds positions [0, start), then the block
+        first = 0 if rule.window is None else max(0, start - rule.window + 1)
+        keys = torch.arange(first, start + block_pos.shape[0], device=block_pos.device)
+        seen = visible(rule, block_pos, keys, mask)
+        g = self.cfg.geometry
+        return first, None if seen is None else grouped_bias(seen, g.num_heads // g.num_kv_heads, self.fc.weight.dtype)
 
     @torch.inference_mode()
     def draft(self, target: Target, last_token: int, start: int, features: torch.Tensor,
@@ -107,13 +120,13 @@ class Drafter(nn.Module):
         return target.logits(h[1:])
 
 
-def visible(rule: LayerAttention, block_pos: torch.Tensor, ctx_pos: torch.Tensor,
+def visible(rule: LayerAttention, block_pos: torch.Tensor, key_pos: torch.Tensor,
             mask: torch.Tensor | None) -> torch.Tensor | None:
-    """`mask` over keys `[ctx, block]` narrowed to what `rule` lets the block's queries see, by absolute
+    """`mask` over keys at `key_pos` narrowed to what `rule` lets the block's queries see, by absolute
     position; None means everything."""
     if rule.window is None and not rule.causal:
         return mask
-    ahead = block_pos[:, None] - torch.cat([ctx_pos, block_pos])[None, :]  # how far a key lies before a query
+    ahead = block_pos[:, None] - key_pos[None, :]  # how far a key lies before a query
     ok = ahead >= 0 if rule.causal else torch.ones_like(ahead, dtype=torch.bool)
     if rule.window is not None:
         ok &= ahead < rule.window

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ddscope.budget import AutoBudget
-from ddscope.sampling import SamplingParams
+from ddscope.sampling import SamplingParams, first_max
 from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree, best_first, chain, root_only
 
@@ -39,7 +39,7 @@ class AR(Proposer):
 
 class DFlash(Proposer):
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
-        return chain(root, draft_logits.argmax(-1).tolist())
+        return chain(root, first_max(draft_logits).tolist())
 
 
 class DDTree(Proposer):
