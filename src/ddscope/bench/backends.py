@@ -6,6 +6,7 @@ See docs/bench.md for the per-engine references.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,13 @@ def _per_step(tokens: float | None, steps: float | None) -> Steps:
 def _choice(body: dict[str, Any]) -> dict[str, Any]:
     choices = body.get("choices")
     return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+
+
+def text_digest(body: dict[str, Any]) -> str | None:
+    """sha1 of the completion's text (completions or chat shape): equal outputs across servers, at a glance."""
+    choice = _choice(body)
+    text = choice.get("text", (choice.get("message") or {}).get("content"))
+    return hashlib.sha1(text.encode()).hexdigest()[:16] if isinstance(text, str) else None
 
 
 def _ddscope(body: dict[str, Any], _: int) -> Steps:

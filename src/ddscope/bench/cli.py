@@ -69,6 +69,10 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
                         f"{EMBEDDED_MAX_TOKENS} on the embedded server, so the sweep ends in minutes on a 2-core CPU)")
     s.add_argument("--repeats", type=at_least(1), default=3, help="timed requests per context (default: %(default)s)")
     s.add_argument("--warmup", type=at_least(0), default=1, help="untimed requests per context (default: %(default)s)")
+    s.add_argument("--first-prompt", type=at_least(0), default=0,
+                   help="the workload's prompt index of the first timed request; later ones follow it, one per "
+                        "request (warm-ups take theirs from the set's end), so sweeps with different values send "
+                        "different real prompts (default: %(default)s)")
     s.add_argument("--workload", default=workload_default, help="padding|code|math|chat|file:PATH (default: %(default)s)")
     s.add_argument("--temperature", type=_number(0.0, 2.0), default=0.0, help="(default: %(default)s)")
     s.add_argument("--stream", action="store_true", help="stream (SSE) instead of one non-streaming response")
@@ -252,8 +256,9 @@ def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
     paths = []
     for workload, out in zip(workloads, dirs):
         cfg = SweepConfig(contexts=args.contexts, max_tokens=args.max_tokens, repeats=args.repeats,
-                          warmup=args.warmup, workload=workload, api=args.api, temperature=args.temperature,
-                          stream=args.stream, model=args.model, backend=args.backend, timeout_s=args.timeout,
+                          warmup=args.warmup, first_prompt=args.first_prompt, workload=workload, api=args.api,
+                          temperature=args.temperature, stream=args.stream, model=args.model, backend=args.backend,
+                          timeout_s=args.timeout,
                           clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap)
         sweep = Sweep(cfg, base_url, client, tokenizer, log, origin)
         total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)

@@ -31,6 +31,7 @@ from ddscope.bench.backends import (
     server_decode,
     server_prefill_s,
     step_commits,
+    text_digest,
     usage_of,
 )
 from ddscope.bench.serverlog import ServerLog, WindowReading
@@ -81,6 +82,7 @@ class SweepConfig:
     max_tokens: int
     repeats: int = 3
     warmup: int = 1
+    first_prompt: int = 0  # the workload's prompt index of the first timed request
     workload: str = "padding"
     api: str = "completions"
     temperature: float = 0.0
@@ -408,7 +410,7 @@ class Sweep:
         acc = self.reader.read(body, completion, before, logged)
         record.update(
             prompt_tokens=prompt_tokens or context, cached_tokens=cached_of(body), completion_tokens=completion,
-            response_id=body.get("id"),
+            response_id=body.get("id"), text_sha1=text_digest(body),
             latency_s=round(latency, 6), prefill_s=None if prefill is None else round(prefill, 6), tok_per_s=tps,
             tok_per_s_basis=basis, e2e_tok_per_s=completion / latency, engine_step_ms=engine_step_ms(self.backend, body),
             commits=step_commits(self.backend, body, completion), **acceptance_fields(acc, completion, tps))
@@ -451,14 +453,15 @@ class Sweep:
         status = "complete"
         try:
             for ci, context in enumerate(self.cfg.contexts):
-                for _ in range(self.cfg.warmup):
-                    self.measure(context, -1, ci * self.cfg.repeats)
+                for w in range(self.cfg.warmup):  # prompts of their own, counted from the set's end: a timed
+                    # real prompt must not find itself in a prefix cache (padding prompts are all the same)
+                    self.measure(context, -1, -1 - ci * self.cfg.warmup - w - self.cfg.first_prompt)
                     on_request(f"ctx {context}: warmup")
                     if self.lost:
                         raise ServerLost
                 opened, timed = time.time(), []
                 for r in range(self.cfg.repeats):
-                    record = self.measure(context, r, ci * self.cfg.repeats + r)
+                    record = self.measure(context, r, self.cfg.first_prompt + ci * self.cfg.repeats + r)
                     writer.add(record)
                     timed.append(record)
                     on_request(_note(record))
