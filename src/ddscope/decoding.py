@@ -43,7 +43,7 @@ class Decoder:
         self.clock = Clock(self.device)
         self.tokens: list[int] = []
         self.prompt_len = 0
-        self.pending: torch.Tensor | None = None  # target features not yet given to the drafter
+        self.pending: list[torch.Tensor] = []  # target features not yet given to the drafter, in order
 
     def prefill(self, prompt: list[int], cached: int = 0) -> tuple[int, float]:
         """Cache the whole prompt and choose the first token from its last position's logits, as the
@@ -57,7 +57,7 @@ class Decoder:
         ids = torch.tensor(prompt[cached:], dtype=torch.long, device=self.device)
         positions = torch.arange(cached, len(prompt), device=self.device)
         out = self.target(ids, positions, self.cache, capture=self.capture, last_only=True)
-        self.pending = out.features
+        self.pending = [out.features] if self.capture else []
         first = self.choose(out.logits[-1:], [0])[0]
         self.tokens.append(first)  # the root of the first tree
         return first, self.clock() - t0
@@ -67,8 +67,9 @@ class Decoder:
         t0 = self.clock()
         draft_logits = None
         if self.proposer.drafts(start):
-            draft_logits = self.drafter.draft(self.target, root, start, self.pending, self.draft_cache)
-            self.pending = self.pending[:0]  # now in the drafter's cache
+            features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+            draft_logits = self.drafter.draft(self.target, root, start, features, self.draft_cache)
+            self.pending = []  # now in the drafter's cache
         t1 = self.clock()
         tree = self.proposer.tree(root, draft_logits, self.sampling, start)
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
@@ -84,7 +85,7 @@ class Decoder:
         t3 = self.clock()
         self.cache.keep(start, torch.tensor(path, device=self.device))
         if self.capture:  # accumulates over rounds without a draft
-            self.pending = torch.cat([self.pending, out.features[path]])
+            self.pending.append(out.features[path])
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self.tokens += new
         t4 = self.clock()
