@@ -3,7 +3,9 @@
 Each optimisation is switched off by swapping in the straightforward code it replaced; arms run
 interleaved (shuffled per repeat) and the table reports median ms per step and the ratio.
 
-    python benchmarks/ablations.py [--target DIR --drafter DIR] [--repeats 7] [--max-tokens 600]
+    python benchmarks/ablations.py [--target DIR --drafter DIR] [--repeats 7] [--max-tokens 600] [--context N]
+
+`--context N` pads the prompt to N tokens (the padding workload): attention costs show at long context.
 """
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ddscope import Engine, engine as engine_mod
+import torch.nn.functional as F
+
+from ddscope import Engine, engine as engine_mod, model as model_mod, proposers as proposers_mod, sampling
+from ddscope.bench.workloads import fit_ids, load_workload
 from engine_args import load_engine, parser
-from ddscope.model import rope
+from ddscope.model import RMSNorm, rope
 
 
 class RecomputedRope:
@@ -32,15 +37,18 @@ class RecomputedRope:
 
 
 class FullRedecode:
-    """Before: the whole completion re-decoded every round."""
+    """Before: the whole completion re-decoded for every token (IncrementalText's interface)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.ids = tokenizer, []
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
 
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return text if final or not text.endswith("\ufffd") else text.rstrip("\ufffd")
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+        return self.text
+
+    def flush(self) -> None:
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
 
 @contextlib.contextmanager
@@ -63,9 +71,44 @@ def full_redecode(engine: Engine) -> Iterator[None]:
         engine_mod.IncrementalText = saved
 
 
+@contextlib.contextmanager
+def swapped(*swaps: tuple[object, str, object]) -> Iterator[None]:
+    """Set each (owner, attribute, value) for the duration, then put the originals back."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
+    for owner, name, value in swaps:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def unfused_rms_norm(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """Before: the statistics op by op."""
+    h = x.float()
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def ungrouped_attend(self, q, k, v, mask, causal=False):
+    """Before: SDPA's own GQA over a boolean mask, each query head on its own."""
+    if mask is not None and mask.dtype != torch.bool:  # a grouped bias: back to the boolean rows
+        mask = mask[:q.shape[1]] == 0
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                         enable_gqa=q.shape[0] != k.shape[0])
+    return self.o_proj(out[0].transpose(0, 1).reshape(q.shape[1], -1))
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    return scores.argmax(-1)
+
+
 ABLATIONS: dict[str, Callable[[Engine], contextlib.AbstractContextManager]] = {
     "rope table": rope_recomputed,
     "incremental detokenize": full_redecode,
+    "fused RMSNorm": lambda e: swapped((RMSNorm, "forward", unfused_rms_norm)),
+    "grouped-query attention": lambda e: swapped((model_mod.Attention, "attend", ungrouped_attend)),
+    "max() for argmax": lambda e: swapped((sampling, "first_max", argmax), (proposers_mod, "first_max", argmax)),
 }
 
 
@@ -81,9 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=600)
+    p.add_argument("--context", type=int, default=0, help="pad the prompt to this many tokens (default: a short one)")
     args = p.parse_args(argv)
     engine = load_engine(args)
     prompt = engine.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    if args.context:
+        prompt = fit_ids(load_workload("padding"), 0, args.context, engine.tokenizer)
     rng = random.Random(0)
     print("| optimisation | method | before ms/step | after ms/step | after/before |\n|---|---|---|---|---|")
     for name, off in ABLATIONS.items():
