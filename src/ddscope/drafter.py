@@ -79,6 +79,7 @@ class Drafter(nn.Module):
         cos_c, sin_c = self.rope(ctx_pos, block.dtype)
         cos_b, sin_b = self.rope(block_pos, block.dtype)
         seen: dict[LayerAttention, tuple[int, torch.Tensor | None]] = {}  # per rule: first key slot, mask
+        start = None if cache is None else cache.length + ctx.shape[0]  # where the block's K/V go
         h = block
         for i, (layer, rule) in enumerate(zip(self.layers, self.cfg.attention)):
             attn = layer.self_attn
@@ -86,23 +87,22 @@ class Drafter(nn.Module):
             k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
             k_blk, v_blk = attn.key_value(x, cos_b, sin_b)
             k, v = torch.cat([k_ctx, k_blk], dim=1), torch.cat([v_ctx, v_blk], dim=1)
-            first = 0
             if cache is not None:  # k, v so far: the new context and the block; the cache holds the rest
                 k, v = cache.write(i, cache.length, k, v)
             if rule not in seen:
-                seen[rule] = self._visible(rule, block_pos, ctx_pos, mask, cache)
+                seen[rule] = self._visible(rule, block_pos, ctx_pos, mask, start)
             first, layer_mask = seen[rule]
             h = h + attn.attend(attn.query(x, cos_b, sin_b), k[:, first:], v[:, first:], layer_mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
     def _visible(self, rule: LayerAttention, block_pos: torch.Tensor, ctx_pos: torch.Tensor,
-                 mask: torch.Tensor | None, cache: KVCache | None) -> tuple[int, torch.Tensor | None]:
-        """(first key slot, mask over the keys from there) for a layer under `rule`. With a cache, keys
-        outside every query's window are sliced off rather than masked: that is the saving at long context."""
-        if cache is None:
+                 mask: torch.Tensor | None, start: int | None) -> tuple[int, torch.Tensor | None]:
+        """(first key slot, mask over the keys from there) for a layer under `rule`. With a cache (the block
+        at slot `start`), keys outside every query's window are sliced off rather than masked: that is the
+        saving at long context."""
+        if start is None:
             return 0, visible(rule, block_pos, torch.cat([ctx_pos, block_pos]), mask)
-        start = int(block_pos[0])  # the cache holds positions [0, start), then the block
         first = 0 if rule.window is None else max(0, start - rule.window + 1)
         keys = torch.arange(first, start + block_pos.shape[0], device=block_pos.device)
         seen = visible(rule, block_pos, keys, mask)
