@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ddscope.budget import MAX_AUTO_BUDGET, Acceptance, AutoBudget, Learned, SizeRatio, VerifyCost
+from ddscope.lookup import LOOKUP_MAX
 from ddscope.proposers import DDTree
 from ddscope.sampling import SamplingParams
 from ddscope.stats import RoundStats
@@ -118,7 +119,8 @@ def test_acceptance_offset_follows_the_regime_of_the_moment():
 def test_curve_interpolates_and_is_monotone():
     c = cost(0.1, 1e-4)
     curve = c.curve(2048)
-    assert len(curve) == 96 and np.all(np.diff(curve) >= 0)
+    assert len(curve) == 96 + LOOKUP_MAX and np.all(np.diff(curve) >= 0)  # a lookup branch may top a tree
+    assert curve[-1] - curve[95] == pytest.approx(LOOKUP_MAX * (curve[95] - curve[94]))  # linear past the grid
     assert curve[15] == pytest.approx(1 + 0.1 * 15 + 1e-4 * 2048 * 16)  # n=16, halfway in context
 
 

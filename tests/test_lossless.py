@@ -46,7 +46,8 @@ def test_greedy_equals_ar(oracle, perfect, ar_references, method, budget):
         assert out.stats.completion_tokens == 160
         longest = max(longest, max(int(k) for k in out.stats.to_dict()["commit_histogram"]))
         committed, steps = committed + out.stats.committed_tokens, steps + out.stats.verify_steps
-    assert longest == deepest, f"deepest accepted path {longest} < {deepest}: the test lost its power"
+    # >=: a prompt-lookup branch (ddtree) may reach past the drafter's tree where the text repeats
+    assert longest >= deepest, f"deepest accepted path {longest} < {deepest}: the test lost its power"
     assert committed / steps > 1.5
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ddscope.lookup import LOOKUP_MAX
 from ddscope.model import Target
 from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree, Score, grow, top_k
@@ -29,8 +30,8 @@ from ddscope.tree import DraftTree, Score, grow, top_k
 NODE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, 65)
 CTX_GRID = (0, 512, 1024, 2048, 4096, 6144, 8192, 16384, 32768)
 MAX_AUTO_BUDGET = NODE_GRID[-1] - 1
-# Decayed weight of plain-round evidence below which `auto` runs one plain round: about every 60 rounds
-# (SizeRatio decays 0.95 a round). Without it a plain round's cost would borrow the tree rounds' overhead.
+# Decayed count of plain rounds (0.95 a round) below which `auto` runs one plain round: about every 60
+# rounds, so that what a plain round costs and commits is measured, not assumed.
 PLAIN_EVIDENCE = 0.05
 
 
@@ -53,8 +54,11 @@ class VerifyCost:
 
     def __init__(self, ctx: list[int], nodes: list[int], ms: list[list[float]]):
         self.ctx, self.nodes, self.ms = np.array(ctx, float), np.array(nodes, float), np.array(ms, float)
-        every_n = np.arange(1, self.nodes[-1] + 1)
-        self._rows = [np.interp(every_n, self.nodes, row).tolist() for row in self.ms]  # [ctx][n - 1]
+        every_n = np.arange(1, self.nodes[-1] + LOOKUP_MAX + 1)  # a lookup branch may come on top of a tree
+        slope = (self.ms[:, -1] - self.ms[:, -2]) / (self.nodes[-1] - self.nodes[-2])  # past the grid: linear
+        self._rows = [np.where(every_n > self.nodes[-1], row[-1] + s * (every_n - self.nodes[-1]),
+                               np.interp(every_n, self.nodes, row)).tolist()
+                      for row, s in zip(self.ms, slope)]  # [ctx][n - 1]
 
     def at(self, ctx: int, n: int) -> float:
         """Cost of one forward of `n` tokens at this context."""
@@ -191,7 +195,7 @@ class SizeRatio:
             overall = (sum(self.ratios) + self.prior) / (sum(self.weights) + self.prior)
             grid = [(r + self.prior * overall) / (w + self.prior) for r, w in zip(self.ratios, self.weights)]
             self._by_tokens = np.interp(np.arange(NODE_GRID[-1] + 1), NODE_GRID, grid).tolist()
-        return self._by_tokens[tokens]
+        return self._by_tokens[min(tokens, len(self._by_tokens) - 1)]
 
     def update(self, tokens: int, measured: float, predicted: float) -> None:
         self.ratios = [x * self.decay for x in self.ratios]
@@ -212,11 +216,16 @@ class Learned:
     acceptance: Acceptance = field(default_factory=Acceptance)
     cost: SizeRatio = field(default_factory=SizeRatio)  # ms of a step, drafting excluded
     # Exponential averages over recent drafted rounds (None before the first): committed tokens, step ms
-    # and drafting ms. What a plain round costs is the calibration's, times `cost.at(1)`.
+    # and drafting ms; and over plain rounds (no drafter; a prompt-lookup branch may still commit more
+    # than the root). Before a plain round is measured, one costs the calibration's, times `cost.at(1)`.
     committed: float | None = None
     drafted_ms: float | None = None
     draft_ms: float | None = None
     drafted_rounds: int = 0
+    plain_committed: float | None = None
+    plain_ms: float | None = None
+    plain_evidence: float = 0.0  # plain rounds, decayed 0.95 a round
+    probe_gap: int = 1  # plain rounds before the next probe, doubled per probe that did not pay
 
 
 class AutoBudget:
@@ -224,38 +233,40 @@ class AutoBudget:
 
     When recent drafted rounds commit tokens clearly more slowly than plain rounds would (below
     `skip_below` of their rate: a drafter out of its distribution), it stops drafting and probes
-    with a draft after 1, 2, 4 ... `probe_every` plain rounds; a probe that pays resumes drafting.
+    with a draft after 1, 2, 4 ... `probe_every` plain rounds; a probe that pays resumes drafting. The gap
+    carries over to the next request: a probe costs a draft and a tree (a few plain rounds' time), so
+    restarting at 1 cost each short sampled request about a tenth.
     Near break-even it keeps drafting: a drafted round also measures the drafter, so it sees at once
     when the text turns predictable, while a plain round learns nothing about the drafter.
     """
 
-    def __init__(self, cost: VerifyCost, learned: Learned | None = None, probe_every: int = 32,
+    def __init__(self, cost: VerifyCost, learned: Learned | None = None, probe_every: int = 128,
                  warmup: int = 4, skip_below: float = 0.9):
         self.cost, self.probe_every, self.warmup, self.skip_below = cost, probe_every, warmup, skip_below
         self.learned = learned or Learned()
-        self.since_draft, self.probe_gap = 0, 1
+        self.since_draft = 0
         self.last_choice = MAX_AUTO_BUDGET
         self._chosen: list[tuple[int, float, bool]] = []  # per chosen node: parent, drafter log-p, top-1
-        self._predicted_verify = 0.0  # calibrated ms for the chosen tree, before SizeRatio
 
     @property
     def acceptance(self) -> Acceptance:
         return self.learned.acceptance
 
     def drafts(self, ctx: int) -> bool:
-        if self.learned.drafted_rounds >= self.warmup and self.learned.cost.weights[0] < PLAIN_EVIDENCE:
+        if self.learned.drafted_rounds >= self.warmup and self.learned.plain_evidence < PLAIN_EVIDENCE:
             return False  # a plain round now and then, so that what one costs is measured, not assumed
         if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx):
-            self.probe_gap = 1
+            self.learned.probe_gap = 1
             return True
-        if self.since_draft >= self.probe_gap:
-            self.probe_gap = min(2 * self.probe_gap, self.probe_every)
+        if self.since_draft >= self.learned.probe_gap:
+            self.learned.probe_gap = min(2 * self.learned.probe_gap, self.probe_every)
             return True
         return False
 
     def _drafting_pays(self, ctx: int) -> bool:
         m = self.learned
-        return m.committed / m.drafted_ms > self.skip_below / (self.cost.at(ctx, 1) * m.cost.at(1))
+        plain = m.plain_committed / m.plain_ms if m.plain_ms else 1 / (self.cost.at(ctx, 1) * m.cost.at(1))
+        return m.committed / m.drafted_ms > self.skip_below * plain
 
     def candidates(self) -> int:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
@@ -281,13 +292,18 @@ class AutoBudget:
             rate = accepted / (draft + verify[n] * self.learned.cost.at(n + 1))
             if rate > best_rate:
                 best, best_rate = n, rate
-        self.last_choice, self._predicted_verify = best, verify[best]
+        self.last_choice = best
         return best
 
-    def observe(self, rnd: RoundStats, path: list[int]) -> None:
+    def observe(self, rnd: RoundStats, path: list[int], drafted: bool | None = None) -> None:
+        """`drafted`: whether the drafter ran this round (default: the tree has nodes); a plain round may
+        still verify a prompt-lookup branch."""
         m = self.learned
-        if rnd.nodes == 0:  # a plain round: only its cost is news
-            m.cost.update(1, rnd.step_ms, self.cost.at(rnd.ctx_len, 1))
+        plain = not (rnd.nodes > 0 if drafted is None else drafted)
+        m.plain_evidence = 0.95 * m.plain_evidence + plain
+        if plain:  # its cost and yield are news
+            m.plain_committed = _average(m.plain_committed, rnd.committed)
+            m.plain_ms = _average(m.plain_ms, rnd.step_ms)
             self.since_draft += 1
             return
         self.since_draft = 0
@@ -295,7 +311,7 @@ class AutoBudget:
         m.committed = _average(m.committed, rnd.committed)
         m.drafted_ms = _average(m.drafted_ms, rnd.step_ms)
         m.draft_ms = _average(m.draft_ms, rnd.draft_ms)
-        m.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self._predicted_verify)
+        m.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self.cost.at(rnd.ctx_len, rnd.nodes + 1))
         on_path = set(path)  # a token is tested only if its parent was accepted
         self.acceptance.update([(logp, top1, i in on_path) for i, (parent, logp, top1)
                                 in enumerate(self._chosen, start=1) if parent in on_path])

@@ -71,7 +71,7 @@ class Decoder:
             draft_logits = self.drafter.draft(self.target, root, start, features, self.draft_cache)
             self.pending = []  # now in the drafter's cache
         t1 = self.clock()
-        tree = self.proposer.tree(root, draft_logits, self.sampling, start)
+        tree = self.proposer.tree(root, draft_logits, self.sampling, start, self.tokens)
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor(tree.depths, dtype=torch.long, device=self.device) + start
         mask = None

@@ -14,6 +14,7 @@ from ddscope.config import CheckpointError, eos_ids
 from ddscope.decoding import Decoder
 from ddscope.drafter import Drafter
 from ddscope.hf_target import HFTarget, load_target
+from ddscope.lookup import LOOKUP_MAX
 from ddscope.model import Target
 from ddscope.prefix_cache import PrefixCache
 from ddscope.proposers import AR, DDTree, DFlash, Proposer
@@ -57,7 +58,7 @@ class Engine:
         self.verify_cost: VerifyCost | None = None  # calibrated on first use of budget="auto"
         self.learned: dict[tuple, Learned] = {}  # auto's model of the pair, per sampler, across requests
         self.device = target.lm_head.weight.device
-        self.cache = target.new_cache(max_model_len + MAX_BUDGET + 1)
+        self.cache = target.new_cache(max_model_len + MAX_BUDGET + LOOKUP_MAX + 1)  # + root, tree, lookup
         self.draft_cache = drafter.new_cache(max_model_len + 1) if drafter is not None else None
         self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
         # The native target's caches only: transformers' DynamicCache (HFTarget) is rebuilt per request.

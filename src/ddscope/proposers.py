@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ddscope.budget import AutoBudget
+from ddscope.lookup import LOOKUP_MAX, Lookup
 from ddscope.sampling import SamplingParams, first_max
 from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree, best_first, chain, root_only
@@ -23,8 +24,9 @@ class Proposer(ABC):
         return self.uses_drafter
 
     @abstractmethod
-    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
-        """The tree to verify this round, rooted at the last committed token."""
+    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
+             history: list[int] = ()) -> DraftTree:
+        """The tree to verify this round, rooted at the last committed token (`history`'s last)."""
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
         """Feedback after each round (its stats and accepted node indices); only adaptive proposers use it."""
@@ -33,31 +35,58 @@ class Proposer(ABC):
 class AR(Proposer):
     uses_drafter = False
 
-    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
+    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
+             history: list[int] = ()) -> DraftTree:
         return root_only(root)
 
 
 class DFlash(Proposer):
-    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
+    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
+             history: list[int] = ()) -> DraftTree:
         return chain(root, first_max(draft_logits).tolist())
 
 
 class DDTree(Proposer):
-    def __init__(self, budget: int | AutoBudget):
+    """The drafter's best-first tree, plus a prompt-lookup branch (ddscope.lookup) when the text has one.
+
+    The branch is as long as recent rounds earned: `2 x` the decayed mean of lookup tokens accepted, plus 1,
+    up to LOOKUP_MAX. So a loop gets whole blocks; where lookup has stopped paying (sampling, text that
+    does not repeat), one token every `PROBE_EVERY` rounds watches for a loop to begin.
+    """
+
+    PROBE_EVERY = 8
+
+    def __init__(self, budget: int | AutoBudget, lookup: bool = True):
         self.policy = budget if isinstance(budget, AutoBudget) else None
         self.budget = "auto" if self.policy else budget
+        self.lookup = Lookup() if lookup else None
+        self.lookup_gain = 1.0  # decayed mean of lookup tokens accepted per round
+        self.rounds = 0
+        self._grafted: set[int] = set()
+        self._drafted = False
 
-    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int) -> DraftTree:
-        if draft_logits is None:  # the policy skipped drafting: verify the root alone
-            return root_only(root)
-        logprobs = sampling.log_probs(draft_logits)
-        if self.policy is None:
-            return best_first(root, logprobs, self.budget)
-        return self.policy.tree(root, logprobs, ctx_len)
+    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
+             history: list[int] = ()) -> DraftTree:
+        self._drafted = draft_logits is not None
+        if draft_logits is None:  # the policy skipped drafting
+            tree = root_only(root)
+        elif self.policy is None:
+            tree = best_first(root, sampling.log_probs(draft_logits), self.budget)
+        else:
+            tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len)
+        self._grafted, self.rounds = set(), self.rounds + 1
+        if self.lookup is not None and history:
+            length = min(LOOKUP_MAX, int(2 * self.lookup_gain + 1))
+            if self.lookup_gain < 0.2:
+                length = int(self.rounds % self.PROBE_EVERY == 0)
+            self._grafted = tree.graft(self.lookup.propose(history, length))
+        return tree
 
     def drafts(self, ctx_len: int) -> bool:
         return self.policy is None or self.policy.drafts(ctx_len)
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
+        if self.lookup is not None:
+            self.lookup_gain = 0.7 * self.lookup_gain + 0.3 * len(self._grafted.intersection(path))
         if self.policy is not None:
-            self.policy.observe(rnd, path)
+            self.policy.observe(rnd, path, self._drafted)

@@ -41,6 +41,25 @@ class DraftTree:
             node = parents[node]
         return vis
 
+    def graft(self, tokens: list[int]) -> set[int]:
+        """Add `tokens` as a path under the root, through the nodes that already spell its start; return
+        the path's nodes (tokens past the end of the tree's own are new leaves)."""
+        children = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i}
+        node, path = 0, set()
+        for token in tokens:
+            child = children.get((node, token))
+            if child is None:
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                if self.scores:  # grown trees keep these per node; a grafted node has no drafter score
+                    self.scores.append(float("-inf"))
+                    self.ranks.append(-1)
+            path.add(child)
+            node = child
+        return path
+
     def walk(self, choices: list[int]) -> list[int]:
         """Node indices of the accepted path: follow the child matching the target's choice."""
         children = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i}

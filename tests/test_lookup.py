@@ -1,0 +1,51 @@
+"""Prompt lookup: the copied continuation, its branch in the tree, and what it does to a real generation."""
+from ddscope.lookup import Lookup
+from ddscope.tree import chain
+
+
+def test_copies_what_followed_the_last_ngram():
+    look = Lookup(n=2)
+    assert look.propose([1, 2, 3, 4, 9, 1, 2], 3) == [3, 4, 9]
+    assert look.propose([5, 6, 7], 4) == []  # never seen before
+    assert Lookup(n=3).propose([1, 2], 2) == []  # shorter than an n-gram
+
+
+def test_a_short_cycle_repeats_past_the_end():
+    tokens = [7, 8, 9] + [1, 2] * 3
+    assert Lookup(n=2).propose(tokens, 6) == [1, 2, 1, 2, 1, 2]
+
+
+def test_the_index_grows_with_the_text():
+    look, tokens = Lookup(n=2), [1, 2, 3]
+    assert look.propose(tokens, 2) == []
+    tokens += [4, 1, 2]  # the same list, grown, as the decoder's
+    assert look.propose(tokens, 2) == [3, 4]
+    tokens += [5, 1, 2]
+    assert look.propose(tokens, 1) == [5]  # the latest occurrence
+
+
+def test_graft_shares_the_nodes_that_spell_its_start():
+    tree = chain(10, [11, 12, 13])
+    path = tree.graft([11, 12, 20, 21])
+    assert path == {1, 2, 4, 5} and tree.size == 5
+    assert tree.parents[4:] == [2, 4] and tree.depths[4:] == [3, 4]
+    assert tree.walk([11, 12, 20, 0, 21, 0]) == [0, 1, 2, 4, 5]  # choices by node index
+
+
+def test_the_demo_targets_code_loop_is_drafted_by_lookup():
+    """On a long HumanEval prompt the demo target loops (`\"\"\"` and an indent, over and over), which its
+    drafter commits about 2 tokens a step on; the lookup branch commits nearly whole blocks, and the output
+    is still `ar`'s."""
+    from ddscope.bench.workloads import fit_ids, load_workload
+    from ddscope.engine import Engine
+
+    engine = Engine.load()
+    prompt = fit_ids(load_workload("code"), 0, 1663, engine.tokenizer)
+    ref = engine.generate(prompt, max_new_tokens=96, method="ar", ignore_eos=True).token_ids
+    assert ref[-4:] == ref[-6:-2] == ref[-8:-4], "the target no longer loops here: the test has no power"
+    dflash = engine.generate(prompt, max_new_tokens=96, method="dflash", ignore_eos=True)
+    for budget in (4, "auto"):
+        out = engine.generate(prompt, max_new_tokens=96, method="ddtree", budget=budget, ignore_eos=True)
+        assert out.token_ids == dflash.token_ids == ref
+        commit, base = out.stats.to_dict()["avg_commit"], dflash.stats.to_dict()["avg_commit"]
+        assert commit > 2 * base and commit > 4, (budget, commit, base)
