@@ -30,12 +30,12 @@ class Recording(DDTree):
     """A fixed-budget DDTree that keeps (probability, top-1, accepted) for every tested token."""
 
     def __init__(self, budget: int):
-        super().__init__(budget)
+        super().__init__(budget, lookup=False)  # the drafter's own tokens only
         self.rows: list[tuple[float, bool, bool]] = []
         self._tree: DraftTree | None = None
 
-    def tree(self, root, draft_logits, sampling, ctx_len) -> DraftTree:
-        self._tree = super().tree(root, draft_logits, sampling, ctx_len)
+    def tree(self, root, draft_logits, sampling, ctx_len, history=()) -> DraftTree:
+        self._tree = super().tree(root, draft_logits, sampling, ctx_len, history)
         return self._tree
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
