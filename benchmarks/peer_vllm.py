@@ -5,7 +5,7 @@ Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens), vLLM plain, and
 its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
 at T=0.7 for the ddscope arms. A round runs one sweep per (pass, arm), `ddscope bench sweep --url` in a
 process of its own with one warm-up and one timed request per context, arms in a rotated order; round r
-sends other real prompts than round r-1 (`--first-prompt`), so code prompts never hit a prefix cache.
+and every pass send other real prompts (`--first-prompt`), so code prompts never hit a prefix cache.
 Cells are medians over rounds, so machine drift lands on every arm alike.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
@@ -208,12 +208,13 @@ def main() -> int:
             print(f"[{time.time() - started:5.0f} s] starting {arm}", file=sys.stderr, flush=True)
             urls[arm] = stack.enter_context(servers[arm](Path(tmp) / f"{arm}.log"))
         for r in range(args.rounds):
-            for x in passes:
+            for pi, x in enumerate(passes):
                 order = [a for a in chosen if x.runs(a)]
                 order = order[r % len(order):] + order[:r % len(order)]
                 for arm in order:
                     out = Path(tmp) / "sweeps" / f"{arm}-{x.name}-{r}".replace(" ", "_")
-                    for rec in sweep(urls[arm], x, r * len(contexts), out, args):
+                    first = (r * len(passes) + pi) * len(contexts)  # prompts no earlier sweep sent this server
+                    for rec in sweep(urls[arm], x, first, out, args):
                         records[arm].setdefault(x.name, {})[(r, rec["context"])] = rec
                     print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {arm}",
                           file=sys.stderr, flush=True)

@@ -98,3 +98,24 @@ def test_server_reports_cached_tokens_in_usage_and_metrics():
         metrics = client.get(f"{url}/metrics").text
     assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 256]
     assert 'ddscope:cached_prompt_tokens_total{model_name="target"} 256.0' in metrics
+
+
+def test_a_drafter_that_has_not_drafted_is_caught_up_before_saving(tiny_engine):
+    """Plain rounds leave target features pending; before a save they go into the drafter's cache, with the
+    K/V a draft would have written, so a later request's hit covers the drafter too."""
+    from ddscope.decoding import Decoder
+    from ddscope.proposers import DDTree
+    from ddscope.sampling import SamplingParams
+
+    e = tiny_engine
+    decoder = Decoder(e.target, e.drafter, DDTree(4), e.cache, e.draft_cache, SamplingParams(), None)
+    prompt = list(range(5, 75))
+    decoder.prefill(prompt)
+    features = torch.cat(decoder.pending)
+    decoder.sync_drafter()
+    assert e.draft_cache.length == e.cache.length == len(prompt) and not decoder.pending
+    fresh = e.drafter.new_cache(128)
+    e.drafter.draft(e.target, decoder.tokens[-1], len(prompt), features, fresh)
+    n = len(prompt)
+    torch.testing.assert_close(e.draft_cache.k[:, :, :n], fresh.k[:, :, :n])
+    torch.testing.assert_close(e.draft_cache.v[:, :, :n], fresh.v[:, :, :n])

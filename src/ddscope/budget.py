@@ -303,18 +303,24 @@ class AutoBudget:
         m.plain_evidence = 0.95 * m.plain_evidence + plain
         if plain:  # its cost and yield are news
             m.plain_committed = _average(m.plain_committed, rnd.committed)
-            m.plain_ms = _average(m.plain_ms, rnd.step_ms)
+            m.plain_ms = _average(m.plain_ms, _clipped(rnd.step_ms, m.plain_ms))
             self.since_draft += 1
             return
         self.since_draft = 0
         m.drafted_rounds += 1
         m.committed = _average(m.committed, rnd.committed)
-        m.drafted_ms = _average(m.drafted_ms, rnd.step_ms)
+        m.drafted_ms = _average(m.drafted_ms, _clipped(rnd.step_ms, m.drafted_ms))
         m.draft_ms = _average(m.draft_ms, rnd.draft_ms)
         m.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self.cost.at(rnd.ctx_len, rnd.nodes + 1))
         on_path = set(path)  # a token is tested only if its parent was accepted
         self.acceptance.update([(logp, top1, i in on_path) for i, (parent, logp, top1)
                                 in enumerate(self._chosen, start=1) if parent in on_path])
+
+
+def _clipped(ms: float, average: float | None) -> float:
+    """A step time as evidence: at most twice the running average, so one stall (a page fault, another
+    process) cannot flip the draft-or-not choice for the many rounds the average takes to recover."""
+    return ms if average is None else min(ms, 2 * average)
 
 
 def _average(old: float | None, new: float, weight: float = 0.3) -> float:

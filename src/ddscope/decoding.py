@@ -94,6 +94,13 @@ class Decoder:
         rnd.commit_ms += self.clock() - t4  # the policy's bookkeeping is part of the round too
         return new, rnd
 
+    def sync_drafter(self) -> None:
+        """Give the drafter the features it has not seen (plain rounds leave them pending), so its cache
+        covers the same positions as the target's: what a prefix cache saves must hold both."""
+        if self.capture and self.pending:
+            self.drafter.extend(torch.cat(self.pending), self.draft_cache)
+            self.pending = []
+
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""
         choices = self.choose(logits, tree.depths)

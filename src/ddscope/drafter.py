@@ -110,6 +110,17 @@ class Drafter(nn.Module):
         return first, None if seen is None else grouped_bias(seen, g.num_heads // g.num_kv_heads, self.fc.weight.dtype)
 
     @torch.inference_mode()
+    def extend(self, features: torch.Tensor, cache: KVCache) -> None:
+        """Append context K/V for `features` without drafting (a layer's context K/V come from the projected
+        features alone), so the cache covers every position it was given."""
+        ctx = self.context(features)
+        positions = torch.arange(cache.length, cache.length + ctx.shape[0], device=ctx.device)
+        cos, sin = self.rope(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            cache.write(i, cache.length, *layer.self_attn.key_value(ctx, cos, sin))
+        cache.length += ctx.shape[0]
+
+    @torch.inference_mode()
     def draft(self, target: Target, last_token: int, start: int, features: torch.Tensor,
               cache: KVCache) -> torch.Tensor:
         """Logits [B-1, vocab] for positions `start+1 .. start+B-1` given new context `features`."""

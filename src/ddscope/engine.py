@@ -178,6 +178,7 @@ class Engine:
                 rnd.committed = len(kept)
                 stats.rounds.append(rnd)
             if completion.finish_reason and self.prefix_cache:  # the caches hold what the tokens say
+                decoder.sync_drafter()
                 self.prefix_cache.save(decoder.tokens, self.cache, draft_cache)
             yield Step(kept, completion.release(), rnd, stats, completion.finish_reason, completion.matched_stop)
             if completion.finish_reason:
