@@ -194,8 +194,9 @@ class SizeRatio:
         if self._by_tokens is None:
             overall = (sum(self.ratios) + self.prior) / (sum(self.weights) + self.prior)
             grid = [(r + self.prior * overall) / (w + self.prior) for r, w in zip(self.ratios, self.weights)]
-            self._by_tokens = np.interp(np.arange(NODE_GRID[-1] + 1), NODE_GRID, grid).tolist()
-        return self._by_tokens[min(tokens, len(self._by_tokens) - 1)]
+            # past the grid (a lookup branch on the largest tree): the last size's ratio
+            self._by_tokens = np.interp(np.arange(NODE_GRID[-1] + LOOKUP_MAX + 1), NODE_GRID, grid).tolist()
+        return self._by_tokens[tokens]
 
     def update(self, tokens: int, measured: float, predicted: float) -> None:
         self.ratios = [x * self.decay for x in self.ratios]

@@ -67,9 +67,7 @@ class Decoder:
         t0 = self.clock()
         draft_logits = None
         if self.proposer.drafts(start):
-            features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
-            draft_logits = self.drafter.draft(self.target, root, start, features, self.draft_cache)
-            self.pending = []  # now in the drafter's cache
+            draft_logits = self.drafter.draft(self.target, root, start, self._take_pending(), self.draft_cache)
         t1 = self.clock()
         tree = self.proposer.tree(root, draft_logits, self.sampling, start, self.tokens)
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
@@ -98,8 +96,13 @@ class Decoder:
         """Give the drafter the features it has not seen (plain rounds leave them pending), so its cache
         covers the same positions as the target's: what a prefix cache saves must hold both."""
         if self.capture and self.pending:
-            self.drafter.extend(torch.cat(self.pending), self.draft_cache)
-            self.pending = []
+            self.drafter.extend(self._take_pending(), self.draft_cache)
+
+    def _take_pending(self) -> torch.Tensor:
+        """The pending features as one tensor; from here on they are the drafter's cache's."""
+        features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        self.pending = []
+        return features
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""

@@ -41,10 +41,14 @@ class DraftTree:
             node = parents[node]
         return vis
 
+    def _children(self) -> dict[tuple[int, int], int]:
+        """(parent, token) -> node: tokens are unique among siblings."""
+        return {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i}
+
     def graft(self, tokens: list[int]) -> set[int]:
         """Add `tokens` as a path under the root, through the nodes that already spell its start; return
         the path's nodes (tokens past the end of the tree's own are new leaves)."""
-        children = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i}
+        children = self._children()
         node, path = 0, set()
         for token in tokens:
             child = children.get((node, token))
@@ -62,7 +66,7 @@ class DraftTree:
 
     def walk(self, choices: list[int]) -> list[int]:
         """Node indices of the accepted path: follow the child matching the target's choice."""
-        children = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i}
+        children = self._children()
         path = [0]
         while (nxt := children.get((path[-1], choices[path[-1]]))) is not None:
             path.append(nxt)
