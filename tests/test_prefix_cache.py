@@ -18,19 +18,23 @@ def _cache(fill: float, length: int) -> KVCache:
     return cache
 
 
+def _features(fill: float) -> torch.Tensor:
+    return torch.arange(8 * BLOCK * 3, dtype=torch.float32).view(8 * BLOCK, 3) + fill
+
+
 def test_longest_whole_block_prefix_comes_back_exactly():
     tokens = list(range(3 * BLOCK + 10))
     store = PrefixCache(1 << 30)
-    target, drafter = _cache(0.5, len(tokens) - 1), _cache(7.0, 2 * BLOCK + 5)
-    store.save(tokens, target, drafter)
-    assert len(store.blocks) == 2  # the drafter holds two whole blocks: only those are complete
-    fresh_t, fresh_d = _cache(0.0, 0), _cache(0.0, 0)
+    target, features = _cache(0.5, 2 * BLOCK + 5), _features(7.0)
+    store.save(tokens, target, features)
+    assert len(store.blocks) == 2  # the target holds two whole blocks: only those are complete
+    fresh_t, fresh_f = _cache(0.0, 0), _features(0.0) * 0
     other = tokens[:BLOCK + 3] + [9999] + tokens[BLOCK + 4:]  # diverges inside the second block
-    assert store.load(other, fresh_t, fresh_d) == BLOCK
-    assert store.load(tokens, fresh_t, fresh_d) == 2 * BLOCK
-    assert fresh_t.length == fresh_d.length == 2 * BLOCK
+    assert store.load(other, fresh_t, fresh_f) == BLOCK
+    assert store.load(tokens, fresh_t, fresh_f) == 2 * BLOCK
+    assert fresh_t.length == 2 * BLOCK
     assert torch.equal(fresh_t.k[:, :, :2 * BLOCK], target.k[:, :, :2 * BLOCK])
-    assert torch.equal(fresh_d.v[:, :, :2 * BLOCK], drafter.v[:, :, :2 * BLOCK])
+    assert torch.equal(fresh_f[:2 * BLOCK], features[:2 * BLOCK]) and not fresh_f[2 * BLOCK:].any()
 
 
 def test_one_token_is_always_left_to_prefill():
@@ -44,10 +48,10 @@ def test_target_only_blocks_serve_ar_not_a_drafter():
     tokens = list(range(2 * BLOCK + 1))
     store = PrefixCache(1 << 30)
     store.save(tokens, _cache(0.0, 2 * BLOCK), None)  # an `ar` request: no drafter context
-    assert store.load(tokens, _cache(0.0, 0), _cache(0.0, 0)) == 0
+    assert store.load(tokens, _cache(0.0, 0), _features(0.0)) == 0
     assert store.load(tokens, _cache(0.0, 0), None) == 2 * BLOCK
-    store.save(tokens, _cache(0.0, 2 * BLOCK), _cache(1.0, 2 * BLOCK))  # now with the drafter's
-    assert store.load(tokens, _cache(0.0, 0), _cache(0.0, 0)) == 2 * BLOCK
+    store.save(tokens, _cache(0.0, 2 * BLOCK), _features(1.0))  # now with the drafter's
+    assert store.load(tokens, _cache(0.0, 0), _features(0.0)) == 2 * BLOCK
 
 
 def test_least_recently_used_blocks_go_first_within_the_budget():
@@ -100,22 +104,23 @@ def test_server_reports_cached_tokens_in_usage_and_metrics():
     assert 'ddscope:cached_prompt_tokens_total{model_name="target"} 256.0' in metrics
 
 
-def test_a_drafter_that_has_not_drafted_is_caught_up_before_saving(tiny_engine):
-    """Plain rounds leave target features pending; before a save they go into the drafter's cache, with the
-    K/V a draft would have written, so a later request's hit covers the drafter too."""
+def test_a_hit_gives_the_drafter_the_features_a_prefill_would(tiny_engine):
+    """A request that never drafted (`ar`-like plain rounds) still leaves the target features of every cached
+    position, so a later hit drafts exactly as after a full prefill."""
     from ddscope.decoding import Decoder
     from ddscope.proposers import DDTree
     from ddscope.sampling import SamplingParams
 
     e = tiny_engine
-    decoder = Decoder(e.target, e.drafter, DDTree(4), e.cache, e.draft_cache, SamplingParams(), None)
-    prompt = list(range(5, 75))
-    decoder.prefill(prompt)
-    features = torch.cat(decoder.pending)
-    decoder.sync_drafter()
-    assert e.draft_cache.length == e.cache.length == len(prompt) and not decoder.pending
-    fresh = e.drafter.new_cache(128)
-    e.drafter.draft(e.target, decoder.tokens[-1], len(prompt), features, fresh)
-    n = len(prompt)
-    torch.testing.assert_close(e.draft_cache.k[:, :, :n], fresh.k[:, :, :n])
-    torch.testing.assert_close(e.draft_cache.v[:, :, :n], fresh.v[:, :, :n])
+    prompt = list(range(5, 5 + 2 * BLOCK + 9))
+    full = Decoder(e.target, e.drafter, DDTree(4), e.cache, e.draft_cache, SamplingParams(), None)
+    full.prefill(prompt)
+    want = e.draft_cache.features[:len(prompt)].clone()
+    store = PrefixCache(1 << 30)
+    store.save(prompt, e.cache, e.draft_cache.features)
+    e.draft_cache.features.zero_()
+    hit = Decoder(e.target, e.drafter, DDTree(4), e.cache, e.draft_cache, SamplingParams(), None)
+    cached = store.load(prompt, e.cache, e.draft_cache.features)
+    hit.prefill(prompt, cached)
+    assert cached == 2 * BLOCK and e.draft_cache.length == 0
+    torch.testing.assert_close(e.draft_cache.features[:len(prompt)], want, atol=1e-5, rtol=1e-4)

@@ -1,7 +1,7 @@
 """One generation's decoding state and its round: draft -> tree -> verify -> commit.
 
 Invariant between rounds: the target cache holds K/V for every committed token but the last one
-(the root of the next tree), and the drafter has been given target features up to the same point.
+(the root of the next tree), and the drafter's cache holds the target features of the same positions.
 Prefill establishes it: it caches the whole prompt and chooses the first token, the first root.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ddscope.drafter import Drafter
+from ddscope.drafter import Drafter, DrafterCache
 from ddscope.model import KVCache, Target
 from ddscope.proposers import Proposer
 from ddscope.sampling import Noise, SamplingParams
@@ -32,7 +32,7 @@ class Clock:
 
 class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None, proposer: Proposer, cache: KVCache,
-                 draft_cache: KVCache | None, sampling: SamplingParams, generator: torch.Generator | None,
+                 draft_cache: DrafterCache | None, sampling: SamplingParams, generator: torch.Generator | None,
                  eos_ids: tuple[int, ...] = (), min_tokens: int = 0):
         self.target, self.drafter, self.proposer = target, drafter, proposer
         self.cache, self.draft_cache = cache, draft_cache
@@ -43,7 +43,6 @@ class Decoder:
         self.clock = Clock(self.device)
         self.tokens: list[int] = []
         self.prompt_len = 0
-        self.pending: list[torch.Tensor] = []  # target features not yet given to the drafter, in order
 
     def prefill(self, prompt: list[int], cached: int = 0) -> tuple[int, float]:
         """Cache the whole prompt and choose the first token from its last position's logits, as the
@@ -52,12 +51,13 @@ class Decoder:
         t0 = self.clock()
         self.cache.length = cached
         if self.draft_cache is not None:
-            self.draft_cache.length = cached if self.capture else 0
+            self.draft_cache.length = 0  # the first draft takes in the features it can see
         self.tokens, self.prompt_len = list(prompt), len(prompt)
         ids = torch.tensor(prompt[cached:], dtype=torch.long, device=self.device)
         positions = torch.arange(cached, len(prompt), device=self.device)
         out = self.target(ids, positions, self.cache, capture=self.capture, last_only=True)
-        self.pending = [out.features] if self.capture else []
+        if self.capture:
+            self.draft_cache.features[cached:len(prompt)] = out.features
         first = self.choose(out.logits[-1:], [0])[0]
         self.tokens.append(first)  # the root of the first tree
         return first, self.clock() - t0
@@ -67,7 +67,7 @@ class Decoder:
         t0 = self.clock()
         draft_logits = None
         if self.proposer.drafts(start):
-            draft_logits = self.drafter.draft(self.target, root, start, self._take_pending(), self.draft_cache)
+            draft_logits = self.drafter.draft(self.target, root, start, self.draft_cache)
         t1 = self.clock()
         tree = self.proposer.tree(root, draft_logits, self.sampling, start, self.tokens)
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
@@ -82,8 +82,8 @@ class Decoder:
         path, choices = self.accept(tree, out.logits)
         t3 = self.clock()
         self.cache.keep(start, torch.tensor(path, device=self.device))
-        if self.capture:  # accumulates over rounds without a draft
-            self.pending.append(out.features[path])
+        if self.capture:
+            self.draft_cache.features[start:start + len(path)] = out.features[path]
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self.tokens += new
         t4 = self.clock()
@@ -91,18 +91,6 @@ class Decoder:
         self.proposer.observe(rnd, path)
         rnd.commit_ms += self.clock() - t4  # the policy's bookkeeping is part of the round too
         return new, rnd
-
-    def sync_drafter(self) -> None:
-        """Give the drafter the features it has not seen (plain rounds leave them pending), so its cache
-        covers the same positions as the target's: what a prefix cache saves must hold both."""
-        if self.capture and self.pending:
-            self.drafter.extend(self._take_pending(), self.draft_cache)
-
-    def _take_pending(self) -> torch.Tensor:
-        """The pending features as one tensor; from here on they are the drafter's cache's."""
-        features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
-        self.pending = []
-        return features
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""

@@ -3,7 +3,8 @@
 One forward drafts a whole block: queries come from `[last token, MASK x (B-1)]`, keys/values from
 the cached context features plus the block itself. By default a layer sees all context and its whole
 block (bidirectional); z-lab's `sliding_attention` layers see only the last `sliding_window` positions,
-which keeps a drafter's attention, and its cost, the same at any context length.
+which keeps a drafter's attention, and its cost, the same at any context length: when every layer
+slides, positions out of reach are not even projected.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
+from ddscope.config import CheckpointError, DecoderGeometry, DrafterConfig, LayerAttention
 from ddscope.model import DecoderLayer, KVCache, RMSNorm, RopeTable, Target, grouped_bias
 from ddscope.weights import load_into, read_state_dict
 
@@ -43,10 +44,16 @@ class Drafter(nn.Module):
         load_into(drafter, drafter_state(directory), directory)
         return drafter.to(p.dtype).eval()
 
-    def new_cache(self, capacity: int) -> KVCache:
+    @property
+    def horizon(self) -> int | None:
+        """How far back from a block's first position any layer still sees (None: all the way)."""
+        windows = [rule.window for rule in self.cfg.attention]
+        return None if None in windows else max(windows) - 1
+
+    def new_cache(self, capacity: int) -> "DrafterCache":
         """A cache for `capacity` context positions, and room after them for the block being drafted."""
         p = self.fc.weight
-        return KVCache(self.cfg.geometry, capacity + self.block_size, p.device, p.dtype)
+        return DrafterCache(self.cfg.geometry, capacity + self.block_size, self.fc.in_features, p.device, p.dtype)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Project concatenated target hidden states to the drafter's context stream."""
@@ -110,25 +117,27 @@ class Drafter(nn.Module):
         return first, None if seen is None else grouped_bias(seen, g.num_heads // g.num_kv_heads, self.fc.weight.dtype)
 
     @torch.inference_mode()
-    def extend(self, features: torch.Tensor, cache: KVCache) -> None:
-        """Append context K/V for `features` without drafting (a layer's context K/V come from the projected
-        features alone), so the cache covers every position it was given."""
-        ctx = self.context(features)
-        positions = torch.arange(cache.length, cache.length + ctx.shape[0], device=ctx.device)
-        cos, sin = self.rope(positions, ctx.dtype)
-        for i, layer in enumerate(self.layers):
-            cache.write(i, cache.length, *layer.self_attn.key_value(ctx, cos, sin))
-        cache.length += ctx.shape[0]
-
-    @torch.inference_mode()
-    def draft(self, target: Target, last_token: int, start: int, features: torch.Tensor,
-              cache: KVCache) -> torch.Tensor:
-        """Logits [B-1, vocab] for positions `start+1 .. start+B-1` given new context `features`."""
+    def draft(self, target: Target, last_token: int, start: int, cache: "DrafterCache") -> torch.Tensor:
+        """Logits [B-1, vocab] for positions `start+1 .. start+B-1`, from the target features of the
+        positions before `start` (`cache.features`); those not taken in yet are projected first."""
+        if self.horizon is not None:  # older positions are out of every layer's reach, now and later
+            cache.length = max(cache.length, start - self.horizon)
         dev = self.fc.weight.device
         block = torch.full((self.block_size,), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         block[0] = last_token
-        h = self.forward_block(target.embed(block), start, self.context(features), cache)
+        h = self.forward_block(target.embed(block), start, self.context(cache.features[cache.length:start]), cache)
         return target.logits(h[1:])
+
+
+class DrafterCache(KVCache):
+    """The drafter's context: the target features of every position the target has cached (written by the
+    decoder; what the drafter drafts from, and what a prefix cache keeps for it), and the layers' K/V of
+    those taken in so far (`length`). Slots the horizon skipped hold nothing valid and are never read."""
+
+    def __init__(self, g: DecoderGeometry, capacity: int, feature_dim: int, device: torch.device,
+                 dtype: torch.dtype):
+        super().__init__(g, capacity, device, dtype)
+        self.features = torch.zeros(capacity, feature_dim, device=device, dtype=dtype)
 
 
 def visible(rule: LayerAttention, block_pos: torch.Tensor, key_pos: torch.Tensor,

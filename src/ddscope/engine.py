@@ -167,8 +167,8 @@ class Engine:
 
     def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats,
                 completion: Completion) -> Iterator[Step]:
-        draft_cache = self.draft_cache if decoder.capture else None
-        cached = self.prefix_cache.load(prompt, self.cache, draft_cache) if self.prefix_cache else 0
+        features = self.draft_cache.features if decoder.capture else None
+        cached = self.prefix_cache.load(prompt, self.cache, features) if self.prefix_cache else 0
         first, stats.prefill_ms = decoder.prefill(prompt, cached)
         stats.from_prefill, stats.cached_tokens = 1, cached
         new, rnd = [first], None  # the prefill's token is yielded on its own, before any verify round
@@ -178,8 +178,7 @@ class Engine:
                 rnd.committed = len(kept)
                 stats.rounds.append(rnd)
             if completion.finish_reason and self.prefix_cache:  # the caches hold what the tokens say
-                decoder.sync_drafter()
-                self.prefix_cache.save(decoder.tokens, self.cache, draft_cache)
+                self.prefix_cache.save(decoder.tokens, self.cache, features)
             yield Step(kept, completion.release(), rnd, stats, completion.finish_reason, completion.matched_stop)
             if completion.finish_reason:
                 return

@@ -12,7 +12,7 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, 
                           PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
 
 from ddscope.config import DrafterConfig
-from ddscope.drafter import Drafter
+from ddscope.drafter import Drafter, DrafterCache
 from ddscope.engine import Engine
 from ddscope.model import KVCache, Target
 from ddscope.training.drafter_ckpt import drafter_config, pick_layer_ids, save_drafter
@@ -122,9 +122,8 @@ class OracleDrafter:
         return getattr(self.drafter, name)
 
     @torch.inference_mode()
-    def draft(self, target: Target, last_token: int, start: int, features: torch.Tensor,
-              cache: KVCache) -> torch.Tensor:
-        self.drafter.draft(target, last_token, start, features, cache)
+    def draft(self, target: Target, last_token: int, start: int, cache: DrafterCache) -> torch.Tensor:
+        self.drafter.draft(target, last_token, start, cache)
         logits = self._greedy_path(last_token, start)
         for row in logits:
             if self.rng.random() >= self.accuracy:
