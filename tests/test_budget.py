@@ -47,7 +47,7 @@ def test_observed_rejections_shrink_the_tree():
     before = round_tree(policy).size
     for _ in range(16):  # the drafter was confident but nothing was ever accepted
         nodes = round_tree(policy).size
-        policy.observe(RoundStats(0, nodes, committed=1, verify_ms=2.0), path=[0])
+        policy.observe(RoundStats(0, nodes, committed=1, verify_ms=2.0, drafted=True), path=[0])
     assert round_tree(policy).size < before
 
 
@@ -57,7 +57,7 @@ def test_underconfident_drafter_is_recalibrated_to_a_deep_chain():
     for _ in range(30):  # ... but the target accepts every top-1 token
         tree = round_tree(policy, top1=0.3)
         path = top1_chain(tree)
-        policy.observe(RoundStats(0, tree.size, committed=len(path), verify_ms=2.0), path=path)
+        policy.observe(RoundStats(0, tree.size, committed=len(path), verify_ms=2.0, drafted=True), path=path)
     assert max(round_tree(policy, top1=0.3).depths) == 15
 
 
@@ -86,7 +86,7 @@ def test_underpriced_big_trees_shrink_once_measured():
             tree = round_tree(policy, top1=0.6)
             path = top1_chain(tree)[:4]  # the target agrees for three tokens
             policy.observe(RoundStats(0, tree.size, committed=len(path), draft_ms=1.0,
-                                      verify_ms=1 + per_node_ms * tree.size), path=path)
+                                      verify_ms=1 + per_node_ms * tree.size, drafted=True), path=path)
         return round_tree(policy, top1=0.6).size
 
     assert settle(per_node_ms=0.2) < settle(per_node_ms=0.02)  # ten times the calibrated price per node
@@ -126,7 +126,7 @@ def test_curve_interpolates_and_is_monotone():
 
 def drafted(policy: AutoBudget, committed: int, step_ms: float = 10.0) -> None:
     nodes = round_tree(policy).size
-    policy.observe(RoundStats(0, nodes, committed=committed, draft_ms=step_ms / 2, verify_ms=step_ms / 2),
+    policy.observe(RoundStats(0, nodes, committed=committed, draft_ms=step_ms / 2, verify_ms=step_ms / 2, drafted=True),
                    path=list(range(min(committed, nodes + 1))))
 
 
@@ -161,6 +161,18 @@ def test_keeps_drafting_when_it_pays():
         drafted(policy, committed=6)
     policy.observe(RoundStats(0, 0, committed=1, verify_ms=4.0), path=[0])
     assert policy.drafts(0)
+
+
+def test_a_loop_that_lookup_drafts_whole_is_left_to_lookup():
+    """Drafted rounds commit 16 tokens in 10 ms; a round without the drafter, whose lookup branch of 15 has
+    been accepting 14 tokens a round, would commit 15 in the price of a 16-token verify: no draft then."""
+    policy = AutoBudget(cost(0.02))
+    for _ in range(8):
+        drafted(policy, committed=16)
+    policy.observe(RoundStats(0, 0, committed=1, verify_ms=4.0), path=[0])  # what a plain round costs
+    assert policy._drafting_pays(0, 0.0, 0)  # against a plain round with no branch
+    assert not policy._drafting_pays(0, 14.0, 15)
+    assert policy._drafting_pays(0, 0.5, 2)
 
 
 def test_candidate_tree_follows_the_last_choice():

@@ -49,3 +49,19 @@ def test_the_demo_targets_code_loop_is_drafted_by_lookup():
         assert out.token_ids == dflash.token_ids == ref
         commit, base = out.stats.to_dict()["avg_commit"], dflash.stats.to_dict()["avg_commit"]
         assert commit > 2 * base and commit > 4, (budget, commit, base)
+
+
+def test_auto_leaves_the_drafter_out_of_a_loop_that_lookup_drafts_whole():
+    """Padding at 13 tokens: the demo target loops on `"The ` and the lookup branch commits whole blocks by
+    itself, so `auto` runs rounds without a draft that commit far more than the root; same output."""
+    from ddscope.bench.workloads import fit_ids, load_workload
+    from ddscope.engine import Engine
+
+    engine = Engine.load()
+    prompt = fit_ids(load_workload("padding"), 0, 13, engine.tokenizer)
+    ref = engine.generate(prompt, max_new_tokens=256, method="ar", ignore_eos=True).token_ids
+    out = engine.generate(prompt, max_new_tokens=256, method="ddtree", budget="auto", ignore_eos=True)
+    assert out.token_ids == ref
+    undrafted = [r.committed for r in out.stats.rounds if not r.drafted]
+    assert sum(c >= 8 for c in undrafted) >= 3, undrafted
+    assert 0 < out.stats.to_dict()["drafted_steps"] < out.stats.verify_steps

@@ -217,14 +217,14 @@ class Learned:
     acceptance: Acceptance = field(default_factory=Acceptance)
     cost: SizeRatio = field(default_factory=SizeRatio)  # ms of a step, drafting excluded
     # Exponential averages over recent drafted rounds (None before the first): committed tokens, step ms
-    # and drafting ms; and over plain rounds (no drafter; a prompt-lookup branch may still commit more
-    # than the root). Before a plain round is measured, one costs the calibration's, times `cost.at(1)`.
+    # and drafting ms; and over plain rounds (no drafter; a prompt-lookup branch may still be verified),
+    # measured ms over the calibration's for the tokens verified. Before a plain round is measured, that
+    # ratio is the drafted rounds' (`cost`).
     committed: float | None = None
     drafted_ms: float | None = None
     draft_ms: float | None = None
     drafted_rounds: int = 0
-    plain_committed: float | None = None
-    plain_ms: float | None = None
+    plain_ratio: float | None = None
     plain_evidence: float = 0.0  # plain rounds, decayed 0.95 a round
     probe_gap: int = 1  # plain rounds before the next probe, doubled per probe that did not pay
 
@@ -233,7 +233,8 @@ class AutoBudget:
     """Per-generation policy: `drafts` and `tree` before each verify, `observe` after.
 
     When recent drafted rounds commit tokens clearly more slowly than plain rounds would (below
-    `skip_below` of their rate: a drafter out of its distribution), it stops drafting and probes
+    `skip_below` of their rate: a drafter out of its distribution, or a loop that prompt lookup alone
+    drafts whole, so the drafter adds nothing but its cost), it stops drafting and probes
     with a draft after 1, 2, 4 ... `probe_every` plain rounds; a probe that pays resumes drafting. The gap
     carries over to the next request: a probe costs a draft and a tree (a few plain rounds' time), so
     restarting at 1 cost each short sampled request about a tenth.
@@ -253,10 +254,11 @@ class AutoBudget:
     def acceptance(self) -> Acceptance:
         return self.learned.acceptance
 
-    def drafts(self, ctx: int) -> bool:
+    def drafts(self, ctx: int, lookup: tuple[float, int] = (0.0, 0)) -> bool:
+        """`lookup`: what a plain round's prompt-lookup branch would add, (expected accepted tokens, length)."""
         if self.learned.drafted_rounds >= self.warmup and self.learned.plain_evidence < PLAIN_EVIDENCE:
             return False  # a plain round now and then, so that what one costs is measured, not assumed
-        if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx):
+        if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx, *lookup):
             self.learned.probe_gap = 1
             return True
         if self.since_draft >= self.learned.probe_gap:
@@ -264,10 +266,11 @@ class AutoBudget:
             return True
         return False
 
-    def _drafting_pays(self, ctx: int) -> bool:
+    def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
         m = self.learned
-        plain = m.plain_committed / m.plain_ms if m.plain_ms else 1 / (self.cost.at(ctx, 1) * m.cost.at(1))
-        return m.committed / m.drafted_ms > self.skip_below * plain
+        tokens = 1 + lookup_len
+        plain_ms = self.cost.at(ctx, tokens) * (m.plain_ratio or m.cost.at(tokens))
+        return m.committed / m.drafted_ms > self.skip_below * (1 + lookup_gain) / plain_ms
 
     def candidates(self) -> int:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
@@ -296,15 +299,12 @@ class AutoBudget:
         self.last_choice = best
         return best
 
-    def observe(self, rnd: RoundStats, path: list[int], drafted: bool | None = None) -> None:
-        """`drafted`: whether the drafter ran this round (default: the tree has nodes); a plain round may
-        still verify a prompt-lookup branch."""
+    def observe(self, rnd: RoundStats, path: list[int]) -> None:
         m = self.learned
-        plain = not (rnd.nodes > 0 if drafted is None else drafted)
-        m.plain_evidence = 0.95 * m.plain_evidence + plain
-        if plain:  # its cost and yield are news
-            m.plain_committed = _average(m.plain_committed, rnd.committed)
-            m.plain_ms = _average(m.plain_ms, _clipped(rnd.step_ms, m.plain_ms))
+        m.plain_evidence = 0.95 * m.plain_evidence + (not rnd.drafted)
+        if not rnd.drafted:  # its cost is news (a prompt-lookup branch may have been verified)
+            ratio = rnd.step_ms / self.cost.at(rnd.ctx_len, rnd.nodes + 1)
+            m.plain_ratio = _average(m.plain_ratio, _clipped(ratio, m.plain_ratio))
             self.since_draft += 1
             return
         self.since_draft = 0

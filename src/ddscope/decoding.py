@@ -87,7 +87,8 @@ class Decoder:
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self.tokens += new
         t4 = self.clock()
-        rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t_fwd - t2))
+        rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t_fwd - t2),
+                         draft_logits is not None)
         self.proposer.observe(rnd, path)
         rnd.commit_ms += self.clock() - t4  # the policy's bookkeeping is part of the round too
         return new, rnd

@@ -51,10 +51,12 @@ class DDTree(Proposer):
 
     The branch is as long as recent rounds earned: `2 x` the decayed mean of lookup tokens accepted, plus 1,
     up to LOOKUP_MAX. So a loop gets whole blocks; where lookup has stopped paying (sampling, text that
-    does not repeat), one token every `PROBE_EVERY` rounds watches for a loop to begin.
+    does not repeat), one token every `PROBE_EVERY` rounds watches for a loop to begin. `auto` weighs the
+    branch as what a round without the drafter would commit, once `TRUSTED_AFTER` rounds have measured it.
     """
 
     PROBE_EVERY = 8
+    TRUSTED_AFTER = 4
 
     def __init__(self, budget: int | AutoBudget, lookup: bool = True):
         self.policy = budget if isinstance(budget, AutoBudget) else None
@@ -63,11 +65,9 @@ class DDTree(Proposer):
         self.lookup_gain = 1.0  # decayed mean of lookup tokens accepted per round
         self.rounds = 0
         self._grafted: set[int] = set()
-        self._drafted = False
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
              history: list[int] = ()) -> DraftTree:
-        self._drafted = draft_logits is not None
         if draft_logits is None:  # the policy skipped drafting
             tree = root_only(root)
         elif self.policy is None:
@@ -76,17 +76,23 @@ class DDTree(Proposer):
             tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len)
         self._grafted, self.rounds = set(), self.rounds + 1
         if self.lookup is not None and history:
-            length = min(LOOKUP_MAX, int(2 * self.lookup_gain + 1))
-            if self.lookup_gain < 0.2:
-                length = int(self.rounds % self.PROBE_EVERY == 0)
+            length = self._branch_length() or int(self.rounds % self.PROBE_EVERY == 0)
             self._grafted = tree.graft(self.lookup.propose(history, length))
         return tree
 
+    def _branch_length(self) -> int:
+        """What recent rounds earned; 0 once lookup stopped paying (then only a probe now and then)."""
+        return 0 if self.lookup_gain < 0.2 else min(LOOKUP_MAX, int(2 * self.lookup_gain + 1))
+
     def drafts(self, ctx_len: int) -> bool:
-        return self.policy is None or self.policy.drafts(ctx_len)
+        if self.policy is None:
+            return True
+        if self.lookup is None or self.rounds < self.TRUSTED_AFTER:
+            return self.policy.drafts(ctx_len)
+        return self.policy.drafts(ctx_len, (self.lookup_gain, self._branch_length()))
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
         if self.lookup is not None:
             self.lookup_gain = 0.7 * self.lookup_gain + 0.3 * len(self._grafted.intersection(path))
         if self.policy is not None:
-            self.policy.observe(rnd, path, self._drafted)
+            self.policy.observe(rnd, path)

@@ -22,6 +22,7 @@ class RoundStats:
     verify_ms: float = 0.0
     commit_ms: float = 0.0
     model_ms: float = 0.0  # inside drafter and target forwards; the rest of step_ms is engine overhead
+    drafted: bool = False  # the drafter ran (`auto` may verify the root and a prompt-lookup branch alone)
 
     @property
     def step_ms(self) -> float:
@@ -68,6 +69,7 @@ class GenerationStats:
             "avg_commit": committed / steps if steps else 0.0,
             "commit_histogram": {str(k): v for k, v in sorted(Counter(r.committed for r in self.rounds).items())},
             "nodes_verified": sum(r.nodes for r in self.rounds),
+            "drafted_steps": sum(r.drafted for r in self.rounds),
             "mean_step_ms": 1000 * decode_s / steps if steps else 0.0,
             "phase_ms": {p: sum(getattr(r, f"{p}_ms") for r in self.rounds) for p in PHASES},
             "model_ms": sum(r.model_ms for r in self.rounds),
