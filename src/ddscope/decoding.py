@@ -81,9 +81,10 @@ class Decoder:
         t_fwd = self.clock()
         path, choices = self.accept(tree, out.logits)
         t3 = self.clock()
-        self.cache.keep(start, torch.tensor(path, device=self.device))
+        slots = torch.tensor(path, device=self.device)
+        self.cache.keep(start, slots)
         if self.capture:
-            self.draft_cache.features[start:start + len(path)] = out.features[path]
+            self.draft_cache.features[start:start + len(path)] = out.features.index_select(0, slots)
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self.tokens += new
         t4 = self.clock()

