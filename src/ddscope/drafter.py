@@ -28,6 +28,9 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(g) for _ in range(g.num_layers))
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.rope = RopeTable(g.head_dim, g.rope_theta)
+        windows = [rule.window for rule in cfg.attention]
+        # how far back from a block's first position any layer still sees (None: all the way)
+        self.horizon: int | None = None if None in windows else max(windows) - 1
 
     @property
     def block_size(self) -> int:
@@ -43,12 +46,6 @@ class Drafter(nn.Module):
         drafter.to_empty(device=p.device)
         load_into(drafter, drafter_state(directory), directory)
         return drafter.to(p.dtype).eval()
-
-    @property
-    def horizon(self) -> int | None:
-        """How far back from a block's first position any layer still sees (None: all the way)."""
-        windows = [rule.window for rule in self.cfg.attention]
-        return None if None in windows else max(windows) - 1
 
     def new_cache(self, capacity: int) -> "DrafterCache":
         """A cache for `capacity` context positions, and room after them for the block being drafted."""

@@ -7,8 +7,8 @@ block's end, the scheme of vLLM's automatic prefix caching: a block depends on e
 it, and so stands for the whole prefix. A batched engine can later map each sequence's block table
 onto the same blocks. Blocks are evicted least recently used, within a byte budget. Reuse is exact in
 what is attended to: every cached position's K/V, and its target features, are a function of the tokens
-up to it. Only the arithmetic of the prefill
-differs (a suffix instead of the whole prompt), as in every serving engine with prefix caching.
+up to it. Only the arithmetic of the prefill differs (a suffix instead of the whole prompt), as in every
+serving engine with prefix caching.
 """
 from __future__ import annotations
 
