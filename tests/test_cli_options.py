@@ -1,4 +1,4 @@
-"""Command-line surface: every option's --help names its default; --threads parsing and its default."""
+"""Command-line surface: every option's --help names its default; --threads and --prefill-threads parsing and defaults."""
 import argparse
 import os
 
@@ -31,3 +31,13 @@ def test_threads_default_keeps_a_cpu_free_and_rejects_bad_values():
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--threads", bad])
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_prefill_threads_are_auto_or_a_positive_integer(command):
+    parser, prompt = _subparser(command), ["a prompt"] if command == "generate" else []
+    assert parser.parse_args(prompt).prefill_threads is None
+    assert parser.parse_args([*prompt, "--prefill-threads", "2"]).prefill_threads == 2
+    for bad in ("0", "all", "-2"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*prompt, "--prefill-threads", bad])

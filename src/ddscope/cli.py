@@ -6,7 +6,8 @@ import json
 import sys
 
 from ddscope.config import CheckpointError
-from ddscope.options import add_model_args, add_threads_arg, budget_arg, load_engine, set_threads
+from ddscope.options import (add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, load_engine,
+                             set_threads)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -35,6 +36,7 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="prompt text")
     add_model_args(p)
     add_threads_arg(p)
+    add_prefill_threads_arg(p)
     p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree",
                    help="decoding method (default: %(default)s)")
     p.add_argument("--budget", type=budget_arg, default=None, help="DDTree node budget or 'auto' (default: 32)")

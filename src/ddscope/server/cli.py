@@ -5,7 +5,7 @@ import argparse
 import logging
 
 from ddscope.engine import PREFIX_CACHE_MB
-from ddscope.options import add_model_args, add_threads_arg, budget_arg, set_threads
+from ddscope.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=budget_arg, default=32,
                    help="default DDTree node budget; requests may override it (default: %(default)s)")
     add_threads_arg(p)
+    add_prefill_threads_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens (default: the model's)")
@@ -49,7 +50,8 @@ def _run(args: argparse.Namespace) -> int:
         serve(args.target, args.drafter, method=args.method, budget=args.budget, host=args.host, port=args.port,
               max_queue=args.max_queue, request_timeout=args.request_timeout, log_interval=args.log_interval,
               shutdown_timeout=args.shutdown_timeout, device=args.device, dtype=args.dtype,
-              max_model_len=args.max_model_len, prefix_cache_mb=args.prefix_cache)
+              max_model_len=args.max_model_len, prefix_cache_mb=args.prefix_cache,
+              prefill_threads=args.prefill_threads)
     except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         logging.getLogger("ddscope.server").error("cannot serve: %s", e)
         return 1
