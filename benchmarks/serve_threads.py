@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from ddscope.bench.sweep import cpu_model
 from ddscope.options import default_threads
 
 CONDITIONS = ("alone", "busy", "busy-cpu0")
@@ -148,13 +149,6 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, dict[str, list
                         results[arm][condition].append(clean_reading(client, url, [pid, os.getpid(), *busy], args))
             print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
     return results
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def _cell(readings: list[Reading], max_background: float) -> tuple[float, str]:

@@ -6,7 +6,11 @@ import torch
 
 from ddscope import Engine
 from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
+from ddscope.decoding import Decoder
 from ddscope.drafter import Drafter
+from ddscope.prefix_cache import BLOCK, PrefixCache
+from ddscope.proposers import DDTree
+from ddscope.sampling import SamplingParams
 from ddscope.testing import (TINY_PROMPTS, make_drafter, make_target, oracle_engine, run_cli,
                              write_prompts)
 from ddscope.training.contexts import parse_context_lengths, select_mix
@@ -174,3 +178,63 @@ def test_train_drafter_sliding_window_fine_tunes_a_full_drafter(tmp_path, target
     Engine.load(target_dir, out)
     with pytest.raises(ValueError, match="must be >= the block size"):
         TrainSpec(block_size=B, sliding_window=B - 1, steps=1)
+
+
+def _first_draft(engine: Engine, prompt: list[int], store=None) -> tuple[int, Decoder, torch.Tensor]:
+    """(cached tokens, the decoder after its prefill, the first draft's logits) through the engine's prefill
+    path, the prefix cache `store` loaded before and saved after."""
+    decoder = Decoder(engine.target, engine.drafter, DDTree(8), engine.cache, engine.draft_cache, SamplingParams(), None)
+    features = engine.draft_cache.features
+    cached = store.load(prompt, engine.cache, features, decoder.first_draft_reach(len(prompt))) if store else 0
+    first, _ = decoder.prefill(prompt, cached)
+    if store:
+        store.save(prompt, engine.cache, features, decoder.features_from)
+    return cached, decoder, engine.drafter.draft(engine.target, first, len(prompt), engine.draft_cache)
+
+
+def _full_prefill_draft(engine: Engine, prompt: list[int]) -> tuple[int, torch.Tensor]:
+    """(the first token, the first draft's logits) after a prefill that finishes every row."""
+    n = len(prompt)
+    cache, draft_cache = engine.target.new_cache(n + 1), engine.drafter.new_cache(n + 1)
+    full = engine.target(torch.tensor(prompt), torch.arange(n), cache, capture=engine.drafter.cfg.target_layer_ids)
+    draft_cache.features[:n] = full.features
+    first = int(full.logits[-1].argmax())
+    return first, engine.drafter.draft(engine.target, first, n, draft_cache)
+
+
+def _windowed_engine(target_dir, tmp_path) -> Engine:
+    return Engine.load(target_dir, make_drafter(tmp_path / "w", target_dir, layers=2, block_size=B,
+                                                sliding_window=B + 2))
+
+
+def test_a_prefill_finishes_only_the_rows_the_first_draft_reads(target_dir, tmp_path):
+    """With every drafter layer sliding, the prefill's last layer runs past its K/V only from the block
+    holding the first draft's reach: the K/V, first token and first draft are those of a full prefill."""
+    engine = _windowed_engine(target_dir, tmp_path)
+    n = 3 * BLOCK + 8
+    prompt = [int(t) for t in torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(5))]
+    _, decoder, got = _first_draft(engine, prompt)
+    assert decoder.features_from == (n - engine.drafter.horizon) // BLOCK * BLOCK == 2 * BLOCK
+    cache = engine.target.new_cache(n)
+    engine.target(torch.tensor(prompt), torch.arange(n), cache)
+    torch.testing.assert_close(engine.cache.k[:, :, :n], cache.k[:, :, :n])
+    want_first, want = _full_prefill_draft(engine, prompt)
+    assert decoder.tokens[-1] == want_first
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_prefix_hits_over_blocks_saved_without_features(target_dir, tmp_path):
+    """A block a trimmed prefill left without features serves a later prompt whose first draft does not
+    reach it, and ends a hit whose draft would; the draft is that of a full prefill either way."""
+    engine, store = _windowed_engine(target_dir, tmp_path), PrefixCache(1 << 30)
+    first = [int(t) for t in torch.randint(5, 300, (4 * BLOCK + 44,), generator=torch.Generator().manual_seed(6))]
+    far = first[:3 * BLOCK] + [7] * 40  # its draft reads from 3 * BLOCK + 31: blocks 0-2 serve without features
+    near = first[:4 * BLOCK] + [9] * 4  # its draft reads from 4 * BLOCK - 5, in block 3, which has none
+    hits = []
+    for prompt in (first, far, near):
+        cached, decoder, got = _first_draft(engine, prompt, store)
+        want_token, want = _full_prefill_draft(engine, prompt)
+        assert decoder.tokens[-1] == want_token
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        hits.append(cached)
+    assert hits == [0, 3 * BLOCK, 3 * BLOCK]

@@ -33,6 +33,29 @@ def test_captured_hidden_states_follow_hf_indexing(tmp_path):
     torch.testing.assert_close(feats, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("start", [0, 50])
+def test_a_tail_forward_gives_the_last_rows_of_a_full_one(tmp_path, start):
+    """`tail` rows through the last layer (a prefill after a prefix hit too, start > 0): the K/V of every row,
+    and the logits and features of the tail's, as a forward that finishes every row."""
+    native = Target.load(make_target(tmp_path / "t", "qwen3"), torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, native.cfg.vocab_size, (start + 200,), generator=torch.Generator().manual_seed(2))
+    outs, caches = [], []
+    for tail in (None, 37):
+        cache = native.new_cache(256)
+        if start:
+            native(ids[:start], torch.arange(start), cache)
+        outs.append(native(ids[start:], torch.arange(start, start + 200), cache, capture=(1, 3), tail=tail))
+        caches.append(cache)
+    full, part = outs
+    assert part.logits.shape[0] == part.features.shape[0] == 37
+    torch.testing.assert_close(part.logits, full.logits[-37:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(part.features, full.features[-37:], atol=1e-5, rtol=1e-4)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    with pytest.raises(ValueError, match="causal"):
+        native(ids[:40], torch.arange(40), native.new_cache(64), mask=torch.ones(40, 40, dtype=torch.bool).tril(),
+               tail=3)
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     directory = make_target(tmp_path / "one", "qwen3")
     hf = AutoModelForCausalLM.from_pretrained(str(directory))

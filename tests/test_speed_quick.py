@@ -58,3 +58,10 @@ def test_slot_confidence_reports_a_chain_and_probabilities(tmp_path):
     for chain, probs in rows.values():
         p = [float(x) for x in probs.split()]
         assert 1.0 <= float(chain) <= 16.0 and len(p) == 15 and all(0.0 <= x <= 1.0 for x in p)
+
+
+def test_prefill_bench_times_every_arm(tmp_path):
+    out = run_benchmark("prefill.py", "--contexts", "700", "--repeats", "1", tmp_path=tmp_path)
+    row = next(line for line in out.splitlines() if line.startswith("| 700 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1] == "no" and len(cells) == 6 and all(float(c) > 0 for c in cells[2:])

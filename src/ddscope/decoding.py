@@ -12,6 +12,7 @@ import torch
 
 from ddscope.drafter import Drafter, DrafterCache
 from ddscope.model import KVCache, Target
+from ddscope.prefix_cache import BLOCK
 from ddscope.proposers import Proposer
 from ddscope.sampling import Noise, SamplingParams
 from ddscope.stats import RoundStats
@@ -43,6 +44,7 @@ class Decoder:
         self.clock = Clock(self.device)
         self.tokens: list[int] = []
         self.prompt_len = 0
+        self.features_from = 0  # the drafter's cache holds features from here on (a prefill skips older ones)
 
     def prefill(self, prompt: list[int], cached: int = 0) -> tuple[int, float]:
         """Cache the whole prompt and choose the first token from its last position's logits, as the
@@ -55,12 +57,21 @@ class Decoder:
         self.tokens, self.prompt_len = list(prompt), len(prompt)
         ids = torch.tensor(prompt[cached:], dtype=torch.long, device=self.device)
         positions = torch.arange(cached, len(prompt), device=self.device)
-        out = self.target(ids, positions, self.cache, capture=self.capture, last_only=True)
+        # The last layer finishes only the rows read later: the last (the first token's logits), and the first
+        # draft's reach from a block's start, so the prefix cache keeps whole blocks of features.
+        tail = len(prompt) - self.first_draft_reach(len(prompt)) // BLOCK * BLOCK if self.capture else 1
+        out = self.target(ids, positions, self.cache, capture=self.capture, last_only=True, tail=tail)
         if self.capture:
-            self.draft_cache.features[cached:len(prompt)] = out.features
+            self.features_from = len(prompt) - len(out.features)
+            self.draft_cache.features[self.features_from:len(prompt)] = out.features
         first = self.choose(out.logits[-1:], [0])[0]
         self.tokens.append(first)  # the root of the first tree
         return first, self.clock() - t0
+
+    def first_draft_reach(self, prompt_len: int) -> int:
+        """The first prompt position whose features the first draft reads (its window's reach)."""
+        horizon = self.drafter.horizon
+        return max(0, prompt_len - horizon) if horizon is not None else 0
 
     def step(self) -> tuple[list[int], RoundStats]:
         start, root = self.cache.length, self.tokens[-1]

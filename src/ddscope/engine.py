@@ -173,7 +173,8 @@ class Engine:
     def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats,
                 completion: Completion) -> Iterator[Step]:
         features = self.draft_cache.features if decoder.capture else None
-        cached = self.prefix_cache.load(prompt, self.cache, features) if self.prefix_cache else 0
+        reach = decoder.first_draft_reach(len(prompt)) if decoder.capture else 0
+        cached = self.prefix_cache.load(prompt, self.cache, features, reach) if self.prefix_cache else 0
         stats.prefill_threads = prefill_threads(len(prompt) - cached, self.prefill_threads)
         with torch_threads(stats.prefill_threads):
             first, stats.prefill_ms = decoder.prefill(prompt, cached)
@@ -185,7 +186,7 @@ class Engine:
                 rnd.committed = len(kept)
                 stats.rounds.append(rnd)
             if completion.finish_reason and self.prefix_cache:  # the caches hold what the tokens say
-                self.prefix_cache.save(decoder.tokens, self.cache, features)
+                self.prefix_cache.save(decoder.tokens, self.cache, features, decoder.features_from)
             yield Step(kept, completion.release(), rnd, stats, completion.finish_reason, completion.matched_stop)
             if completion.finish_reason:
                 return

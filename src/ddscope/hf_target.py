@@ -126,8 +126,10 @@ class HFTarget(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCache,
-                mask: torch.Tensor | None = None, capture: tuple[int, ...] = (), last_only: bool = False) -> ForwardOut:
-        """As `Target.forward`: `mask` is a boolean [n, cache.length + n] (True = may attend), None = causal."""
+                mask: torch.Tensor | None = None, capture: tuple[int, ...] = (), last_only: bool = False,
+                tail: int | None = None) -> ForwardOut:
+        """As `Target.forward`: `mask` is a boolean [n, cache.length + n] (True = may attend), None = causal.
+        `tail` is a hint this backend does not take: features come for every row."""
         start, n = cache.length, tokens.shape[0]
         if start + n > cache.capacity:
             raise ValueError(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")

@@ -204,16 +204,22 @@ class Target(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None = None, capture: tuple[int, ...] = (), last_only: bool = False) -> ForwardOut:
+                mask: torch.Tensor | None = None, capture: tuple[int, ...] = (), last_only: bool = False,
+                tail: int | None = None) -> ForwardOut:
         """Run `tokens` at `positions`, writing their K/V at slots `[cache.length, +n)`.
 
         `mask` is a boolean [n, cache.length + n] (True = may attend); None means causal.
         `capture` lists layer ids whose outputs are returned, HF-style (output of layer id).
         `last_only`: logits of the last token alone (a prefill needs no others: the head is vocab-wide).
+        `tail` (causal only): the last layer runs past its K/V for the last `tail` rows alone, and logits and
+        features are theirs; nothing later reads the other rows' outputs (a prefill: the drafter's window).
         """
         start, n = cache.length, tokens.shape[0]
         if start + n > cache.capacity:
             raise ValueError(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")
+        trim = tail is not None and tail < n
+        if trim and mask is not None:
+            raise ValueError("tail applies to a causal forward (mask=None)")
         if mask is None and start > 0 and n > 1:
             mask = torch.ones(n, start + n, dtype=torch.bool, device=tokens.device).tril(start)
         if mask is not None and n <= GROUPED_QUERIES:
@@ -227,7 +233,12 @@ class Target(nn.Module):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             k, v = cache.write(i, start, *attn.key_value(x, cos, sin))
-            h = h + attn.attend(attn.query(x, cos, sin), k, v, mask, causal=mask is None and start == 0 and n > 1)
+            causal = mask is None and start == 0 and n > 1
+            if i == last and trim:
+                h, x, cos, sin = h[-tail:], x[-tail:], cos[-tail:], sin[-tail:]
+                mask = torch.ones(tail, start + n, dtype=torch.bool, device=tokens.device).tril(start + n - tail)
+                causal = False
+            h = h + attn.attend(attn.query(x, cos, sin), k, v, mask, causal=causal)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in capture and i != last:
                 captured[i] = h
@@ -235,5 +246,5 @@ class Target(nn.Module):
         h = self.model.norm(h)
         if last in capture:  # HF's last hidden state is the normed one
             captured[last] = h
-        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        features = torch.cat([captured[i][-len(h):] for i in capture], dim=-1) if capture else None
         return ForwardOut(self.logits(h[-1:] if last_only else h), features)

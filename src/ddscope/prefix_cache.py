@@ -27,7 +27,7 @@ class Block:
     tokens: tuple[int, ...]  # kept to rule out hash collisions
     k: torch.Tensor  # target [layers, kv_heads, BLOCK, head_dim]
     v: torch.Tensor
-    features: torch.Tensor | None = None  # [BLOCK, feature_dim] for the drafter; None when its request ran none
+    features: torch.Tensor | None = None  # [BLOCK, feature_dim] for the drafter; None when its request had none
 
     @property
     def nbytes(self) -> int:
@@ -55,37 +55,40 @@ class PrefixCache:
         self.blocks: OrderedDict[int, Block] = OrderedDict()
         self.bytes = 0
 
-    def load(self, tokens: list[int], cache: KVCache, features: torch.Tensor | None) -> int:
-        """Copy the longest cached whole-block prefix of `tokens` into the target cache (and the drafter's
-        features when given), leaving at least one token to prefill; returns its length."""
+    def load(self, tokens: list[int], cache: KVCache, features: torch.Tensor | None, features_from: int = 0) -> int:
+        """Copy the longest cached whole-block prefix of `tokens` into the target cache, and into `features`
+        the drafter's features of its positions from `features_from` on (the drafter reads no older ones),
+        leaving at least one token to prefill; returns its length."""
         n = 0
         for key in block_keys(tokens, (len(tokens) - 1) // BLOCK):
             block = self.blocks.get(key)
             if block is None or block.tokens != tuple(tokens[n:n + BLOCK]):
                 break
-            if features is not None and block.features is None:
+            wanted = features is not None and n + BLOCK > features_from
+            if wanted and block.features is None:
                 break
             cache.k[:, :, n:n + BLOCK], cache.v[:, :, n:n + BLOCK] = block.k, block.v
-            if features is not None:
+            if wanted:
                 features[n:n + BLOCK] = block.features
             self.blocks.move_to_end(key)
             n += BLOCK
         cache.length = n
         return n
 
-    def save(self, tokens: list[int], cache: KVCache, features: torch.Tensor | None) -> None:
-        """Keep the whole blocks of `tokens` the target cache holds, with their features when given (those of
-        the same positions)."""
+    def save(self, tokens: list[int], cache: KVCache, features: torch.Tensor | None, features_from: int = 0) -> None:
+        """Keep the whole blocks of `tokens` the target cache holds, with their features when given and valid
+        (those of the same positions, from `features_from` on: a prefill computes none further back)."""
         if self.max_bytes == 0:
             return
         for b, key in enumerate(block_keys(tokens, min(cache.length, len(tokens)) // BLOCK)):
             start = b * BLOCK
+            with_features = features is not None and start >= features_from
             old = self.blocks.get(key)
-            if old is not None and (old.features is not None or features is None):
+            if old is not None and (old.features is not None or not with_features):
                 self.blocks.move_to_end(key)
                 continue
             block = Block(tuple(tokens[start:start + BLOCK]), *_slice(cache, start))
-            if features is not None:
+            if with_features:
                 block.features = features[start:start + BLOCK].clone()
             self._put(key, block)
 

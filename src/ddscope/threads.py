@@ -2,9 +2,9 @@
 
 A decode step's small ops run best on few threads (options.default_threads: a busy core stalls every op
 of a many-thread step). A long prompt's forward is large matmuls and attention, which split well: on
-the 2-core Xeon here a 5553-token prefill takes 508 ms on 2 threads against 869 on 1, bitwise the same.
-Beside a busy process, though, 2 threads took 1084 ms. So by default a prefill takes the CPUs that are
-idle when it starts, and the decode keeps --threads.
+the 2-core Xeon here a 5553-token prefill takes 404 ms on 2 threads against 741 on 1, bitwise the same.
+Beside a busy process, though, 2 threads took 1168 ms (benchmarks/prefill.py --busy). So by default a
+prefill takes the CPUs that are idle when it starts, and the decode keeps --threads.
 """
 from __future__ import annotations
 

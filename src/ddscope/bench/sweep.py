@@ -101,6 +101,17 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def cpu_model() -> str:
+    """The CPU's model name, as lscpu prints it (x86 Linux), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def environment() -> dict[str, Any]:
     def version(pkg: str) -> str | None:
         try:
@@ -113,6 +124,7 @@ def environment() -> dict[str, Any]:
         "argv": sys.argv,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "packages": {p: version(p) for p in ("ddscope", "torch", "transformers", "httpx")},
     }

@@ -1,0 +1,89 @@
+"""Prefill time of the target, side by side in one process: on 1 and 2 threads (optionally beside a busy
+core), and with the last layer finishing every row ("all rows") or only the rows the first draft reads
+("trimmed", the engine's way with a sliding-window drafter).
+
+    python benchmarks/prefill.py [--target DIR --drafter DIR] [--contexts 1663 3333 5553] [--repeats 3] [--busy]
+
+Prompts are random tokens (the cost does not depend on them); arms alternate, one warm-up each, and cells
+are the median ms over `--repeats`. The CPU is named in the first line.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+
+from ddscope import Engine
+from ddscope.bench.sweep import cpu_model
+from ddscope.decoding import Decoder
+from ddscope.proposers import DDTree
+from ddscope.sampling import SamplingParams
+from ddscope.threads import torch_threads
+from engine_args import load_engine, parser
+
+
+@contextlib.contextmanager
+def busy_core(on: bool) -> Iterator[None]:
+    """One spinning Python process beside the measurement, as another tenant would be."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if on else None
+    try:
+        if spinner:
+            time.sleep(0.5)
+        yield
+    finally:
+        if spinner:
+            spinner.kill()
+            spinner.wait()
+
+
+def prefill_ms(engine: Engine, prompt: list[int], threads: int, trimmed: bool) -> float:
+    """Wall ms of the engine's prefill of `prompt`; not trimmed: as if the drafter saw the whole context."""
+    decoder = Decoder(engine.target, engine.drafter, DDTree(8), engine.cache, engine.draft_cache, SamplingParams(), None)
+    if not trimmed:
+        decoder.first_draft_reach = lambda prompt_len: 0
+    engine.cache.length = engine.draft_cache.length = 0
+    with torch_threads(threads):
+        t0 = time.perf_counter()
+        decoder.prefill(prompt)
+        return 1000 * (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--contexts", type=int, nargs="+", default=[1663, 3333, 5553])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--busy", action="store_true", help="also measure beside one spinning process")
+    args = p.parse_args(argv)
+    if min(args.contexts) < 1 or args.repeats < 1:
+        p.error("--contexts and --repeats must be positive")
+    engine = load_engine(args)
+    if max(args.contexts) >= engine.cache.capacity:
+        p.error(f"--contexts must be below the engine's context capacity ({engine.cache.capacity})")
+    print(f"{cpu_model()}, {len(os.sched_getaffinity(0))} CPUs usable; ms, median of {args.repeats}\n")
+    arms = [(threads, trimmed) for threads in (1, 2) for trimmed in (False, True)]
+    header = " | ".join(f"{t} thread{'s' * (t > 1)}, {'trimmed' if tr else 'all rows'}" for t, tr in arms)
+    print(f"| prompt tokens | busy | {header} |\n|---|---|{'---|' * len(arms)}")
+    gen = torch.Generator().manual_seed(0)
+    for busy in (False, True) if args.busy else (False,):
+        with busy_core(busy):
+            for n in args.contexts:
+                prompt = torch.randint(10, engine.target.cfg.vocab_size, (n,), generator=gen).tolist()
+                times: dict[tuple[int, bool], list[float]] = {arm: [] for arm in arms}
+                for rep in range(args.repeats + 1):
+                    for arm in arms:
+                        ms = prefill_ms(engine, prompt, *arm)
+                        if rep:  # the first pass warms up
+                            times[arm].append(ms)
+                cells = " | ".join(f"{statistics.median(times[arm]):.0f}" for arm in arms)
+                print(f"| {n} | {'yes' if busy else 'no'} | {cells} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
