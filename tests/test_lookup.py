@@ -65,3 +65,31 @@ def test_auto_leaves_the_drafter_out_of_a_loop_that_lookup_drafts_whole():
     undrafted = [r.committed for r in out.stats.rounds if not r.drafted]
     assert sum(c >= 8 for c in undrafted) >= 3, undrafted
     assert 0 < out.stats.to_dict()["drafted_steps"] < out.stats.verify_steps
+
+
+
+
+def test_lookup_that_stopped_paying_is_scored_unverified_and_grafted_once_it_would_hit():
+    """With the lookup gain spent, a plain round verifies the root alone, whatever lookup proposes; once a
+    round commits the token lookup proposed, the next round grafts the branch for real."""
+    from ddscope.proposers import DDTree
+    from ddscope.sampling import SamplingParams
+    from ddscope.stats import RoundStats
+
+    proposer = DDTree(budget=4)
+    proposer.lookup_gain = 0.0
+
+    def round_on(history: list[int]) -> int:
+        size = proposer.tree(history[-1], None, SamplingParams(), 0, history).size
+        proposer.observe(RoundStats(0, size, 1), [0])
+        return size
+
+    history = [1, 2, 3, 4, 1, 2, 3]
+    assert round_on(history) == 0  # lookup proposes 4, unverified
+    history += [7]  # not 4
+    assert round_on(history) == 0 and proposer.lookup_gain == 0.0
+    history += [1, 2, 3]
+    assert round_on(history) == 0  # lookup proposes 7 (what followed 1 2 3 last time)
+    history += [7]  # and 7 it is
+    tree = proposer.tree(history[-1], None, SamplingParams(), 0, history)
+    assert abs(proposer.lookup_gain - 0.3) < 1e-12 and tree.size == 1 and tree.tokens[1] == 1  # 2 3 7 -> 1
