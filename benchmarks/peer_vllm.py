@@ -9,7 +9,7 @@ in a rotated order), `ddscope bench sweep --url` in a process of its own with on
 requests (`PASSES`); each (round, pass) sends real prompts no earlier one sent (`--first-prompt`), so
 code prompts never hit a prefix cache. All arms of a cell are measured within a minute or two of each
 other: this machine's speed drifts by a third over minutes, which whole-sweep turns left in the ratios.
-Cells are medians over every timed request of the rounds, so machine drift lands on every arm alike.
+Cells are medians over every timed request of the rounds.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
 with `ddscope ar`, the CPU) and OUT/peer-vllm.png. Run it through `benchmarks/peer_vllm.sh`, which
