@@ -38,7 +38,7 @@ class Recording(DDTree):
         self._tree = super().tree(root, draft_logits, sampling, ctx_len, history)
         return self._tree
 
-    def observe(self, rnd: RoundStats, path: list[int]) -> None:
+    def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
         t, on_path, first = self._tree, set(path), set()
         for i in range(1, len(t.tokens)):
             parent = t.parents[i]

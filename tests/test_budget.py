@@ -175,6 +175,27 @@ def test_a_loop_that_lookup_drafts_whole_is_left_to_lookup():
     assert policy._drafting_pays(0, 0.5, 2)
 
 
+def test_no_probe_where_even_a_whole_block_would_not_pay():
+    """Plain rounds whose lookup branch commits whole blocks (16 tokens in 4 ms) leave a draft nothing to
+    add, 16 tokens in 10 ms at best: no probe then. A branch that commits 4 tokens leaves room: probes."""
+    policy = AutoBudget(cost(0.02), block=16)
+    for _ in range(8):
+        drafted(policy, committed=16)
+
+    def plain_rounds(lookup: tuple[float, int], committed: int) -> list[bool]:
+        decisions = []
+        for _ in range(12):
+            decisions.append(policy.drafts(0, lookup))
+            if decisions[-1]:
+                drafted(policy, committed=1)  # a probe that does not pay
+            else:
+                policy.observe(RoundStats(0, lookup[1], committed=committed, verify_ms=4.0), path=[0])
+        return decisions
+
+    assert not any(plain_rounds((14.5, LOOKUP_MAX), 16))
+    assert any(plain_rounds((3.0, 7), 4))
+
+
 def test_candidate_tree_follows_the_last_choice():
     policy = AutoBudget(cost(0.5))
     assert policy.candidates() == MAX_AUTO_BUDGET

@@ -65,13 +65,16 @@ def test_auto_leaves_the_drafter_out_of_a_loop_that_lookup_drafts_whole():
     undrafted = [r.committed for r in out.stats.rounds if not r.drafted]
     assert sum(c >= 8 for c in undrafted) >= 3, undrafted
     assert 0 < out.stats.to_dict()["drafted_steps"] < out.stats.verify_steps
+    whole = next(i for i, r in enumerate(out.stats.rounds) if not r.drafted and r.committed == 16)
+    assert sum(r.drafted for r in out.stats.rounds[whole:]) <= 1  # a draft has nothing to add: no probes
 
 
 
 
-def test_lookup_that_stopped_paying_is_scored_unverified_and_grafted_once_it_would_hit():
-    """With the lookup gain spent, a plain round verifies the root alone, whatever lookup proposes; once a
-    round commits the token lookup proposed, the next round grafts the branch for real."""
+def test_lookup_is_scored_against_the_committed_tokens_grafted_or_not():
+    """With the lookup gain spent, a plain round verifies the root alone, whatever lookup proposes; the
+    tokens the round commits score the proposal all the same (those right before the first miss), and
+    once they match, the next round grafts a branch for real."""
     from ddscope.proposers import DDTree
     from ddscope.sampling import SamplingParams
     from ddscope.stats import RoundStats
@@ -79,17 +82,16 @@ def test_lookup_that_stopped_paying_is_scored_unverified_and_grafted_once_it_wou
     proposer = DDTree(budget=4)
     proposer.lookup_gain = 0.0
 
-    def round_on(history: list[int]) -> int:
+    def round_on(history: list[int], committed: list[int]) -> int:
         size = proposer.tree(history[-1], None, SamplingParams(), 0, history).size
-        proposer.observe(RoundStats(0, size, 1), [0])
+        proposer.observe(RoundStats(0, size, len(committed)), [0], committed)
+        history += committed  # the decoder's list grows in place
         return size
 
     history = [1, 2, 3, 4, 1, 2, 3]
-    assert round_on(history) == 0  # lookup proposes 4, unverified
-    history += [7]  # not 4
-    assert round_on(history) == 0 and proposer.lookup_gain == 0.0
-    history += [1, 2, 3]
-    assert round_on(history) == 0  # lookup proposes 7 (what followed 1 2 3 last time)
-    history += [7]  # and 7 it is
+    assert round_on(history, [7]) == 0 and proposer.lookup_gain == 0.0  # lookup proposed 4 1 2 3 ...
+    assert round_on(history, [1, 2, 3]) == 0 and proposer.lookup_gain == 0.0  # 2 3 7: never seen, no proposal
+    assert round_on(history, [7, 1, 2, 3]) == 0  # lookup proposes what followed 1 2 3 last time: 7 1 2 3 7 ...
+    assert abs(proposer.lookup_gain - 0.3 * 4) < 1e-12  # four right, none of them verified
     tree = proposer.tree(history[-1], None, SamplingParams(), 0, history)
-    assert abs(proposer.lookup_gain - 0.3) < 1e-12 and tree.size == 1 and tree.tokens[1] == 1  # 2 3 7 -> 1
+    assert tree.tokens[1:] == [7, 1, 2]  # a branch of 2 x 1.2 + 1 = 3

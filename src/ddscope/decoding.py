@@ -101,7 +101,7 @@ class Decoder:
         t4 = self.clock()
         rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t_fwd - t2),
                          draft_logits is not None)
-        self.proposer.observe(rnd, path)
+        self.proposer.observe(rnd, path, new)
         rnd.commit_ms += self.clock() - t4  # the policy's bookkeeping is part of the round too
         return new, rnd
 

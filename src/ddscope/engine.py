@@ -130,7 +130,7 @@ class Engine:
         if budget == "auto":
             if self.verify_cost is None:
                 self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
-            return DDTree(AutoBudget(self.verify_cost, self._learned(sampling)))
+            return DDTree(AutoBudget(self.verify_cost, self._learned(sampling), block=self.drafter.block_size))
         if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET:
             raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
         return DDTree(budget)

@@ -28,8 +28,9 @@ class Proposer(ABC):
              history: list[int] = ()) -> DraftTree:
         """The tree to verify this round, rooted at the last committed token (`history`'s last)."""
 
-    def observe(self, rnd: RoundStats, path: list[int]) -> None:
-        """Feedback after each round (its stats and accepted node indices); only adaptive proposers use it."""
+    def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
+        """Feedback after each round: its stats, accepted node indices and the tokens it committed (the
+        target's own, whatever the tree); only adaptive proposers use it."""
 
 
 class AR(Proposer):
@@ -49,14 +50,15 @@ class DFlash(Proposer):
 class DDTree(Proposer):
     """The drafter's best-first tree, plus a prompt-lookup branch (ddscope.lookup) when the text has one.
 
-    The branch is as long as recent rounds earned: `2 x` the decayed mean of lookup tokens accepted, plus 1,
-    up to LOOKUP_MAX. So a loop gets whole blocks. Where lookup has stopped paying (sampling, text that
-    does not repeat), its next token is proposed but not verified: the target's choice at the root, which
-    every round makes, says whether it would have been accepted, so a loop that begins is seen within a
-    round at no verify cost. (A verified 1-token probe doubles what a plain round of `auto` verifies: a
-    2-token forward over 3.3k cached tokens took 1.35x a 1-token one on the 2-core AMD EPYC here.)
-    `auto` weighs the branch as what a round without the drafter would commit, once `TRUSTED_AFTER`
-    rounds have measured it.
+    The branch is as long as recent rounds earned: `2 x` the decayed mean of lookup's score, plus 1, up to
+    LOOKUP_MAX, so a loop gets whole blocks. A round scores lookup's whole proposal, grafted or not,
+    against the tokens it committed (the target's own, whatever the tree): the tokens it got right before
+    its first miss. So lookup is measured at no verify cost where it has stopped paying (sampling, text
+    that does not repeat), and a loop the drafter already commits is seen within a round, not over the
+    rounds a branch takes to grow. (A verified 1-token probe doubles what a plain round of `auto`
+    verifies: a 2-token forward over 3.3k cached tokens took 1.35x a 1-token one on the 2-core AMD EPYC
+    here.) `auto` weighs the branch as what a round without the drafter would commit, once
+    `TRUSTED_AFTER` rounds have measured it.
     """
 
     TRUSTED_AFTER = 4
@@ -65,10 +67,9 @@ class DDTree(Proposer):
         self.policy = budget if isinstance(budget, AutoBudget) else None
         self.budget = "auto" if self.policy else budget
         self.lookup = Lookup() if lookup else None
-        self.lookup_gain = 1.0  # decayed mean of lookup tokens accepted per round
+        self.lookup_gain = 1.0  # decayed mean of lookup's score a round
         self.rounds = 0
-        self._grafted: set[int] = set()
-        self._unverified: tuple[int, int] | None = None  # (history index, lookup's token for it), not grafted
+        self._proposal: list[int] = []  # lookup's continuation this round, grafted or not
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
              history: list[int] = ()) -> DraftTree:
@@ -78,29 +79,15 @@ class DDTree(Proposer):
             tree = best_first(root, sampling.log_probs(draft_logits), self.budget)
         else:
             tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len)
-        self._grafted, self.rounds = set(), self.rounds + 1
+        self.rounds += 1
         if self.lookup is not None and history:
-            self._score_unverified(history)
-            length = self._branch_length()
-            branch = self.lookup.propose(history, max(length, 1))
-            if length:
-                self._grafted = tree.graft(branch)
-            elif branch:
-                self._unverified = (len(history), branch[0])
+            self._proposal = self.lookup.propose(history, LOOKUP_MAX)
+            if length := self._branch_length():
+                tree.graft(self._proposal[:length])
         return tree
 
-    def _score_unverified(self, history: list[int]) -> None:
-        """Last round's unverified lookup token, against what that round committed after its root."""
-        if self._unverified is not None:
-            at, token = self._unverified
-            self._unverified = None
-            self._learn(int(history[at] == token))
-
-    def _learn(self, accepted: int) -> None:
-        self.lookup_gain = 0.7 * self.lookup_gain + 0.3 * accepted
-
     def _branch_length(self) -> int:
-        """What recent rounds earned; 0 once lookup stopped paying (then its next token goes unverified)."""
+        """What recent rounds earned; 0 once lookup stopped paying (it is still scored, unverified)."""
         return 0 if self.lookup_gain < 0.2 else min(LOOKUP_MAX, int(2 * self.lookup_gain + 1))
 
     def drafts(self, ctx_len: int) -> bool:
@@ -110,8 +97,11 @@ class DDTree(Proposer):
             return self.policy.drafts(ctx_len)
         return self.policy.drafts(ctx_len, (self.lookup_gain, self._branch_length()))
 
-    def observe(self, rnd: RoundStats, path: list[int]) -> None:
-        if self.lookup is not None and self._unverified is None:  # an unverified token is scored next round
-            self._learn(len(self._grafted.intersection(path)))
+    def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
+        if self.lookup is not None:
+            hits = next((i for i, (a, b) in enumerate(zip(self._proposal, committed)) if a != b),
+                        min(len(self._proposal), len(committed)))
+            self.lookup_gain = 0.7 * self.lookup_gain + 0.3 * hits
+            self._proposal = []
         if self.policy is not None:
             self.policy.observe(rnd, path)
