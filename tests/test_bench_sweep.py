@@ -169,3 +169,19 @@ def test_help_shows_every_default(capsys):
         text = " ".join(capsys.readouterr().out.split())
         for flag in ("--out", "--repeats", "--warmup", "--window") if sub != "analyze" else ("--window",):
             assert re.search(re.escape(flag) + r" \S+ .*?default", text), (sub, flag)
+
+
+def test_warmup_prompts_stay_clear_of_timed_ones_until_the_set_is_used_up():
+    """Sweeps one after another, each from where the last one's timed prompts ended (as
+    benchmarks/peer_vllm.py runs them): no warm-up takes a prompt that a timed request takes."""
+    from ddscope.bench.sweep import SweepConfig
+
+    for contexts, repeats, sweeps in (([13], 5, 27), ([13, 1663, 3333, 5553], 3, 10)):  # <= 164 prompts in all
+        timed, warm = set(), set()
+        for k in range(sweeps):
+            cfg = SweepConfig(contexts=contexts, max_tokens=8, repeats=repeats, warmup=1,
+                              first_prompt=k * repeats * len(contexts))
+            warm |= {cfg.warmup_prompt(ci, 0) % 164 for ci in range(len(contexts))}
+            timed |= {cfg.timed_prompt(ci, r) % 164 for ci in range(len(contexts)) for r in range(repeats)}
+        assert not timed & warm and len(timed) == sweeps * repeats * len(contexts)
+        assert len(warm) == sweeps * len(contexts)  # and every warm-up a prompt of its own

@@ -93,6 +93,17 @@ class SweepConfig:
     clamp_contexts: bool = False  # default contexts: shrink those that do not fit max_model_len
     log_gap_s: float = 2.0        # idle time after each request when a server log is followed
 
+    def timed_prompt(self, ci: int, r: int) -> int:
+        """The workload's prompt index of repeat `r` at context `ci`: the set's start, from `first_prompt`."""
+        return self.first_prompt + ci * self.repeats + r
+
+    def warmup_prompt(self, ci: int, w: int) -> int:
+        """A warm-up's prompt index, counted back from the set's end (negative). It moves back `warmup` per
+        `repeats` that `first_prompt` moves on, so sweeps one after another meet only once the set is used
+        up: moving back one per `first_prompt` met the timed prompts halfway (a timed prompt then found a
+        warm-up's in the prefix cache)."""
+        return -1 - ci * self.warmup - w - self.first_prompt * self.warmup // self.repeats
+
 
 def atomic_write(path: Path, text: str) -> None:
     """Write via a temp file in the same folder, then rename: readers never see half a file."""
@@ -467,13 +478,13 @@ class Sweep:
             for ci, context in enumerate(self.cfg.contexts):
                 for w in range(self.cfg.warmup):  # prompts of their own, counted from the set's end: a timed
                     # real prompt must not find itself in a prefix cache (padding prompts are all the same)
-                    self.measure(context, -1, -1 - ci * self.cfg.warmup - w - self.cfg.first_prompt)
+                    self.measure(context, -1, self.cfg.warmup_prompt(ci, w))
                     on_request(f"ctx {context}: warmup")
                     if self.lost:
                         raise ServerLost
                 opened, timed = time.time(), []
                 for r in range(self.cfg.repeats):
-                    record = self.measure(context, r, self.cfg.first_prompt + ci * self.cfg.repeats + r)
+                    record = self.measure(context, r, self.cfg.timed_prompt(ci, r))
                     writer.add(record)
                     timed.append(record)
                     on_request(_note(record))
