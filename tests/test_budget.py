@@ -175,9 +175,9 @@ def test_a_loop_that_lookup_drafts_whole_is_left_to_lookup():
     assert policy._drafting_pays(0, 0.5, 2)
 
 
-def test_no_probe_where_even_a_whole_block_would_not_pay():
-    """Plain rounds whose lookup branch commits whole blocks (16 tokens in 4 ms) leave a draft nothing to
-    add, 16 tokens in 10 ms at best: no probe then. A branch that commits 4 tokens leaves room: probes."""
+def test_no_probe_while_plain_rounds_commit_nearly_a_block():
+    """Plain rounds whose lookup branch commits whole blocks leave a draft (16 tokens at most) nothing to
+    add: no probe then. A branch that commits 4 tokens leaves room: probes."""
     policy = AutoBudget(cost(0.02), block=16)
     for _ in range(8):
         drafted(policy, committed=16)

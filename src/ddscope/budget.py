@@ -243,7 +243,8 @@ class AutoBudget:
     `skip_below` of their rate: a drafter out of its distribution, or a loop that prompt lookup alone
     drafts whole, so the drafter adds nothing but its cost), it stops drafting and probes
     with a draft after 1, 2, 4 ... `probe_every` plain rounds; a probe that pays resumes drafting. None is
-    sent where even a draft accepted whole would not pay (a loop lookup commits whole blocks of). The gap
+    sent while plain rounds commit nearly a block (a loop lookup drafts whole), more than a draft can add;
+    the rule does not use step times, so a stall cannot shut a good drafter out. The gap
     carries over to the next request: a probe costs a draft and a tree (a few plain rounds' time), so
     restarting at 1 cost each short sampled request about a tenth.
     Near break-even it keeps drafting: a drafted round also measures the drafter, so it sees at once
@@ -270,17 +271,16 @@ class AutoBudget:
         if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx, *lookup):
             self.learned.probe_gap = 1
             return True
-        if self.since_draft >= self.learned.probe_gap and self._drafting_pays(ctx, *lookup, committed=self.block):
+        if self.since_draft >= self.learned.probe_gap and 1 + lookup[0] < self.skip_below * self.block:
             self.learned.probe_gap = min(2 * self.learned.probe_gap, self.probe_every)
             return True
         return False
 
-    def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int, committed: float | None = None) -> bool:
-        """Whether drafted rounds committing `committed` tokens (default: what recent ones did) beat plain ones."""
+    def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
         m = self.learned
         tokens = 1 + lookup_len
         plain_ms = self.cost.at(ctx, tokens) * (m.plain_ratio or m.cost.at(tokens))
-        return (committed or m.committed) / m.drafted_ms > self.skip_below * (1 + lookup_gain) / plain_ms
+        return m.committed / m.drafted_ms > self.skip_below * (1 + lookup_gain) / plain_ms
 
     def candidates(self) -> int:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
