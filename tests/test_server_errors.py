@@ -48,7 +48,9 @@ CASES = [
     ("missing-prompt", ("POST", "/v1/completions", {"json": {"max_tokens": 4}}), 400, "prompt"),
     ("empty-prompt", completion(prompt=""), 400, "prompt"),
     ("empty-token-list", completion(prompt=[]), 400, "prompt"),
-    ("batched-prompts", completion(prompt=["a", "b"]), 400, "prompt"),
+    ("batched-prompts-streamed", completion(prompt=["a", "b"], stream=True), 400, None),
+    ("batched-prompts-over-cap", completion(prompt=["a"] * 65), 400, "prompt"),
+    ("batch-with-bad-token-list", completion(prompt=["a", [1, "b"]]), 400, "prompt"),
     ("prompt-number", completion(prompt=5), 400, "prompt"),
     ("bool-token-id", completion(prompt=[True, 3]), 400, "prompt"),
     ("token-id-over-vocab", completion(prompt=[1, 10**6]), 400, "prompt"),
@@ -70,6 +72,14 @@ CASES = [
     ("seed-negative", completion(seed=-1), 400, "seed"),
     ("stop-number", completion(stop=5), 400, "stop"),
     ("stop-empty-string", completion(stop=[""]), 400, "stop"),
+    ("stop-too-many", completion(stop=[str(i) for i in range(17)]), 400, "stop"),
+    ("stop-too-long", completion(stop=["x" * 257]), 400, "stop"),
+    ("stop-token-ids-over-vocab", completion(stop_token_ids=[10**6]), 400, "stop_token_ids"),
+    ("logit-bias-over-100", completion(logit_bias={"5": 101}), 400, "logit_bias"),
+    ("logit-bias-key-not-id", completion(logit_bias={"hello": 1}), 400, "logit_bias"),
+    ("logit-bias-over-vocab", completion(logit_bias={"1000000": 1}), 400, "logit_bias"),
+    ("min-p-over-one", completion(min_p=1.5), 400, "min_p"),
+    ("prompt-over-char-cap", completion(prompt="x" * (32 * 2048 + 1)), 400, "prompt"),
     ("stream-string", completion(stream="yes"), 400, "stream"),
     ("stream-options-without-stream", completion(stream_options={"include_usage": True}), 400, None),
     ("ignore-eos-string", completion(ignore_eos="true"), 400, "ignore_eos"),
@@ -78,8 +88,19 @@ CASES = [
     ("budget-string", completion(budget="lots"), 400, "budget"),
     ("budget-huge", completion(budget=10**6), 400, "budget"),
     ("n-two", completion(n=2), 400, "n"),
-    ("echo", completion(echo=True), 400, "echo"),
-    ("logprobs", completion(logprobs=5), 400, "logprobs"),
+    ("logprobs-over-20", completion(logprobs=21), 400, "logprobs"),
+    ("chat-echo", chat(echo=True), 400, "echo"),
+    ("chat-top-logprobs-without-logprobs", chat(top_logprobs=2), 400, None),
+    ("response-format-json", completion(response_format={"type": "json_object"}), 400, "response_format"),
+    ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("functions", chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("function-call", chat(function_call="auto"), 400, "function_call"),
+    ("presence-penalty", completion(presence_penalty=0.5), 400, "presence_penalty"),
+    ("frequency-penalty", completion(frequency_penalty=0.5), 400, "frequency_penalty"),
+    ("repetition-penalty", completion(repetition_penalty=1.2), 400, "repetition_penalty"),
+    ("best-of", completion(best_of=3), 400, "best_of"),
+    ("unknown-field", completion(temprature=0.5), 400, "temprature"),
+    ("tokenize-lone-surrogate", raw("/tokenize", b'{"prompt": "\\ud800x"}'), 400, "prompt"),
     ("chat-missing-messages", ("POST", "/v1/chat/completions", {"json": {"max_tokens": 4}}), 400, "messages"),
     ("chat-empty-messages", chat(messages=[]), 400, "messages"),
     ("chat-bad-role", chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
@@ -121,3 +142,13 @@ def test_validation_errors_never_leak_fastapi_shape(client):
     assert r.status_code == 400
     assert "detail" not in r.json()
     assert json.loads(r.text)["error"]["code"] == "invalid_parameter"
+
+
+def test_ignored_fields_and_neutral_values_of_refused_ones_are_accepted(client):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "user": "u1", "metadata": {"k": "v"},
+            "store": False, "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "response_format": {"type": "text"}, "logit_bias": {}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    plain = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]

@@ -7,6 +7,7 @@ Prefill establishes it: it caches the whole prompt and chooses the first token, 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,7 +15,7 @@ from ddscope.drafter import Drafter, DrafterCache
 from ddscope.model import KVCache, Target
 from ddscope.prefix_cache import BLOCK
 from ddscope.proposers import Proposer
-from ddscope.sampling import Noise, SamplingParams
+from ddscope.sampling import Noise, SamplingParams, TokenLogprob, token_logprobs
 from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree
 
@@ -31,25 +32,55 @@ class Clock:
         return time.perf_counter() * 1000
 
 
+@dataclass(frozen=True)
+class Law:
+    """What a request changes in the target's law, at every node of every tree: a logit bias (OpenAI's
+    `logit_bias`, added before temperature) and, below `min_tokens`, the ending tokens made impossible."""
+    bias: dict[int, float] = field(default_factory=dict)
+    ending: tuple[int, ...] = ()  # EOS and stop_token_ids
+    min_tokens: int = 0
+
+    def apply(self, logits: torch.Tensor, index: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+        early = [i for i, n in enumerate(index) if n < self.min_tokens]
+        if bias is None and not (early and self.ending):
+            return logits
+        logits = logits.float() + bias if bias is not None else logits.clone()
+        if early and self.ending:
+            rows, ending = (torch.tensor(x, device=logits.device) for x in (early, self.ending))
+            logits[rows[:, None], ending] = float("-inf")
+        return logits
+
+
 class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None, proposer: Proposer, cache: KVCache,
                  draft_cache: DrafterCache | None, sampling: SamplingParams, generator: torch.Generator | None,
-                 eos_ids: tuple[int, ...] = (), min_tokens: int = 0):
+                 law: Law = Law(), logprobs: int | None = None):
         self.target, self.drafter, self.proposer = target, drafter, proposer
         self.cache, self.draft_cache = cache, draft_cache
         self.sampling, self.noise = sampling, Noise(generator)
-        self.eos_ids, self.min_tokens = list(eos_ids), min_tokens
+        self.law, self.top_logprobs = law, logprobs  # logprobs: None, or the top N to report with each token
+        self.logprobs: list[TokenLogprob] = []  # one per generated token, when asked for
+        self.prompt_logprobs: list[TokenLogprob | None] = []  # one per prompt token (echo), when asked for
         self.capture = drafter.cfg.target_layer_ids if proposer.uses_drafter else ()
         self.device = target.lm_head.weight.device
+        self._bias = self._bias_row(law.bias, target.cfg.vocab_size)
         self.clock = Clock(self.device)
         self.tokens: list[int] = []
         self.prompt_len = 0
         self.features_from = 0  # the drafter's cache holds features from here on (a prefill skips older ones)
 
-    def prefill(self, prompt: list[int], cached: int = 0) -> tuple[int, float]:
+    def _bias_row(self, bias: dict[int, float], vocab: int) -> torch.Tensor | None:
+        if not bias:
+            return None
+        row = torch.zeros(vocab, device=self.device)
+        row[list(bias)] = torch.tensor(list(bias.values()), device=self.device)
+        return row
+
+    def prefill(self, prompt: list[int], cached: int = 0, prompt_logprobs: int | None = None) -> tuple[int, float]:
         """Cache the whole prompt and choose the first token from its last position's logits, as the
         DDTree reference and vLLM do: no verify round is spent on it. The caches may already hold the
-        first `cached` positions (a prefix-cache hit): only the rest is run. Returns (that token, ms)."""
+        first `cached` positions (a prefix-cache hit): only the rest is run. Returns (that token, ms).
+        `prompt_logprobs` (top N, with cached == 0) also scores every prompt token under its prefix."""
         t0 = self.clock()
         self.cache.length = cached
         if self.draft_cache is not None:
@@ -60,13 +91,22 @@ class Decoder:
         # The last layer finishes only the rows read later: the last (the first token's logits), and the first
         # draft's reach from a block's start, so the prefix cache keeps whole blocks of features.
         tail = len(prompt) - self.first_draft_reach(len(prompt)) // BLOCK * BLOCK if self.capture else 1
-        out = self.target(ids, positions, self.cache, capture=self.capture, last_only=True, tail=tail)
+        scored = prompt_logprobs is not None
+        out = self.target(ids, positions, self.cache, capture=self.capture, last_only=not scored,
+                          tail=None if scored else tail)
         if self.capture:
             self.features_from = len(prompt) - len(out.features)
             self.draft_cache.features[self.features_from:len(prompt)] = out.features
+        if scored:  # the first prompt token has no prefix to be scored under (None, as in OpenAI's echo)
+            self.prompt_logprobs = [None, *token_logprobs(out.logits[:-1], prompt[1:], prompt_logprobs)]
         first = self.choose(out.logits[-1:], [0])[0]
+        self._record_logprobs(out.logits[-1:], [first])
         self.tokens.append(first)  # the root of the first tree
         return first, self.clock() - t0
+
+    def _record_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> None:
+        if self.top_logprobs is not None:
+            self.logprobs += token_logprobs(logits, tokens, self.top_logprobs)
 
     def first_draft_reach(self, prompt_len: int) -> int:
         """The first prompt position whose features the first draft reads (its window's reach)."""
@@ -97,6 +137,7 @@ class Decoder:
         if self.capture:
             self.draft_cache.features[start:start + len(path)] = out.features.index_select(0, slots)
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
+        self._record_logprobs(out.logits.index_select(0, slots), new)  # node path[k] chose new[k]
         self.tokens += new
         t4 = self.clock()
         rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t_fwd - t2),
@@ -113,16 +154,6 @@ class Decoder:
     def choose(self, logits: torch.Tensor, depths: list[int]) -> list[int]:
         """The target's choice at each node; the node at depth d chooses generated index `generated + d`."""
         index = [len(self.tokens) - self.prompt_len + d for d in depths]
-        logits = self._suppress_early_eos(logits, index)
+        logits = self.law.apply(logits, index, self._bias)
         noise = None if self.sampling.greedy else self.noise.at(index, logits.shape[-1], logits.device)
         return self.sampling.choose(logits, noise)
-
-    def _suppress_early_eos(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
-        """`min_tokens`: EOS is impossible for generated indices below it (part of the target law)."""
-        early = [i for i, n in enumerate(index) if n < self.min_tokens]
-        if not early or not self.eos_ids:
-            return logits
-        logits = logits.clone()
-        rows, eos = (torch.tensor(x, device=logits.device) for x in (early, self.eos_ids))
-        logits[rows[:, None], eos] = float("-inf")
-        return logits

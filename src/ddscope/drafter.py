@@ -65,7 +65,7 @@ class Drafter(nn.Module):
         """
         cached = cache.length
         if cached + ctx.shape[0] != start:
-            raise ValueError(f"drafter context holds {cached} + {ctx.shape[0]} positions, block starts at {start}")
+            raise RuntimeError(f"drafter context holds {cached} + {ctx.shape[0]} positions, block starts at {start}")
         dev = block.device
         h = self.run(block, torch.arange(start, start + block.shape[0], device=dev), ctx,
                      torch.arange(cached, start, device=dev), cache=cache)

@@ -11,14 +11,14 @@ from transformers import AutoTokenizer
 
 from ddscope.budget import AutoBudget, Learned, VerifyCost
 from ddscope.config import CheckpointError, eos_ids
-from ddscope.decoding import Decoder
+from ddscope.decoding import Decoder, Law
 from ddscope.drafter import Drafter
 from ddscope.hf_target import HFTarget, load_target
 from ddscope.lookup import LOOKUP_MAX
 from ddscope.model import Target
 from ddscope.prefix_cache import PrefixCache
 from ddscope.proposers import AR, DDTree, DFlash, Proposer
-from ddscope.sampling import SamplingParams
+from ddscope.sampling import SamplingParams, TokenLogprob
 from ddscope.stats import GenerationStats, RoundStats
 from ddscope.threads import prefill_threads, torch_threads
 
@@ -27,6 +27,9 @@ METHODS = ("ar", "dflash", "ddtree")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_BUDGET = 512
 PREFIX_CACHE_MB = 512  # default prefix-cache budget: the demo pair's K/V is 6 KiB a token
+# Bounds on a request's extras: every completed token rescans the held-back text for each stop string.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
 @dataclass
@@ -36,7 +39,9 @@ class Step:
     round: RoundStats | None  # None for the first token, which the prefill chose
     stats: GenerationStats  # running totals of this generation, final on the last step
     finish_reason: str | None = None
-    matched_stop: int | str | None = None  # on "stop": the EOS id or the stop string that ended it
+    matched_stop: int | str | None = None  # on "stop": the EOS id, stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first Step, when asked for
 
 
 @dataclass
@@ -46,6 +51,8 @@ class Generation:
     finish_reason: str
     prompt_tokens: int
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Engine:
@@ -62,7 +69,8 @@ class Engine:
         self.learned: dict[tuple, Learned] = {}  # auto's model of the pair, per sampler, across requests
         self.device = target.lm_head.weight.device
         self.cache = target.new_cache(max_model_len + MAX_BUDGET + LOOKUP_MAX + 1)  # + root, tree, lookup
-        self.draft_cache = drafter.new_cache(max_model_len + 1) if drafter is not None else None
+        # + root and the longest path a round commits: a drafted block or a lookup branch, whichever is longer
+        self.draft_cache = drafter.new_cache(max_model_len + 1 + LOOKUP_MAX) if drafter is not None else None
         self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
         # The native target's caches only: transformers' DynamicCache (HFTarget) is rebuilt per request.
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if isinstance(target, Target) else None
@@ -119,75 +127,119 @@ class Engine:
             raise ValueError("prompt is empty")
         return ids
 
-    def proposer(self, method: str, budget: int | None, sampling: SamplingParams = SamplingParams()) -> Proposer:
+    def check(self, method: str, budget: int | str | None) -> None:
+        """Raise ValueError unless `method` and `budget` can be served; touches no state (any thread)."""
         if method not in self.methods:
             raise ValueError(f"unknown or unavailable method {method!r}; available: {', '.join(self.methods)}")
+        budget = self.default_budget if budget is None else budget
+        if method == "ddtree" and budget != "auto" and (
+                not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET):
+            raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
+
+    def calibrate(self) -> None:
+        """Time the verify cost `auto` needs (or read it from the cache on disk), now rather than at the first
+        `auto` request: a server calls this on its load thread, before it serves anything."""
+        if self.drafter is not None and self.verify_cost is None:
+            self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
+
+    def proposer(self, method: str, budget: int | str | None, sampling: SamplingParams = SamplingParams(),
+                 lookup: bool = True) -> Proposer:
+        """A fresh proposer; `lookup=False` leaves the prompt-lookup branch out of `ddtree` (the drafter alone)."""
+        self.check(method, budget)
         if method == "ar":
             return AR()
         if method == "dflash":
             return DFlash()
         budget = self.default_budget if budget is None else budget
         if budget == "auto":
-            if self.verify_cost is None:
-                self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
-            return DDTree(AutoBudget(self.verify_cost, self._learned(sampling), block=self.drafter.block_size))
-        if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET:
-            raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
-        return DDTree(budget)
+            self.calibrate()
+            return DDTree(AutoBudget(self.verify_cost, self._learned(sampling), block=self.drafter.block_size),
+                          lookup)
+        return DDTree(budget, lookup)
 
     def _learned(self, sampling: SamplingParams) -> Learned:
         """What `auto` learned under this sampler, kept across requests (the 16 latest samplers)."""
-        key = (sampling.temperature, sampling.top_p, sampling.top_k)
+        key = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
         if key not in self.learned and len(self.learned) >= 16:
             del self.learned[next(iter(self.learned))]
         return self.learned.setdefault(key, Learned())
 
     def stream(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
-               budget: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
-               stop: list[str] | None = None) -> Iterator[Step]:
+               budget: int | str | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               min_p: float = 0.0, seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
+               stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+               logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> Iterator[Step]:
         """Validate now, then yield the prefill's token as the first Step (prefill runs at the first `next`)
         and one Step per verify round after it.
 
-        Closing the iterator cancels generation at the next round.
+        `stop_token_ids` end a generation as EOS does (kept, and their text with them, as vLLM), also under
+        `ignore_eos`; `logit_bias` is added to the target's logits at every node; `logprobs` (top N >= 0)
+        puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
+        (the prompt is then run in full, prefix cache or not). Closing the iterator cancels generation at
+        the next round.
         """
         ids = self.encode(prompt)
+        self._validate(len(ids), max_new_tokens, min_tokens, stop, stop_token_ids, logit_bias, logprobs,
+                       prompt_logprobs)
+        sampling = SamplingParams(temperature, top_p, top_k, seed, min_p)
+        proposer = self.proposer(method, budget, sampling)
+        generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
+        eos = () if ignore_eos else tuple(self.eos_ids)
+        stops = tuple(stop_token_ids or ())
+        law = Law(dict(logit_bias or {}), eos + stops, min_tokens)
+        decoder = Decoder(self.target, self.drafter, proposer, self.cache, self.draft_cache, sampling, generator,
+                          law, logprobs)
+        stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
+        completion = Completion(self.tokenizer, eos, max_new_tokens, min_tokens, stop or [], stops)
+        return self._rounds(decoder, ids, stats, completion, prompt_logprobs)
+
+    def _validate(self, prompt_len: int, max_new_tokens: int, min_tokens: int, stop: list[str] | None,
+                  stop_token_ids: list[int] | None, logit_bias: dict[int, float] | None, logprobs: int | None,
+                  prompt_logprobs: int | None) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if len(ids) + max_new_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+        if prompt_len + max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
         if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], got {min_tokens!r}")
-        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
-        sampling = SamplingParams(temperature, top_p, top_k, seed)
-        proposer = self.proposer(method, budget, sampling)
-        generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
-        decoder = Decoder(self.target, self.drafter, proposer, self.cache, self.draft_cache, sampling, generator,
-                          () if ignore_eos else self.eos_ids, min_tokens)
-        stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
-        completion = Completion(self.tokenizer, decoder.eos_ids, max_new_tokens, min_tokens, stop or [])
-        return self._rounds(decoder, ids, stats, completion)
+        if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
+                                     and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
+            raise ValueError(f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters, got {stop!r:.200}")
+        for name, ids in (("stop_token_ids", stop_token_ids), ("logit_bias", logit_bias)):
+            if ids and not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                               for t in ids):
+                raise ValueError(f"{name}: token ids must be integers in [0, {self.vocab_size})")
+        if logit_bias and not all(isinstance(b, (int, float)) and -100 <= b <= 100 for b in logit_bias.values()):
+            raise ValueError("logit_bias values must be numbers in [-100, 100]")
+        for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
 
-    def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats,
-                completion: Completion) -> Iterator[Step]:
+    def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats, completion: Completion,
+                prompt_logprobs: int | None) -> Iterator[Step]:
         features = self.draft_cache.features if decoder.capture else None
         reach = decoder.first_draft_reach(len(prompt)) if decoder.capture else 0
-        cached = self.prefix_cache.load(prompt, self.cache, features, reach) if self.prefix_cache else 0
+        scored = prompt_logprobs is not None  # every prompt position's logits: nothing may come from the cache
+        cached = self.prefix_cache.load(prompt, self.cache, features, reach) if self.prefix_cache and not scored else 0
         stats.prefill_threads = prefill_threads(len(prompt) - cached, self.prefill_threads)
         with torch_threads(stats.prefill_threads):
-            first, stats.prefill_ms = decoder.prefill(prompt, cached)
+            first, stats.prefill_ms = decoder.prefill(prompt, cached, prompt_logprobs)
         stats.from_prefill, stats.cached_tokens = 1, cached
         new, rnd = [first], None  # the prefill's token is yielded on its own, before any verify round
         while True:
+            done = completion.count
             kept = completion.extend(new)
             if rnd is not None:
                 rnd.committed = len(kept)
                 stats.rounds.append(rnd)
             if completion.finish_reason and self.prefix_cache:  # the caches hold what the tokens say
                 self.prefix_cache.save(decoder.tokens, self.cache, features, decoder.features_from)
-            yield Step(kept, completion.release(), rnd, stats, completion.finish_reason, completion.matched_stop)
+            logprobs = decoder.logprobs[done:done + len(kept)] if decoder.top_logprobs is not None else None
+            yield Step(kept, completion.release(), rnd, stats, completion.finish_reason, completion.matched_stop,
+                       logprobs, decoder.prompt_logprobs if rnd is None and scored else None)
             if completion.finish_reason:
                 return
             new, rnd = decoder.step()
@@ -197,7 +249,9 @@ class Engine:
         ids = [t for s in steps for t in s.token_ids]
         text = "".join(s.text for s in steps)
         last = steps[-1]
-        return Generation(text, ids, last.finish_reason, last.stats.prompt_tokens, last.stats)
+        logprobs = [lp for s in steps for lp in s.logprobs] if last.logprobs is not None else None
+        return Generation(text, ids, last.finish_reason, last.stats.prompt_tokens, last.stats, logprobs,
+                          steps[0].prompt_logprobs)
 
 
 class Completion:
@@ -210,9 +264,11 @@ class Completion:
     completes several, the one that ends first wins, then list order.
     """
 
-    def __init__(self, tokenizer, eos: list[int] | tuple[int, ...], max_new: int, min_tokens: int, stop: list[str]):
+    def __init__(self, tokenizer, eos: list[int] | tuple[int, ...], max_new: int, min_tokens: int, stop: list[str],
+                 stop_ids: tuple[int, ...] = ()):
         self.text = IncrementalText(tokenizer)
         self.eos, self.max_new, self.min_tokens, self.stop = set(eos), max_new, min_tokens, stop
+        self.stop_ids = set(stop_ids) - self.eos
         self.count = 0  # tokens kept
         self.cut: int | None = None  # the text's end once a stop string matched
         self.released = 0  # characters handed out
@@ -246,7 +302,9 @@ class Completion:
         old = len(self.text.text)
         text = self.text.push(token)
         hit = first_stop(text, old, self.stop) if self.count > self.min_tokens else None
-        if hit is not None:
+        if token in self.stop_ids and hit is None:  # the decoder masks these before min_tokens too
+            self._finish("stop", token)
+        elif hit is not None:
             self.cut, string = hit
             self._finish("stop", string)
         elif self.count == self.max_new:

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ddscope.config import (SUPPORTED_TARGETS, CheckpointError, DecoderGeometry, TargetConfig, read_json, text_config,
                             token_ids)
-from ddscope.model import ForwardOut, KVCache, Target
+from ddscope.model import ForwardOut, KVCache, KVCacheFull, Target
 
 BACKENDS = ("auto", "native", "transformers")
 
@@ -132,7 +132,7 @@ class HFTarget(nn.Module):
         `tail` is a hint this backend does not take: features come for every row."""
         start, n = cache.length, tokens.shape[0]
         if start + n > cache.capacity:
-            raise ValueError(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")
+            raise KVCacheFull(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")
         attn = None
         if mask is not None or (start > 0 and n > 1):
             if mask is None:

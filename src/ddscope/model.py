@@ -16,6 +16,10 @@ from ddscope.config import DecoderGeometry, TargetConfig
 from ddscope.weights import load_into, read_state_dict
 
 
+class KVCacheFull(RuntimeError):
+    """A forward would write past the cache: the engine's fault or its capacity's, never the request's."""
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -216,7 +220,7 @@ class Target(nn.Module):
         """
         start, n = cache.length, tokens.shape[0]
         if start + n > cache.capacity:
-            raise ValueError(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")
+            raise KVCacheFull(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")
         trim = tail is not None and tail < n
         if trim and mask is not None:
             raise ValueError("tail applies to a causal forward (mask=None)")

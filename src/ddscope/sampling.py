@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this temperature sampling is greedy, as in vLLM (_SAMPLING_EPS, vllm/sampling_params.py): logits / T
+# overflows to inf for T under about 1e-36, and log_softmax then gives NaN and an arbitrary token.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -13,6 +17,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens of at least min_p x the likeliest one's probability; 0 disables it
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -22,14 +27,21 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of the distribution this sampler draws from (filtered, tempered)."""
+        """Log-probabilities of the distribution this sampler draws from (tempered, then filtered)."""
         logits = logits.float() / (self.temperature if not self.greedy else 1.0)
+        if self.min_p > 0:  # vLLM's order: min_p on the tempered probabilities, before top-k and top-p
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), float("-inf"))
         if self.top_k and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -45,6 +57,20 @@ class SamplingParams:
         argmax(log p - log E) with E ~ Exp(1) given by `noise` (a Gumbel-max draw, as vLLM's random_sample)."""
         scores = logits if self.greedy else self.log_probs(logits) - noise.log()
         return first_max(scores).tolist()
+
+
+TokenLogprob = tuple[float, list[tuple[int, float]]]  # (the token's log-prob, the top N as (id, log-prob))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-prob of its token and its `top` likeliest, from the raw log-softmax of the logits:
+    before temperature, filters and biases, as vLLM's default `logprobs_mode` (raw_logprobs)."""
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(c, []) for c in chosen]
+    values, ids = lp.topk(top, dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 def first_max(scores: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddscope.server.metrics import ServerMetrics
-from ddscope.server.responses import Reply, sse
+from ddscope.model import KVCacheFull
+from ddscope.server.responses import Logprobs, Reply, merge_logprobs, sse
 from ddscope.server.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -37,7 +38,8 @@ from ddscope.server.schemas import (
     reject_unsupported,
     validation_error,
 )
-from ddscope.server.worker import Done, EngineWorker, Event, Failed, Job, QueueFull, ShuttingDown
+from ddscope.server.worker import (Done, EngineWorker, Event, Failed, InvalidRequest, Job, QueueFull, ShuttingDown,
+                                   WorkerDied)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as in the OpenAI API; chat defaults to the rest of the context
 
 
@@ -76,7 +79,8 @@ class ServerState:
         if self.config.method not in engine.methods:
             raise ValueError(f"default method {self.config.method!r} is not available for this checkpoint "
                              f"(available: {', '.join(engine.methods)}); pass a drafter or --method ar")
-        engine.proposer(self.config.method, self.config.budget)  # fail at startup on a bad default budget
+        engine.check(self.config.method, self.config.budget)  # fail at startup on a bad default budget
+        engine.calibrate()  # here, on the load thread: never on the event loop, never beside a decode
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.worker = EngineWorker(engine, self.metrics.bind(engine.model_name), max_queue=self.config.max_queue,
                                    log_interval=self.config.log_interval)
@@ -107,6 +111,9 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.worker is not None and state.worker.dead is not None:
+            return JSONResponse({"status": "error", "message": f"the engine worker died: {state.worker.dead!r}"},
+                                status_code=503)
         if state.engine is not None:
             return JSONResponse({"status": "ok"})
         if state.load_error is not None:
@@ -130,6 +137,7 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
     async def tokenize(request: Request) -> dict[str, Any]:
         """The served tokenizer, so clients size prompts exactly (as vLLM's and SGLang's /tokenize)."""
         req = await _parse(request, state, TokenizeRequest)
+        _check_text(req.prompt, "prompt", _engine(state).max_model_len)
         ids = await state.tokenize(lambda: state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return {"count": len(ids), "max_model_len": _engine(state).max_model_len, "tokens": ids}
 
@@ -137,7 +145,7 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
     async def detokenize(request: Request) -> dict[str, Any]:
         req = await _parse(request, state, DetokenizeRequest)
         engine = _engine(state)
-        _prompt_ids(state.tokenizer, engine.vocab_size, req.tokens)  # the same range check as a prompt's
+        _prompt_ids(state.tokenizer, engine, req.tokens)  # the same range check as a prompt's
         return {"prompt": await state.tokenize(state.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/completions")
@@ -145,18 +153,18 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
         arrival = time.monotonic()
         req = await _parse(request, state, CompletionRequest)
         engine = _engine(state)
-        ids = await state.tokenize(_prompt_ids, state.tokenizer, engine.vocab_size, req.prompt)
-        return await _generate(request, state, req, ids, Reply(chat=False, model=engine.model_name,
-                                                                include_usage=req.include_usage), arrival)
+        prompts = [await state.tokenize(_prompt_ids, state.tokenizer, engine, p) for p in req.prompts]
+        reply = Reply(chat=False, model=engine.model_name, include_usage=req.include_usage)
+        return await _generate(request, state, req, prompts, reply, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         req = await _parse(request, state, ChatCompletionRequest)
         engine = _engine(state)
-        ids = await state.tokenize(_chat_ids, state.tokenizer, [m.template_dict() for m in req.messages])
-        return await _generate(request, state, req, ids, Reply(chat=True, model=engine.model_name,
-                                                                include_usage=req.include_usage), arrival)
+        ids = await state.tokenize(_chat_ids, state.tokenizer, engine, [m.template_dict() for m in req.messages])
+        reply = Reply(chat=True, model=engine.model_name, include_usage=req.include_usage)
+        return await _generate(request, state, req, [ids], reply, arrival)
 
     return app
 
@@ -210,8 +218,7 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
 
 
 async def _parse(request: Request, state: ServerState, model: type[R]) -> R:
-    data = await _read_json(request, state.config.max_body_bytes)
-    reject_unsupported(data)
+    data = reject_unsupported(await _read_json(request, state.config.max_body_bytes))
     try:
         req = model.model_validate(data)
     except ValidationError as e:
@@ -220,22 +227,33 @@ async def _parse(request: Request, state: ServerState, model: type[R]) -> R:
     return req
 
 
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt: str | list[int]) -> list[int]:
+PROMPT_CHARS_PER_TOKEN = 32  # a text prompt longer than this x max_model_len cannot fit: refused before tokenizing
+
+
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        bad = [t for t in prompt if not 0 <= t < engine.vocab_size]
         if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param="prompt",
+            raise APIError(400, f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}", param="prompt",
                            code="invalid_token_id")
         return prompt
-    return _encode_text(tokenizer, prompt, "prompt")
+    return _encode_text(tokenizer, prompt, "prompt", engine.max_model_len)
 
 
-def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str) -> list[int]:
+def _check_text(text: str, param: str, max_model_len: int) -> None:
+    """Text that cannot be tokenized, or is too long to fit any context, is refused before the tokenizer runs."""
+    if len(text) > PROMPT_CHARS_PER_TOKEN * max_model_len:
+        raise APIError(400, f"{param}: {len(text)} characters, over the {PROMPT_CHARS_PER_TOKEN * max_model_len} "
+                            f"that could fit max_model_len ({max_model_len})", param=param, code="prompt_too_long")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # JSON can carry lone surrogates ("\ud800"); tokenizers reject them
         raise APIError(400, f"{param}: not valid Unicode (a lone surrogate)", param=param,
                        code="invalid_parameter") from None
+
+
+def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str, max_model_len: int) -> list[int]:
+    _check_text(text, param, max_model_len)
     # Exactly as Engine.encode. A chat template spells out its own special tokens, so none are added.
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
@@ -243,16 +261,18 @@ def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str) -> l
     return ids
 
 
-def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, messages: list[dict[str, str]]) -> list[int]:
     if not tokenizer.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")
+    for m in messages:
+        _check_text(m["content"], "messages", engine.max_model_len)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except (TemplateError, ValueError, TypeError) as e:  # a template's raise_exception, or a bad conversation
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages",
                        code="invalid_messages") from None
-    return _encode_text(tokenizer, text, "messages")
+    return _encode_text(tokenizer, text, "messages", engine.max_model_len)
 
 
 def _engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) -> dict[str, Any]:
@@ -260,7 +280,7 @@ def _engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) ->
     method = req.method or state.config.method
     budget = req.budget if req.budget is not None else state.config.budget
     try:
-        engine.proposer(method, budget)  # the engine's own checks of method and budget
+        engine.check(method, budget)  # pure: the proposer itself is made on the engine thread
     except ValueError as e:
         raise APIError(400, str(e), param="method" if method not in engine.methods else "budget",
                        code="invalid_parameter") from None
@@ -275,29 +295,51 @@ def _engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) ->
     if req.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
                        param="min_tokens", code="invalid_parameter")
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    for name, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", bias)):
+        if any(not 0 <= t < engine.vocab_size for t in ids):
+            raise APIError(400, f"{name}: token ids must be in [0, {engine.vocab_size})", param=name,
+                           code="invalid_token_id")
+    logprobs = req.top_logprobs_wanted()
+    echo = isinstance(req, CompletionRequest) and req.echo
     return {"max_new_tokens": max_tokens, "method": method, "budget": budget, "temperature": req.temperature,
-            "top_p": req.top_p, "top_k": max(req.top_k, 0), "seed": req.seed, "ignore_eos": req.ignore_eos,
-            "min_tokens": req.min_tokens, "stop": req.stop}
+            "top_p": req.top_p, "top_k": max(req.top_k, 0), "min_p": req.min_p, "seed": req.seed,
+            "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "stop": req.stop,
+            "stop_token_ids": req.stop_token_ids, "logit_bias": bias or None, "logprobs": logprobs,
+            "prompt_logprobs": logprobs if echo else None}
 
 
 def _failure(event: Failed, timeout: float) -> APIError:
+    err = _failure_error(event, timeout)
+    err.reached_engine = True  # counted by requests_total, not as a rejection
+    return err
+
+
+def _failure_error(event: Failed, timeout: float) -> APIError:
     if event.status == "timeout":
         return APIError(408, f"the request timed out after {timeout:g} s", code="timeout")
     if isinstance(event.error, ShuttingDown):
         return APIError(503, str(event.error), code="shutting_down")
     if event.status == "cancelled":
         return APIError(499, "the request was cancelled", code="cancelled")  # nobody is left to read it
-    if isinstance(event.error, ValueError):  # invalid input only the engine caught
+    if isinstance(event.error, InvalidRequest):  # invalid input only the engine caught
         return APIError(400, str(event.error), code="invalid_parameter")
+    if isinstance(event.error, KVCacheFull):
+        return APIError(503, f"out of KV cache ({event.error}); retry later", code="kv_cache_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(event.error, WorkerDied):
+        return APIError(500, f"{event.error}; see the server log", code="worker_died")
     return APIError(500, "the engine failed on this request; see the server log", code="engine_error")
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """Cancel the job as soon as the client goes away (the body is read, so only disconnect can come)."""
+async def _watch_disconnect(request: Request, worker: EngineWorker, jobs: list[Job]) -> None:
+    """Cancel the jobs as soon as the client goes away (the body is read, so only disconnect can come)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancel("cancelled")
-    job.events.put_nowait(Failed("cancelled"))  # wake a handler still waiting on a queued job
+    for job in jobs:
+        job.cancel("cancelled")
+        worker.withdraw(job)  # a queued job frees its slot now
+        job.events.put_nowait(Failed("cancelled"))  # wake a handler still waiting on a queued job
 
 
 async def _next_event(job: Job) -> Event:
@@ -310,43 +352,94 @@ async def _next_event(job: Job) -> Event:
         return Failed("timeout")
 
 
-async def _generate(request: Request, state: ServerState, req: SamplingRequest, ids: list[int], reply: Reply,
-                    arrival: float) -> Response:
-    params = _engine_params(state, req, len(ids))
-    timeout = state.config.request_timeout
-    job = Job(reply.id, ids, params, deadline=arrival + timeout, return_rounds=req.return_rounds,
-              stream=bool(req.stream), arrival=arrival)
+def _submit(state: ServerState, job: Job) -> None:
     try:
         state.worker.submit(job)
     except QueueFull as e:
         raise APIError(503, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
     except ShuttingDown as e:
         raise APIError(503, str(e), code="shutting_down") from None
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    except WorkerDied as e:
+        raise APIError(503, str(e), code="worker_died") from None
+
+
+async def _generate(request: Request, state: ServerState, req: SamplingRequest, prompts: list[list[int]],
+                    reply: Reply, arrival: float) -> Response:
+    params = [_engine_params(state, req, len(ids)) for ids in prompts]  # all checked before any runs
+    jobs = [Job(f"{reply.id}-{i}" if len(prompts) > 1 else reply.id, ids, p, deadline=arrival + state.config.request_timeout,
+                return_rounds=req.return_rounds, stream=bool(req.stream), arrival=arrival)
+            for i, (ids, p) in enumerate(zip(prompts, params))]
+    submitted: list[Job] = []
+    watcher = asyncio.create_task(_watch_disconnect(request, state.worker, submitted))
     try:
+        for job in jobs:
+            _submit(state, job)
+            submitted.append(job)
         # Wait for the first event before answering, so that a failure is still a proper status code.
-        event = await _next_event(job)
+        event = await _next_event(jobs[0])
         if isinstance(event, Failed):
-            raise _failure(event, timeout)
+            raise _failure(event, state.config.request_timeout)
         if req.stream:
-            stream = _stream(job, reply, event, watcher, timeout)
+            stream = _stream(state, jobs[0], req, reply, event, watcher)
             watcher = None  # owned by the stream from here on
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(reply.response(event.text, event.finish_reason, event.stats, event.matched_stop))
+        outcomes = [event] + [await _outcome(job, state) for job in jobs[1:]]
+        choices = [await _choice(state, req, reply, i, job.prompt, done) for i, (job, done) in
+                   enumerate(zip(jobs, outcomes))]
+        return JSONResponse(reply.response(choices, [d.stats for d in outcomes]))
     finally:
         if watcher is not None:
             watcher.cancel()
-            job.cancel()  # no-op once the job is done; stops it on any early exit
+            for job in submitted:
+                job.cancel()  # no-op once the job is done; stops it on any early exit
+                state.worker.withdraw(job)
 
 
-async def _stream(job: Job, reply: Reply, event: Event, watcher: asyncio.Task, timeout: float) -> AsyncIterator[str]:
+async def _outcome(job: Job, state: ServerState) -> Done:
+    """The Done of a non-streaming job (whose only events are its outcome), or its failure raised."""
+    event = await _next_event(job)
+    if isinstance(event, Failed):
+        raise _failure(event, state.config.request_timeout)
+    return event
+
+
+def _logprobs_wanted(req: SamplingRequest) -> bool:
+    return req.top_logprobs_wanted() is not None
+
+
+async def _choice(state: ServerState, req: SamplingRequest, reply: Reply, index: int, prompt: list[int],
+                  done: Done) -> dict[str, Any]:
+    text, parts = done.text, []
+    if isinstance(req, CompletionRequest) and req.echo:
+        head = await state.tokenize(state.tokenizer.decode, prompt)
+        text = head + text
+        if done.prompt_logprobs is not None:
+            parts.append(await state.tokenize(Logprobs(state.tokenizer, False).render, prompt, done.prompt_logprobs))
+    if _logprobs_wanted(req):
+        offset = len(text) - len(done.text)
+        parts.append(await state.tokenize(Logprobs(state.tokenizer, reply.chat, offset).render, done.token_ids,
+                                          done.logprobs))
+    return reply.choice(text, done.finish_reason, done.matched_stop, merge_logprobs(parts), index)
+
+
+async def _stream(state: ServerState, job: Job, req: SamplingRequest, reply: Reply, event: Event,
+                  watcher: asyncio.Task) -> AsyncIterator[str]:
+    timeout = state.config.request_timeout
+    logprobs = Logprobs(state.tokenizer, reply.chat) if _logprobs_wanted(req) else None
     try:
         if reply.chat:
             yield sse(reply.chunk("", role=True))
+        if isinstance(req, CompletionRequest) and req.echo:
+            head = await state.tokenize(state.tokenizer.decode, job.prompt)
+            scored = await state.tokenize(logprobs.render, job.prompt, event.prompt_logprobs) if logprobs else None
+            yield sse(reply.chunk(head, logprobs=scored))
         while not isinstance(event, (Done, Failed)):
-            if event.text:  # a step may hold back a partial UTF-8 character: nothing to send yet
-                yield sse(reply.chunk(event.text))
+            # A step may hold back text (a partial UTF-8 character, a possible stop string): nothing to send yet,
+            # unless its tokens' logprobs are asked for.
+            if event.text or (logprobs and event.token_ids):
+                rendered = await state.tokenize(logprobs.render, event.token_ids, event.logprobs) if logprobs else None
+                yield sse(reply.chunk(event.text, logprobs=rendered))
             event = await _next_event(job)
         if isinstance(event, Done):
             for chunk in reply.final_chunks(event.finish_reason, event.stats, event.matched_stop):
@@ -362,8 +455,14 @@ async def _stream(job: Job, reply: Reply, event: Event, watcher: asyncio.Task, t
 # --- errors -----------------------------------------------------------------------------------
 
 def _install_error_handlers(app: FastAPI) -> None:
+    def rejected(request: Request, status: int) -> None:
+        if request.url.path in GENERATION_PATHS:
+            app.state.ddscope.metrics.rejected.labels(str(status)).inc()
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if not getattr(exc, "reached_engine", False):
+            rejected(request, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -377,10 +476,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in err.get("loc", ())]
+        rejected(request, 400)
         return JSONResponse(error_body(400, f"{'.'.join(loc)}: {err.get('msg')}", param=loc[-1] if loc else None,
                                        code="invalid_parameter"), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        rejected(request, 500)
         return JSONResponse(error_body(500, "internal server error; see the server log", code="internal_error"),
                             status_code=500)

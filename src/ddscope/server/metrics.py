@@ -27,7 +27,8 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 
 
 class ServerMetrics:
-    """All `ddscope:*` metrics. Everything carries the `model_name` label."""
+    """All `ddscope:*` metrics. Everything carries the `model_name` label but `rejected_requests`, which can
+    come before any model has loaded."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -58,6 +59,9 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.running = Gauge("ddscope:num_requests_running", "Requests on the engine (0 or 1).", m, registry=r)
         self.waiting = Gauge("ddscope:num_requests_waiting", "Requests waiting in the FIFO queue.", m, registry=r)
+        # With requests_total, every generation request sent is counted exactly once.
+        self.rejected = Counter("ddscope:rejected_requests", "Generation requests answered with an error before "
+                                "they reached the engine queue, by HTTP status.", ["status"], registry=r)
 
     def bind(self, model_name: str) -> ModelMetrics:
         return ModelMetrics(self, model_name)

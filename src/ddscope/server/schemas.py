@@ -9,8 +9,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_STOP_STRINGS = 16
+from ddscope.engine import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+
 MAX_SEED = 2**63 - 1
+MAX_PROMPTS = 64  # a batched /v1/completions prompt list
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries, as OpenAI's cap on logit_bias is per token
 
 
 class APIError(Exception):
@@ -45,31 +49,53 @@ def validation_error(exc: ValidationError) -> APIError:
     loc = [str(part) for part in err["loc"]]
     where = ".".join(loc)
     msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field: ddscope neither honours nor ignores it (docs/server.md lists every field)"
     message = f"{where}: {msg}" if where else msg
     return APIError(400, message, param=loc[0] if loc else None, code="invalid_parameter")
 
 
-# Fields of the OpenAI API that ddscope does not implement, with the only value it accepts.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+# Fields that would change the output and are not honoured, each with the values that mean "off" (accepted).
+REFUSED: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "suffix": (None,),
-    "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "reasoning_effort": (None,),
+    "prediction": (None,),
+    "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
 }
+# Accepted and ignored: bookkeeping that changes no token.
+IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+           "parallel_tool_calls")
 
 
-def reject_unsupported(body: dict[str, Any]) -> None:
-    for name, allowed in _UNSUPPORTED.items():
+def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
+    """400 for a refused field set to anything but "off"; the body without the ignored fields."""
+    for name, allowed in REFUSED.items():
         if name in body and not any(body[name] == ok and type(body[name]) is type(ok) for ok in allowed):
-            raise APIError(400, f"{name}={body[name]!r} is not supported by ddscope "
-                                f"(allowed: {', '.join(repr(a) for a in allowed)})",
+            raise APIError(400, f"{name}={body[name]!r:.100} is not supported by ddscope "
+                                f"(allowed: {', '.join(repr(a) for a in allowed)}); docs/server.md lists every field",
                            param=name, code="unsupported_parameter")
+    return {k: v for k, v in body.items() if k not in IGNORED and k not in REFUSED}
 
 
 class StreamOptions(BaseModel):
@@ -80,16 +106,20 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     # OpenAI defaults: temperature 1, top_p 1. top_k 0 (or -1, as in vLLM) disables top-k.
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
@@ -109,7 +139,19 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return stops or None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids as strings (OpenAI's shape), got {key!r:.40}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases are in [-100, 100], got {value}")
+        return bias
 
     @field_validator("budget")
     @classmethod
@@ -129,30 +171,57 @@ class SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        # The newer OpenAI name wins; both are accepted.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        """None, or how many alternatives to report with each token."""
+        raise NotImplementedError
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        raise ValueError("a token-id prompt must be a list of integers")
+    raise ValueError("prompt must be a string, a list of token ids, or a list of those")
 
 
 class CompletionRequest(SamplingRequest):
-    # str, or token ids for exact context lengths. Shape errors get a clear message here; the
-    # vocabulary range is checked by the app, which knows the model.
-    prompt: str | list[int]
+    # str, or token ids for exact context lengths, or a batch of either (one choice each). Shape errors get a
+    # clear message here; the vocabulary range is checked by the app, which knows the model.
+    prompt: str | list[int] | list[str | list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, prompt: Any) -> Any:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt
-        if isinstance(prompt, list):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return prompt
-            if any(isinstance(t, (str, list)) for t in prompt):
-                raise ValueError("batched prompts are not supported: send one string or one list of token ids")
-            raise ValueError("a token-id prompt must be a list of integers")
-        raise ValueError("prompt must be a string or a list of token ids")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in a batch")
+            return [_one_prompt(p) for p in prompt]
+        return _one_prompt(prompt)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        batched = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
+        return self.prompt if batched else [self.prompt]
+
+    @model_validator(mode="after")
+    def _one_stream(self) -> CompletionRequest:
+        if self.stream and len(self.prompts) > 1:
+            raise ValueError("a batch of prompts cannot be streamed: send them as separate requests")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -173,11 +242,17 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    def requested_max_tokens(self) -> int | None:
-        # The newer OpenAI name wins; both are accepted.
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):

@@ -3,18 +3,24 @@
 The event loop never touches the engine. A handler submits a Job and awaits its events; the
 worker pushes each committed step to the job's asyncio queue with call_soon_threadsafe. A job
 is cancelled by setting a flag, which the worker checks between verify steps and then closes
-the engine's stream, so a disconnect or timeout costs at most one more step.
+the engine's stream, so a disconnect or timeout costs at most one more step; a job cancelled
+while it waits leaves the queue at once, so its slot goes to the next client.
+
+If the thread itself dies (a bug outside one request's generation), every job in flight and in
+the queue fails at once, and `dead` turns /health to 503.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
+from ddscope.model import KVCacheFull
+from ddscope.sampling import TokenLogprob
 from ddscope.server.metrics import PHASES, ModelMetrics
 
 if TYPE_CHECKING:
@@ -31,6 +37,14 @@ class ShuttingDown(Exception):
     pass
 
 
+class WorkerDied(RuntimeError):
+    pass
+
+
+class InvalidRequest(ValueError):
+    """The engine refused the request's parameters before generating: the client's fault (400)."""
+
+
 @dataclass
 class Done:
     """Last event of a finished generation."""
@@ -38,6 +52,9 @@ class Done:
     stats: dict[str, Any]  # GenerationStats.to_dict() plus the server's queue_ms and ttft_ms
     text: str = ""  # the whole completion (a non-streaming job gets no per-step events)
     matched_stop: int | str | None = None  # Step.matched_stop of the last step
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # when asked for: one per token of token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (echo)
 
 
 @dataclass
@@ -108,70 +125,105 @@ class EngineWorker:
     def __init__(self, engine: Engine, metrics: ModelMetrics, *, max_queue: int, log_interval: float):
         self.engine = engine
         self.metrics = metrics
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._queue: deque[Job] = deque()
+        self._ready = threading.Condition()  # guards _queue, _closing, _current and dead
         self._window = DecodeWindow(log_interval)
         self._closing = False
         self._current: Job | None = None
+        self.dead: BaseException | None = None  # why the thread died, once it has
         self._thread = threading.Thread(target=self._loop, name="ddscope-engine", daemon=True)
         self._thread.start()
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return len(self._queue)
 
     def submit(self, job: Job) -> None:
-        if self._closing:
-            raise ShuttingDown("server is shutting down")
-        self.metrics.waiting.inc()  # before the put, so the worker's dec can never run first
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            self.metrics.waiting.dec()
-            raise QueueFull(f"the queue is full ({self._queue.maxsize} waiting requests)") from None
+        with self._ready:
+            if self.dead is not None:
+                raise WorkerDied(f"the engine worker died ({type(self.dead).__name__}); see the server log")
+            if self._closing:
+                raise ShuttingDown("server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
+            self._queue.append(job)
+            self.metrics.waiting.inc()
+            self._ready.notify()
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Refuse new jobs, cancel the running one and those waiting, stop the thread."""
-        self._closing = True
-        current = self._current
-        if current is not None:
-            current.cancel()
-        while True:
+    def withdraw(self, job: Job) -> None:
+        """A job given up on while it waits leaves the queue now, freeing its slot; a running one stops
+        at the next step (it is cancelled already)."""
+        with self._ready:
             try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self.metrics.waiting.dec()
-                job.cancel()
-                self._finish(job, Failed("cancelled", ShuttingDown("server is shutting down")))
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                job = self._queue.get(timeout=self._window.interval)
-            except queue.Empty:
-                self._window.maybe_log(self._current is not None, self.waiting)
-                continue
-            if job is None:
+                self._queue.remove(job)
+            except ValueError:
                 return
             self.metrics.waiting.dec()
-            self._run(job)
+        self._finish(job, Failed(job.cancel_reason or "cancelled"))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, stop the running one and those waiting (503 to their clients), stop the thread."""
+        with self._ready:
+            self._closing = True
+            current, waiting = self._current, list(self._queue)
+            self._queue.clear()
+            self.metrics.waiting.dec(len(waiting))
+            self._ready.notify()
+        if current is not None:
+            current.cancel()
+        for job in waiting:
+            job.cancel()
+            self._finish(job, Failed("cancelled", ShuttingDown("server is shutting down")))
+        self._thread.join(timeout)
+
+    def _next(self) -> Job | None:
+        with self._ready:
+            while not self._queue and not self._closing:
+                if not self._ready.wait(timeout=self._window.interval):
+                    self._window.maybe_log(False, 0)
+            if self._closing:
+                return None
+            self.metrics.waiting.dec()
+            self._current = self._queue.popleft()
+            return self._current
+
+    def _loop(self) -> None:
+        try:
+            while (job := self._next()) is not None:
+                self._run(job)
+        except BaseException as e:  # a bug outside any one generation: no request would ever be served
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        log.critical("the engine worker died; failing every request in flight and in the queue", exc_info=error)
+        with self._ready:
+            self.dead = error
+            jobs = ([self._current] if self._current is not None else []) + list(self._queue)
+            self.metrics.waiting.dec(len(self._queue))
+            self._queue.clear()
+        for job in jobs:
+            outcome = Failed("error", WorkerDied(f"the engine worker died: {error!r}"))
+            try:
+                self._finish(job, outcome)
+            except Exception:  # what killed the thread may be in _finish itself: the client still hears
+                job.emit(outcome)
 
     def _run(self, job: Job) -> None:
         if time.monotonic() > job.deadline:
             job.cancel("timeout")
         if job.cancel_reason:  # given up on while it waited
+            with self._ready:
+                self._current = None
             self._finish(job, Failed(job.cancel_reason))
             return
         start = time.monotonic()
-        self._current = job
         self.metrics.running.inc()
         try:
             outcome = self._generate(job, start)
         finally:  # update the gauges before the client can see the answer
-            self._current = None
+            with self._ready:
+                self._current = None
             self.metrics.running.dec()
         self._finish(job, outcome)
 
@@ -179,11 +231,17 @@ class EngineWorker:
         try:
             steps = self.engine.stream(job.prompt, **job.params)
         except ValueError as e:  # invalid input the app did not catch: still the client's fault
+            return Failed("error", InvalidRequest(str(e)))
+        except Exception as e:  # the engine failed before generating: ours, not the client's
+            log.exception("engine failed on request %s", job.request_id)
             return Failed("error", e)
         self.metrics.prompt_tokens.inc(len(job.prompt))
         first_at: float | None = None
         last = None
         text: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] | None = None
+        prompt_logprobs = None
         try:
             for last in steps:
                 now = time.monotonic()
@@ -191,8 +249,12 @@ class EngineWorker:
                     first_at = now
                     self.metrics.ttft.observe(now - job.arrival)
                     self.metrics.cached_prompt_tokens.inc(last.stats.cached_tokens)
+                    prompt_logprobs = last.prompt_logprobs
                 self._record_step(last)
                 text.append(last.text)
+                ids += last.token_ids
+                if last.logprobs is not None:
+                    logprobs = (logprobs or []) + last.logprobs
                 if job.stream:
                     job.emit(last)
                 if last.finish_reason:
@@ -200,7 +262,10 @@ class EngineWorker:
                 if now > job.deadline:
                     job.cancel("timeout")
                 if job.cancel_reason:
-                    return Failed(job.cancel_reason)
+                    return Failed(job.cancel_reason, ShuttingDown("server is shutting down") if self._closing else None)
+        except KVCacheFull as e:  # capacity, not a bug: the client may retry
+            log.warning("request %s: %s", job.request_id, e)
+            return Failed("error", e)
         except Exception as e:  # an engine bug must not kill the worker
             log.exception("engine failed on request %s", job.request_id)
             return Failed("error", e)
@@ -210,7 +275,7 @@ class EngineWorker:
         stats = last.stats.to_dict(rounds=job.return_rounds)
         stats["queue_ms"] = 1000 * (start - job.arrival)
         stats["ttft_ms"] = 1000 * (first_at - job.arrival)
-        return Done(last.finish_reason, stats, "".join(text), last.matched_stop)
+        return Done(last.finish_reason, stats, "".join(text), last.matched_stop, ids, logprobs, prompt_logprobs)
 
     def _record_step(self, step: Step) -> None:
         n, rnd = len(step.token_ids), step.round
