@@ -36,10 +36,15 @@ def run(flags: list[str]) -> int:
     return main(["bench", "sweep", *flags])
 
 
+def partial(out: Path) -> Path:
+    """Where a run that fails or stops early leaves its files: `out` keeps the last complete run."""
+    return out.with_name(f"{out.name}.partial")
+
+
 def sweep(url: str, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:
     code = run(["--url", url, "--contexts", "16,48", "--max-tokens", str(TOKENS), "--repeats", "2",
                 "--warmup", "1", "--out", str(out), *extra])
-    return code, json.loads((out / "results.json").read_text())
+    return code, json.loads(((out if code == 0 else partial(out)) / "results.json").read_text())
 
 
 def llama_exact(n_prompt: int) -> float:
@@ -225,7 +230,8 @@ def test_nothing_measured_exits_non_zero(tmp_path, capsys):
         code, doc = sweep(url, tmp_path)
     assert code == 1 and doc["errors"] == {"HTTP 400: boom": 4}
     assert "no point could be measured" in capsys.readouterr().err
-    assert len((tmp_path / "results.csv").read_text().splitlines()) == 5  # header + 4 error rows
+    assert len((partial(tmp_path) / "results.csv").read_text().splitlines()) == 5  # header + 4 error rows
+    assert not any(tmp_path.iterdir())
 
 
 def test_parse_metrics_sums_label_sets_and_drops_created():
@@ -234,14 +240,6 @@ def test_parse_metrics_sums_label_sets_and_drops_created():
             'vllm:spec_decode_num_drafts_total{engine="1"} 4\n'
             'vllm:spec_decode_num_drafts_created{engine="0"} 1.7e9\n')
     assert parse_metrics(text).values == {"vllm:spec_decode_num_drafts_total": [3.0, 4.0]}
-
-
-def test_unreachable_url_is_a_clear_error(tmp_path, capsys):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert run(["--url", f"http://127.0.0.1:{port}", "--out", str(tmp_path), "--timeout", "5"]) == 2
-    assert "probe request failed" in capsys.readouterr().err
 
 
 def test_server_lost_mid_sweep_aborts_with_reason(tmp_path, capsys, monkeypatch):
@@ -264,8 +262,8 @@ def test_server_lost_mid_sweep_aborts_with_reason(tmp_path, capsys, monkeypatch)
     assert code == 1 and calls["n"] == 4  # stopped at the first refused connection, no retries
     assert doc["status"] == "aborted" and "ConnectError" in doc["abort_reason"]
     assert [r["error"] is None for r in doc["records"]] == [True, False]
-    assert "status: aborted (the server stopped answering" in (tmp_path / "report.md").read_text()
-    assert "aborted" in capsys.readouterr().err
+    assert "status: aborted (the server stopped answering" in (partial(tmp_path) / "report.md").read_text()
+    assert "aborted" in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
 def test_ctrl_c_leaves_valid_files(tmp_path, capsys, monkeypatch):
@@ -282,10 +280,11 @@ def test_ctrl_c_leaves_valid_files(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sweep_mod, "post", post)
     with serve(vllm_app()) as url:
         code, doc = sweep(url, tmp_path)
-    assert code == 0 and doc["status"] == "interrupted"
+    assert code == 1 and doc["status"] == "interrupted"
     assert [r["context"] for r in doc["records"]] == [16, 16]
-    assert len((tmp_path / "results.csv").read_text().splitlines()) == 3
-    assert "status: interrupted" in (tmp_path / "report.md").read_text()
+    assert len((partial(tmp_path) / "results.csv").read_text().splitlines()) == 3
+    assert "status: interrupted" in (partial(tmp_path) / "report.md").read_text()
+    assert "aborted: interrupted" in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
 def test_rounding_is_read_from_the_printed_digits():

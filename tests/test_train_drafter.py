@@ -119,6 +119,27 @@ def test_a_failed_run_does_not_block_a_retry_with_other_data(tmp_path, quick_tar
         run_cli(common + ["--data", f"file:{prompts}", "--seed", "1"])
 
 
+def test_closing_line_names_the_steps_behind_each_loss(tmp_path, quick_target, capsys):
+    """The mean over all steps of a run from scratch reads far above its last steps: each figure says
+    which steps it averages, as train_log.jsonl has them."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
+    work = tmp_path / "work"
+    argv = ["train-drafter", "--target", str(quick_target), "--out", str(tmp_path / "d"), "--work-dir", str(work),
+            "--data", f"file:{prompts}", *QUICK, "--steps", "24"]
+    assert run_cli(argv) == 0
+    log = [json.loads(line) for line in (work / "train_log.jsonl").open()]
+    losses, accepts = [r["loss"] for r in log], [r["accept"] for r in log]
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("drafter written to"))
+    assert line.endswith(f": 24 steps; loss: mean over all 24 steps {sum(losses) / 24:.3f}, last 20 steps "
+                         f"{sum(losses[-20:]) / 20:.3f}, last step {losses[-1]:.3f}; offline accept: mean over "
+                         f"the last 20 steps {sum(accepts[-20:]) / 20:.2f}"), line
+    assert run_cli(argv[:-1] + ["26", "--resume"]) == 0
+    losses = [json.loads(line)["loss"] for line in (work / "train_log.jsonl").open()][-2:]
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("drafter written to"))
+    assert (f": 26 steps; loss: mean over the 2 steps since the resume at step 24 {sum(losses) / 2:.3f}, "
+            f"last step {losses[-1]:.3f}; offline accept") in line, line
+
+
 def test_drafter_weights_get_ordinary_file_permissions(tmp_path):
     from ddscope.training.drafter_ckpt import save_drafter
 
@@ -138,13 +159,44 @@ def test_eval_acceptance_reports_tau_and_checks_lossless(tmp_path, tiny_pair, ca
                  f"file:{tmp_path / 'prompts.jsonl'}", "--methods", "ar,dflash,ddtree:4", "--temperatures", "0,1",
                  "--prompts", "2", "--max-tokens", "12", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
-    assert report["mismatches"] == [] and report["lossless_checked"] == 2 * 2  # 2 prompts x (dflash, ddtree:4)
+    # 2 prompts x (dflash, ddtree:4, ddtree:4 without its lookup branch)
+    assert report["mismatches"] == [] and report["lossless_checked"] == 2 * 3
     rows = {(r["temperature"], r["method"]): r for r in report["results"]}
     assert set(rows) == {(t, m) for t in (0.0, 1.0) for m in ("ar", "dflash", "ddtree:4")}
     assert all(r["prompts"] == 2 and r["tau"] >= 1.0 for r in rows.values())
     assert rows[(0.0, "ar")]["tau"] == 1.0
     out = capsys.readouterr().out
-    assert "ddtree:4" in out and "lossless check (T=0): all 4 greedy outputs equal ar's" in out
+    assert "ddtree:4" in out and "lossless check (T=0): all 6 greedy outputs equal ar's" in out
+
+
+def test_eval_acceptance_reports_the_drafters_own_tau_beside_the_combined_one(tmp_path, tiny_pair, capsys):
+    """On repetitive text the lookup branch every ddtree tree gets commits most of ddtree's tau, however weak
+    the drafter (the tiny random one commits nothing of its own): tau_drafter is the ddtree run without it."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["ab ab ab ab ab ab ab ab ab ab ab ab"])
+    target, drafter = tiny_pair
+    report_path = tmp_path / "report.json"
+    assert run_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
+                    f"file:{prompts}", "--methods", "ar,dflash,ddtree:4", "--temperatures", "0", "--prompts", "1",
+                    "--max-tokens", "32", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["ddtree:4"]["tau"] > 2.0 and rows["ddtree:4"]["tau_drafter"] == 1.0
+    assert rows["dflash"]["tau_drafter"] == rows["dflash"]["tau"] and rows["ar"]["tau_drafter"] is None
+    assert report["mismatches"] == [] and report["lossless_checked"] == 3
+    legend = "tau: drafter + prompt lookup; tau_drafter: the drafter alone (no lookup branch)"
+    assert report["legend"] == legend
+    out = capsys.readouterr().out
+    assert "tau_drafter" in out and legend in out
+
+
+def test_lookup_false_leaves_the_branch_out_of_that_generation_only(tiny_engine):
+    ids = tiny_engine.encode("ab ab ab ab ab ab ab ab ab ab ab ab")
+    combined = tiny_engine.generate(ids, max_new_tokens=32, method="ddtree", budget=4)
+    alone = tiny_engine.generate(ids, max_new_tokens=32, method="ddtree", budget=4, lookup=False)
+    assert max(r.nodes for r in combined.stats.rounds) > 4  # lookup branches grafted beside the 4 nodes
+    assert {r.nodes for r in alone.stats.rounds} == {4}
+    assert alone.token_ids == combined.token_ids
+    assert tiny_engine.proposer("ddtree", 4).lookup is not None
 
 
 def test_eval_acceptance_rejects_bad_methods():

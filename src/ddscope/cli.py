@@ -4,16 +4,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from ddscope.config import CheckpointError
 from ddscope.options import (add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, load_engine,
                              set_threads)
 
+if TYPE_CHECKING:
+    from ddscope.engine import Engine
+
+
+def default_method(engine: Engine) -> str:
+    """ddtree where the engine has a drafter, else ar: the one method a target alone can run."""
+    return "ddtree" if "ddtree" in engine.methods else "ar"
+
 
 def _generate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     engine = load_engine(args)
-    out = engine.generate(args.prompt, max_new_tokens=args.max_tokens, method=args.method, budget=args.budget,
+    method = args.method or default_method(engine)
+    out = engine.generate(args.prompt, max_new_tokens=args.max_tokens, method=method, budget=args.budget,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           ignore_eos=args.ignore_eos)
     stats = out.stats.to_dict(rounds=args.json)
@@ -37,8 +47,8 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_threads_arg(p)
     add_prefill_threads_arg(p)
-    p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree",
-                   help="decoding method (default: %(default)s)")
+    p.add_argument("--method", choices=("ddtree", "dflash", "ar"),
+                   help="decoding method (default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=budget_arg, default=None, help="DDTree node budget or 'auto' (default: 32)")
     p.add_argument("--max-tokens", type=int, default=200, help="new tokens to generate (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")

@@ -153,13 +153,13 @@ class Engine:
         budget = self.default_budget if budget is None else budget
         if budget == "auto":
             self.calibrate()
-            return DDTree(AutoBudget(self.verify_cost, self._learned(sampling), block=self.drafter.block_size),
-                          lookup)
+            return DDTree(AutoBudget(self.verify_cost, self._learned(sampling, lookup),
+                                     block=self.drafter.block_size), lookup)
         return DDTree(budget, lookup)
 
-    def _learned(self, sampling: SamplingParams) -> Learned:
-        """What `auto` learned under this sampler, kept across requests (the 16 latest samplers)."""
-        key = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+    def _learned(self, sampling: SamplingParams, lookup: bool) -> Learned:
+        """What `auto` learned under this sampler, with or without lookup, kept across requests (the 16 latest)."""
+        key = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, lookup)
         if key not in self.learned and len(self.learned) >= 16:
             del self.learned[next(iter(self.learned))]
         return self.learned.setdefault(key, Learned())
@@ -169,21 +169,21 @@ class Engine:
                min_p: float = 0.0, seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
                stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> Iterator[Step]:
+               prompt_logprobs: int | None = None, lookup: bool = True) -> Iterator[Step]:
         """Validate now, then yield the prefill's token as the first Step (prefill runs at the first `next`)
         and one Step per verify round after it.
 
         `stop_token_ids` end a generation as EOS does (kept, and their text with them, as vLLM), also under
         `ignore_eos`; `logit_bias` is added to the target's logits at every node; `logprobs` (top N >= 0)
         puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
-        (the prompt is then run in full, prefix cache or not). Closing the iterator cancels generation at
-        the next round.
+        (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
+        out of `ddtree` trees (the drafter alone). Closing the iterator cancels generation at the next round.
         """
         ids = self.encode(prompt)
         self._validate(len(ids), max_new_tokens, min_tokens, stop, stop_token_ids, logit_bias, logprobs,
                        prompt_logprobs)
         sampling = SamplingParams(temperature, top_p, top_k, seed, min_p)
-        proposer = self.proposer(method, budget, sampling)
+        proposer = self.proposer(method, budget, sampling, lookup)
         generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
         eos = () if ignore_eos else tuple(self.eos_ids)
         stops = tuple(stop_token_ids or ())

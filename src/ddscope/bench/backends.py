@@ -212,6 +212,12 @@ def engine_step_ms(backend: str, body: dict[str, Any]) -> float | None:
     return num((body.get("ddscope") or {}).get("mean_step_ms")) if backend == "ddscope" else None
 
 
+def decoding_method(backend: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The decoding method and budget the server ran a request with, where it says (ddscope); else None."""
+    ext = (body.get("ddscope") or {}) if backend == "ddscope" else {}
+    return {"method": ext.get("method"), "budget": ext.get("budget")}
+
+
 def step_commits(backend: str, body: dict[str, Any], completion_tokens: int) -> list[int] | None:
     """Tokens delivered at each verify step, in order, where the server reports per-step data: they
     sum to completion_tokens - 1 (a server's last steps may count drafts cut at max_tokens)."""

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
@@ -21,6 +23,10 @@ BACKEND_CHOICES = ("auto", "ddscope", "sglang", "vllm", "llamacpp", "openai")
 
 class BenchError(Exception):
     """A bad flag or unusable input: printed as one line, exit code 2."""
+
+
+class Stopped(BenchError):
+    """A sweep that stopped early (the server lost, Ctrl-C): printed as one line, exit code 1."""
 
 
 def _contexts(text: str) -> list[int]:
@@ -103,7 +109,8 @@ def register(subparsers: Any) -> None:
                                        "sweep.png and report.md to --out.")
     _add_sweep_flags(sweep, "padding")
     sweep.add_argument("--out", type=Path, default=Path("bench-out/sweep"),
-                       help="output folder; the files a sweep writes are replaced (default: %(default)s)")
+                       help="output folder, replaced once the sweep is complete; until then (and after a sweep "
+                            "that fails or stops early) the run's files are in OUT.partial (default: %(default)s)")
     sweep.set_defaults(func=cmd_sweep)
 
     analyze = sub.add_parser("analyze", help="fit, predict and attribute from results.json or CSV files")
@@ -119,6 +126,7 @@ def register(subparsers: Any) -> None:
                          help="generated tokens per window for acceptance against position (default: %(default)s)")
     analyze.add_argument("--json", action="store_true", help="print the analysis as JSON")
     analyze.add_argument("--out", type=Path, help="also write sweep.png and report.md here")
+    _add_allow_mismatch(analyze)
     analyze.set_defaults(func=cmd_analyze)
 
     diagnose = sub.add_parser("diagnose", help="padding sweep + workload sweep, then the attribution report",
@@ -130,9 +138,17 @@ def register(subparsers: Any) -> None:
                           help="analyse two earlier results files instead of sweeping")
     diagnose.add_argument("--out", type=Path, default=Path("bench-out/diagnose"),
                           help="output folder: report.md and sweep.png, the sweeps in OUT/padding and "
-                               "OUT/<workload>; the files it writes are replaced (default: %(default)s)")
+                               "OUT/<workload>; replaced once both sweeps are complete, as sweep --out "
+                               "(default: %(default)s)")
     diagnose.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    _add_allow_mismatch(diagnose)
     diagnose.set_defaults(func=cmd_diagnose)
+
+
+def _add_allow_mismatch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="compare results files that differ in max_tokens, workload, temperature, method, backend "
+                        "or model (refused without it), with a warning that names the differences")
 
 
 # ---- handlers ------------------------------------------------------------------------------------
@@ -175,7 +191,7 @@ def _tokenizer(args: argparse.Namespace, base_url: str, client: Any) -> tuple[An
         raise BenchError(f"cannot load a tokenizer from {directory}: {e}") from e
 
 
-def _embedded(args: argparse.Namespace) -> Any:
+def _embedded(args: argparse.Namespace, log_path: Path) -> Any:
     """`ddscope serve` in its own process, as the sweep's server (ddscope.bench.embedded)."""
     from ddscope.bench.embedded import serve_process
 
@@ -183,7 +199,20 @@ def _embedded(args: argparse.Namespace) -> Any:
     for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
         if value:
             flags += [flag, str(value)]
-    return serve_process(flags, args.out / "server.log")
+    return serve_process(flags, log_path)
+
+
+def _check_reachable(base_url: str, client: Any) -> None:
+    """Fail in one line where nothing answers at the URL, before the tokenizer search and the probe,
+    whose own warnings and errors would bury the cause."""
+    import httpx
+
+    from ddscope.bench.backends import Server
+
+    try:
+        client.get(Server(base_url, client).base_url + "/v1/models", timeout=10.0)
+    except (httpx.TransportError, httpx.InvalidURL) as e:
+        raise BenchError(f"cannot reach the server at {base_url}: {e}") from e
 
 
 class _Progress:
@@ -225,20 +254,20 @@ def _server_log(args: argparse.Namespace) -> Any:
     return contextlib.closing(log)
 
 
-def _run_sweeps(args: argparse.Namespace, workloads: list[str], dirs: list[Path]) -> tuple[list[Path], str | None]:
-    """Run one sweep per workload on one server (embedded or --url): (the results.json paths, why the
-    server was lost, stopping the run early, or None)."""
+def _run_sweeps(args: argparse.Namespace, root: Path, workloads: list[str],
+                dirs: list[Path]) -> tuple[list[Path], str | None]:
+    """Run one sweep per workload on one server (embedded, its log in `root`, or --url): (the results.json
+    paths, why a sweep stopped early, ending the run, or None)."""
     import contextlib
 
     import httpx
 
     from ddscope.bench.embedded import ServerFailed
 
-    for out in dirs:  # before the embedded server opens its log in the first of them
-        clear_outputs(out)
-    server = contextlib.nullcontext(args.url) if args.url else _embedded(args)
+    server = contextlib.nullcontext(args.url) if args.url else _embedded(args, root / "server.log")
     try:
         with server as base_url, httpx.Client() as client, _server_log(args) as log:
+            _check_reachable(base_url, client)
             return _sweep_each(args, workloads, dirs, base_url, client, log)
     except ServerFailed as e:
         raise BenchError(str(e)) from e
@@ -264,17 +293,18 @@ def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
         total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)
         try:
             with _Progress(total, f"{sweep.workload.label} on {sweep.backend}") as bar:
-                sweep.run(out, bar.advance)
+                status = sweep.run(out, bar.advance)
         except RequestFailed as e:
             raise BenchError(f"{base_url}: {e}") from e
         paths.append(out / "results.json")
-        if sweep.lost:
-            return paths, f"{base_url}: {sweep.lost}; the sweep stopped, and {out} holds what it measured"
+        if status != "complete":
+            why = f"{base_url}: {sweep.lost}" if sweep.lost else status
+            return paths, f"{why}; the {sweep.workload.label} sweep stopped early"
     return paths, None
 
 
 def _report(paths: list[Path], out: Path | None, baseline: str | None, window: int, as_json: bool,
-            points: list[str] = (), predict: list[str] = ()) -> int:
+            points: list[str] = (), predict: list[str] = (), allow_mismatch: bool = False) -> int:
     """Analyse results files (plus --point rows), print, and write outputs to `out`."""
     from rich.console import Console
 
@@ -285,8 +315,10 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     meta: dict[str, Any] = {}
     errors: dict[str, int] = {}
     loaded = [load_rows(path) for path in paths]
+    tags = _tags(paths)
+    notes = _like_for_like(loaded, tags, allow_mismatch)
     if _overlaid(loaded):
-        baseline, meta["runs"] = _overlay(loaded, _tags(paths), baseline)
+        baseline, meta["runs"] = _overlay(loaded, tags, baseline)
     for file_rows, file_meta in loaded:
         rows += file_rows
         for msg, count in (file_meta.pop("errors", None) or {}).items():
@@ -299,6 +331,7 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
         details = "; ".join(f"{n} x {msg}" for msg, n in errors.items())
         raise NothingMeasured("no point could be measured" + (f": {details}" if details else ""))
     analysis = analyze(rows, baseline=baseline, window=window)
+    analysis.notes[:0] = notes
     predictions = [analysis.predict(*parse_prediction(spec)) for spec in predict]
     if as_json:
         print(json.dumps(analysis.to_dict(predictions), indent=1))
@@ -308,6 +341,27 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
         out.mkdir(parents=True, exist_ok=True)
         write_outputs(analysis, meta, out)
     return 0
+
+
+def _like_for_like(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]], tags: list[str],
+                   allow_mismatch: bool) -> list[str]:
+    """Refuse files whose runs differ in a setting that moves tok/s or acceptance by itself, unless allowed
+    (then a warning, kept as the report's first note); and notes on the settings a file does not record."""
+    from ddscope.bench.analyze import run_differences
+
+    if len(loaded) < 2:
+        return []
+    differ, unknown = run_differences([(tag, meta, {row["label"] for row in rows})
+                                       for (rows, meta), tag in zip(loaded, tags)])
+    if not differ:
+        return unknown
+    what = f"runs differ in {', '.join(differ)}"
+    if not allow_mismatch:
+        raise BenchError(f"{what}: {' and '.join(tags)} are not like for like (--allow-mismatch compares them "
+                         f"anyway)")
+    warning = f"{what}: compared anyway (--allow-mismatch), so a gap between them is not like for like"
+    _warn(warning)
+    return [f"WARNING: {warning}", *unknown]
 
 
 def _overlaid(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]]) -> bool:
@@ -347,10 +401,42 @@ def _tags(paths: list[Path]) -> list[str]:
 OUTPUTS = ("results.json", "results.csv", "sweep.png", "report.md", "server.log")
 
 
-def clear_outputs(out: Path) -> None:
-    """Remove what an earlier run left in `out`, so no report is left beside data it does not describe."""
-    for name in OUTPUTS:
-        (out / name).unlink(missing_ok=True)
+def _foreign(folder: Path, depth: int = 1) -> list[str]:
+    """What in `folder` no bench run writes: anything but OUTPUTS (and their temp files) and, `depth`
+    levels down, folders of them (diagnose's sweeps)."""
+    if not folder.is_dir():
+        return [folder.name] if folder.exists() else []
+    return [entry.name for entry in sorted(folder.iterdir())
+            if not (entry.is_file() and entry.name.lstrip(".").replace(".tmp", "") in OUTPUTS
+                    or depth and entry.is_dir() and not _foreign(entry, depth - 1))]
+
+
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A folder beside `out`, OUT.partial, to write a run into. It replaces `out` when the block ends
+    without an exception, so a run that fails or stops early leaves the last complete one in place,
+    and its own files in OUT.partial."""
+    out = out.resolve()
+    stage = out.with_name(f"{out.name}.partial")
+    for folder in (out, stage):  # both are replaced: never one that holds files of the user's
+        if foreign := _foreign(folder):
+            raise BenchError(f"{folder} holds files no bench run writes ({', '.join(foreign[:5])}): it would be "
+                             "replaced; pick another --out")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        yield stage
+    except BaseException:
+        if any(stage.iterdir()):
+            kept = f"; {out} keeps the last complete run" if out.is_dir() and any(out.iterdir()) else ""
+            print(f"ddscope bench: the run did not complete: its files are in {stage}{kept}", file=sys.stderr)
+        else:
+            stage.rmdir()
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    stage.rename(out)
+    names = ", ".join(e.name + "/" * e.is_dir() for e in sorted(out.iterdir()))
+    print(f"ddscope bench: files in {out}: {names}", file=sys.stderr)
 
 
 def _warn(message: str) -> None:
@@ -368,6 +454,9 @@ def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
         except NothingMeasured as e:
             print(f"ddscope bench: {e}", file=sys.stderr)
             return 1
+        except Stopped as e:
+            print(f"ddscope bench: aborted: {e}", file=sys.stderr)
+            return 1
         except (BenchError, WorkloadError, AnalysisError) as e:
             print(f"ddscope bench: error: {e}", file=sys.stderr)
             return 2
@@ -377,34 +466,36 @@ def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
 
 @_guard
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Sweep, then the table, sweep.png and report.md; exit 1 when no point was measured or the server
-    was lost mid-sweep."""
+    """Sweep, then the table, sweep.png and report.md, which replace --out once complete; exit 1 when no
+    point was measured or the sweep stopped early (its files then stay in OUT.partial)."""
     _check_sweep_args(args)
-    paths, lost = _run_sweeps(args, [args.workload], [args.out])
-    code = _report(paths, args.out, None, args.window, as_json=False)
-    if lost:
-        print(f"ddscope bench: aborted: {lost}", file=sys.stderr)
-    return max(code, 1) if lost else code
+    with _staged(args.out) as stage:
+        paths, stopped = _run_sweeps(args, stage, [args.workload], [stage])
+        code = _report(paths, stage, None, args.window, as_json=False)
+        if stopped:
+            raise Stopped(stopped)
+    return code
 
 
 @_guard
 def cmd_analyze(args: argparse.Namespace) -> int:
     if not args.files and not args.point:
         raise BenchError("give at least one FILE or --point")
-    return _report(args.files, args.out, args.baseline, args.window, args.json, args.point, args.predict)
+    return _report(args.files, args.out, args.baseline, args.window, args.json, args.point, args.predict,
+                   args.allow_mismatch)
 
 
 @_guard
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    if args.load:
-        paths = list(args.load)
-    else:
-        _check_sweep_args(args)
-        if args.workload == "padding":
-            raise BenchError("diagnose compares a workload with padding: pick --workload code|math|chat|file:PATH")
-        label = args.workload.split(":", 1)[0]
-        clear_outputs(args.out)
-        paths, lost = _run_sweeps(args, ["padding", args.workload], [args.out / "padding", args.out / label])
-        if lost:
-            raise BenchError(lost)
-    return _report(paths, args.out, "padding", args.window, args.json)
+    if args.load:  # the report beside the files, which may lie in --out: nothing there is replaced
+        return _report(list(args.load), args.out, "padding", args.window, args.json,
+                       allow_mismatch=args.allow_mismatch)
+    _check_sweep_args(args)
+    if args.workload == "padding":
+        raise BenchError("diagnose compares a workload with padding: pick --workload code|math|chat|file:PATH")
+    label = args.workload.split(":", 1)[0]
+    with _staged(args.out) as stage:
+        paths, stopped = _run_sweeps(args, stage, ["padding", args.workload], [stage / "padding", stage / label])
+        if stopped:
+            raise Stopped(stopped)
+        return _report(paths, stage, "padding", args.window, args.json)

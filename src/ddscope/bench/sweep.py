@@ -26,6 +26,7 @@ from ddscope.bench.backends import (
     Server,
     Reading,
     cached_of,
+    decoding_method,
     delivered,
     engine_step_ms,
     server_decode,
@@ -281,6 +282,7 @@ class Sweep:
         self.chars_per_token = 4.0  # replaced by the probe when prompts are text
         self.template_tokens = 0  # chat template tokens around the content, measured by the probe
         self.basis = "client_latency"
+        self.decoding: dict[str, Any] = {"method": None, "budget": None}  # as the probe's response says
         self.lost: str | None = None  # why the sweep stopped early: the server stopped accepting connections
 
     def url(self, route: str) -> str:
@@ -380,6 +382,7 @@ class Sweep:
                 self.basis = decode_rate(self.backend, chosen.body, max(chosen.completion_tokens, 1),
                                          latency, ttft)[1]
                 self._calibrate(prompt, size, obs.body)
+                self.decoding = decoding_method(self.backend, chosen.body)
                 return
         raise RequestFailed(f"the probe request failed: {last_error}")
 
@@ -447,7 +450,7 @@ class Sweep:
             "config": asdict(self.cfg),
             "environment": environment(),
             "backend": {"name": self.backend, "url": self.server.base_url, "model": self.model,
-                        "max_model_len": self.max_model_len, "request_extras": self.extras,
+                        "max_model_len": self.max_model_len, **self.decoding, "request_extras": self.extras,
                         "route": self.url(self.openai_route if self.reader.route == "openai" else self.reader.route),
                         "prompt_format": "token_ids" if self.token_ids else "text",
                         "prompt_tokenizer": self.tokenizer_origin},
@@ -465,10 +468,10 @@ class Sweep:
         return {"basis": "mixed", "includes_prefill": "client_latency" in bases,
                 "definition": "; ".join(f"{b}: {TOK_PER_S_BASIS[b]}" for b in bases)}
 
-    def run(self, out_dir: Path, on_request: Callable[[str], None] = lambda note: None) -> None:
-        """Probe, then per context `warmup` unrecorded and `repeats` recorded requests. Ctrl-C ends
-        the sweep with the files marked interrupted; a server that no longer accepts connections ends
-        it marked aborted, with the reason in `abort_reason`."""
+    def run(self, out_dir: Path, on_request: Callable[[str], None] = lambda note: None) -> str:
+        """Probe, then per context `warmup` unrecorded and `repeats` recorded requests; returns the status.
+        Ctrl-C ends the sweep with the files marked interrupted; a server that no longer accepts
+        connections ends it marked aborted, with the reason in `abort_reason`."""
         if self.log is not None:
             time.sleep(self.cfg.log_gap_s)  # lines already in the pipe (a journal's backlog) arrive first
         self.probe()
@@ -501,6 +504,7 @@ class Sweep:
             extra["abort_reason"] = self.lost
         writer.update(status=status, finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
                       tok_per_s=self._bases(writer.records), **extra)
+        return status
 
 
 def _note(record: dict[str, Any]) -> str:

@@ -86,9 +86,10 @@ class ServerState:
                                    log_interval=self.config.log_interval)
         self.engine = engine  # last: /health turns 200 only when everything is in place
 
-    def close(self) -> None:
+    def close(self, grace: float = 0.0) -> None:
+        """Refuse new requests, give those in flight `grace` seconds, then answer the rest 503."""
         if self.worker is not None:
-            self.worker.close()
+            self.worker.close(grace)
         self._tok_thread.shutdown(wait=False, cancel_futures=True)
 
     async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:

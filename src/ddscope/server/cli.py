@@ -14,8 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a target/drafter pair (default: the bundled demo pair) over an OpenAI-compatible "
                     "HTTP API. See docs/server.md.")
     add_model_args(p)
-    p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree",
-                   help="default decoding method; requests may override it (default: %(default)s)")
+    p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default=None,
+                   help="default decoding method; requests may override it (default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=budget_arg, default=32,
                    help="default DDTree node budget; requests may override it (default: %(default)s)")
     add_threads_arg(p)

@@ -1,6 +1,7 @@
 """Run the server: `serve` blocks (the CLI); `serve_in_background` is a context manager (tests, bench)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import uvicorn
 
+from ddscope.cli import default_method
 from ddscope.server.app import ServerConfig, attach_engine, create_app, mark_load_failed
 
 if TYPE_CHECKING:
@@ -21,17 +23,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("ddscope.server")
 
 
+class Server(uvicorn.Server):
+    """uvicorn, except that at shutdown the engine worker is drained first: requests get the grace period to
+    finish, and those still running or queued after it are answered 503 by the worker. (uvicorn itself would
+    cancel their handlers and answer 500.)"""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        state = self.config.app.state.ddscope
+        await asyncio.to_thread(state.close, self.config.timeout_graceful_shutdown)
+        await super().shutdown(sockets)
+
+
 def _load_engine(target: str | Path | None, drafter: str | Path | None, engine_kw: dict[str, Any]) -> Engine:
     from ddscope.engine import Engine  # heavy (torch, transformers): only once a server is wanted
 
     return Engine.load(target=target, drafter=drafter, **engine_kw)
 
 
-def serve(target: str | Path | None = None, drafter: str | Path | None = None, method: str = "ddtree",
+def serve(target: str | Path | None = None, drafter: str | Path | None = None, method: str | None = None,
           budget: int | str | None = 32, host: str = "127.0.0.1", port: int = 8000, *, max_queue: int = 64,
           request_timeout: float = 600.0, log_interval: float = 10.0, shutdown_timeout: float = 30.0,
           **engine_kw: Any) -> None:
     """Listen at once (/health answers 503 while loading), load the engine in the background, serve.
+    `method` is the requests' default (None: ddtree with a drafter, else ar).
 
     On SIGINT/SIGTERM, in-flight requests get `shutdown_timeout` seconds to finish, then are cancelled;
     then, as uvicorn does, the signal is raised again (KeyboardInterrupt for SIGINT). Raises the load
@@ -40,13 +54,14 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
     config = ServerConfig(method=method, budget=budget, max_queue=max_queue, request_timeout=request_timeout,
                           log_interval=log_interval)
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout))
+    server = Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout))
     failure: list[BaseException] = []
 
     def load() -> None:
         t0 = time.monotonic()
         try:
             engine = _load_engine(target, drafter, engine_kw)
+            config.method = method or default_method(engine)
             attach_engine(app, engine)
         except Exception as e:  # noqa: BLE001 - whatever the failure, stop the server rather than hang at 503
             failure.append(e)
@@ -55,7 +70,7 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
             return
         log.info("model %s ready in %.1f s: methods=%s max_model_len=%d default method=%s budget=%s",
                  engine.model_name, time.monotonic() - t0, ",".join(engine.methods), engine.max_model_len,
-                 method, budget)
+                 config.method, budget)
 
     threading.Thread(target=load, name="ddscope-load", daemon=True).start()
     server.run()
@@ -65,26 +80,26 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
 
 @contextmanager
 def serve_in_background(target: str | Path | None = None, drafter: str | Path | None = None,
-                        method: str = "ddtree", budget: int | str | None = 32, host: str = "127.0.0.1",
+                        method: str | None = None, budget: int | str | None = 32, host: str = "127.0.0.1",
                         port: int = 0, *, engine: Engine | None = None, max_queue: int = 64,
                         request_timeout: float = 600.0, log_interval: float = 10.0, shutdown_timeout: float = 5.0,
                         startup_timeout: float = 60.0, **engine_kw: Any) -> Iterator[str]:
     """Load the engine (or use `engine`), serve it from a background thread, yield the base URL.
 
-    port=0 picks a free port. Waits until /health is 200. On exit, in-flight requests get
-    `shutdown_timeout` seconds to finish before they are cancelled, then the worker stops.
+    port=0 picks a free port; method=None: ddtree with a drafter, else ar. Waits until /health is 200. On exit,
+    in-flight requests get `shutdown_timeout` seconds to finish before they are cancelled, then the worker stops.
     """
     if engine is None:
         engine = _load_engine(target, drafter, engine_kw)
-    config = ServerConfig(method=method, budget=budget, max_queue=max_queue, request_timeout=request_timeout,
-                          log_interval=log_interval)
+    config = ServerConfig(method=method or default_method(engine), budget=budget, max_queue=max_queue,
+                          request_timeout=request_timeout, log_interval=log_interval)
     app = create_app(config, engine)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))  # bound here, so the URL is known before uvicorn starts
     # log_config=None: leave the host process's logging alone.
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=shutdown_timeout))
+    server = Server(uvicorn.Config(app, log_config=None, access_log=False,
+                                   timeout_graceful_shutdown=shutdown_timeout))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ddscope-uvicorn", daemon=True)
     thread.start()
     url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"

@@ -127,9 +127,10 @@ class EngineWorker:
         self.metrics = metrics
         self.max_queue = max_queue
         self._queue: deque[Job] = deque()
-        self._ready = threading.Condition()  # guards _queue, _closing, _current and dead
+        self._ready = threading.Condition()  # guards _queue, _closing, _stopped, _current and dead
         self._window = DecodeWindow(log_interval)
-        self._closing = False
+        self._closing = False  # new jobs are refused
+        self._stopped = False  # and no more are run
         self._current: Job | None = None
         self.dead: BaseException | None = None  # why the thread died, once it has
         self._thread = threading.Thread(target=self._loop, name="ddscope-engine", daemon=True)
@@ -149,7 +150,7 @@ class EngineWorker:
                 raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
             self._queue.append(job)
             self.metrics.waiting.inc()
-            self._ready.notify()
+            self._ready.notify_all()
 
     def withdraw(self, job: Job) -> None:
         """A job given up on while it waits leaves the queue now, freeing its slot; a running one stops
@@ -162,14 +163,17 @@ class EngineWorker:
             self.metrics.waiting.dec()
         self._finish(job, Failed(job.cancel_reason or "cancelled"))
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Refuse new jobs, stop the running one and those waiting (503 to their clients), stop the thread."""
+    def close(self, grace: float = 0.0, timeout: float = 30.0) -> None:
+        """Refuse new jobs, give those running and waiting `grace` seconds to finish, then stop them (503 to
+        their clients) and the thread."""
         with self._ready:
             self._closing = True
+            self._ready.wait_for(lambda: not self._queue and self._current is None, timeout=grace)
+            self._stopped = True
             current, waiting = self._current, list(self._queue)
             self._queue.clear()
             self.metrics.waiting.dec(len(waiting))
-            self._ready.notify()
+            self._ready.notify_all()
         if current is not None:
             current.cancel()
         for job in waiting:
@@ -179,10 +183,10 @@ class EngineWorker:
 
     def _next(self) -> Job | None:
         with self._ready:
-            while not self._queue and not self._closing:
+            while not self._queue and not self._stopped:
                 if not self._ready.wait(timeout=self._window.interval):
                     self._window.maybe_log(False, 0)
-            if self._closing:
+            if self._stopped:
                 return None
             self.metrics.waiting.dec()
             self._current = self._queue.popleft()
@@ -224,6 +228,7 @@ class EngineWorker:
         finally:  # update the gauges before the client can see the answer
             with self._ready:
                 self._current = None
+                self._ready.notify_all()  # a closing server may be waiting for this
             self.metrics.running.dec()
         self._finish(job, outcome)
 
@@ -262,7 +267,7 @@ class EngineWorker:
                 if now > job.deadline:
                     job.cancel("timeout")
                 if job.cancel_reason:
-                    return Failed(job.cancel_reason, ShuttingDown("server is shutting down") if self._closing else None)
+                    return Failed(job.cancel_reason, ShuttingDown("server is shutting down") if self._stopped else None)
         except KVCacheFull as e:  # capacity, not a bug: the client may retry
             log.warning("request %s: %s", job.request_id, e)
             return Failed("error", e)

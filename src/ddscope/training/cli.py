@@ -34,6 +34,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     from ddscope.engine import Engine
     from ddscope.training.distill import DistillSpec, distill
     from ddscope.training.train import launch, plan, train_from_args, train_spec
+    from ddscope.training.train_drafter import closing_line
 
     if args.distill_workers < 1 or args.nproc < 1:
         raise ValueError("--distill-workers and --nproc must be >= 1")
@@ -68,8 +69,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         launch(args, args.nproc)
     else:
         result = train_from_args(args, records)
-        print(f"drafter written to {args.out}: {result['steps']} steps in {result['train_s'] / 60:.1f} min, "
-              f"loss {result['loss']:.3f}, offline accept {result['accept']:.2f} (mean of the last steps)",
+        print(f"drafter written to {args.out} in {result['train_s'] / 60:.1f} min: {closing_line(result)}",
               file=sys.stderr)
     # The drafter must read back, with the target loaded as it was for training.
     Engine.load(args.target, args.out, device=args.device, dtype=args.target_dtype, target_backend=args.target_backend,

@@ -9,6 +9,9 @@ selection) do not land in whichever method happens to run first.
 With `contexts`, each prompt is also fitted to those token counts the way the bench and
 benchmarks/speed.py build long contexts (earlier prompts of the set prepended, no chat template),
 so tau per context bucket shows how a drafter holds up at long context.
+Every ddtree tree gets a prompt-lookup branch (ddscope.lookup), which on repetitive text commits much of
+what ddtree does however weak the drafter: so each ddtree generation is run again without that branch,
+and `tau_drafter` is the drafter's own figure beside the combined `tau`.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from tqdm import tqdm
 from ddscope.bench.workloads import fit_ids, load_workload
 
 TEMPLATED = ("math", "chat")
+DRAFTER_ALONE = "no lookup"  # how the lossless check names a ddtree run without the lookup branch
+LEGEND = "tau: drafter + prompt lookup; tau_drafter: the drafter alone (no lookup branch)"
 
 
 @dataclass(frozen=True)
@@ -106,20 +111,29 @@ def evaluate(engine: Any, spec: EvalSpec) -> dict[str, Any]:
                for w in spec.workloads for c in spec.contexts}
     warm_up(engine, spec, prompts)
     totals: dict[Key, dict[str, float]] = {}
+    alone_totals: dict[Key, dict[str, float]] = {}
     mismatches: list[dict[str, Any]] = []
     checked = 0
-    runs = sum(len(p) for p in prompts.values()) * len(spec.temperatures) * len(spec.methods)
+    per_prompt = len(spec.methods) + sum(m.name == "ddtree" for m in spec.methods)
+    runs = sum(len(p) for p in prompts.values()) * len(spec.temperatures) * per_prompt
     with tqdm(total=runs, desc="eval-acceptance", unit="gen", dynamic_ncols=True) as bar:
         for (workload, context), ids_list in prompts.items():
             for temp in spec.temperatures:
                 for i, ids in enumerate(ids_list):
                     outputs = {}
                     for m in spec.methods:
-                        out = engine.generate(ids, max_new_tokens=spec.max_new_tokens, method=m.name,
-                                              budget=m.budget, temperature=temp, seed=i)
-                        _add(totals.setdefault((workload, context, temp, m.label), {}), out.stats)
+                        key = (workload, context, temp, m.label)
+                        kwargs = dict(max_new_tokens=spec.max_new_tokens, method=m.name, budget=m.budget,
+                                      temperature=temp, seed=i)
+                        out = engine.generate(ids, **kwargs)
+                        _add(totals.setdefault(key, {}), out.stats)
                         outputs[m.label] = out.token_ids
                         bar.update(1)
+                        if m.name == "ddtree":
+                            out = engine.generate(ids, **kwargs, lookup=False)
+                            _add(alone_totals.setdefault(key, {}), out.stats)
+                            outputs[f"{m.label} ({DRAFTER_ALONE})"] = out.token_ids
+                            bar.update(1)
                     if temp == 0 and "ar" in outputs:
                         checked += len(outputs) - 1
                         for label, ids_out in outputs.items():
@@ -129,7 +143,8 @@ def evaluate(engine: Any, spec: EvalSpec) -> dict[str, Any]:
                                 bar.write(f"MISMATCH: {workload} ctx {context} prompt {i}: {label} differs from ar "
                                           f"at token {mismatches[-1]['first_diff']}")
     return {"model": engine.model_name, "spec": {**asdict(spec), "methods": [m.label for m in spec.methods]},
-            "results": _summarise(totals), "lossless_checked": checked, "mismatches": mismatches}
+            "results": _summarise(totals, alone_totals), "legend": LEGEND, "lossless_checked": checked,
+            "mismatches": mismatches}
 
 
 def _add(total: dict[str, float], stats: Any) -> None:
@@ -138,32 +153,45 @@ def _add(total: dict[str, float], stats: Any) -> None:
         total[key] = total.get(key, 0.0) + value
 
 
-def _summarise(totals: dict[Key, dict[str, float]]) -> list[dict[str, Any]]:
+def _tau(total: dict[str, float]) -> float:
+    return total["tokens"] / total["steps"] if total["steps"] else 0.0
+
+
+def _summarise(totals: dict[Key, dict[str, float]], alone: dict[Key, dict[str, float]]) -> list[dict[str, Any]]:
+    """A row per key; `tau_drafter` is the ddtree run's without lookup, dflash's own tau (it has no
+    lookup branch), and None for ar (no drafter)."""
     rows = []
-    for (workload, context, temp, label), t in totals.items():
+    for key, t in totals.items():
+        workload, context, temp, label = key
         tok_s = t["tokens"] / t["decode_s"] if t["decode_s"] else 0.0
         ar = totals.get((workload, context, temp, "ar"))
         ar_tok_s = ar["tokens"] / ar["decode_s"] if ar and ar["decode_s"] else None
+        tau_drafter = _tau(alone[key]) if key in alone else _tau(t) if label == "dflash" else None
         rows.append({"workload": workload, "context": context, "temperature": temp, "method": label,
-                     "tau": t["tokens"] / t["steps"] if t["steps"] else 0.0, "tok_per_s": tok_s,
+                     "tau": _tau(t), "tau_drafter": tau_drafter, "tok_per_s": tok_s,
                      "speedup_vs_ar": tok_s / ar_tok_s if ar_tok_s else None, "prompts": int(t["prompts"]),
                      "tokens": int(t["tokens"]), "verify_steps": int(t["steps"])})
     return rows
 
 
 def print_table(report: dict[str, Any]) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"acceptance: {report['model']} (tau = tokens per verify step, bonus included)")
-    for col in ("workload", "ctx", "T", "method", "tau", "tok/s", "vs ar", "prompts", "tokens"):
-        table.add_column(col, justify="left" if col in ("workload", "method") else "right")
+    # Compact, so that a row holds on one line of an 80-column terminal.
+    table = Table(title=f"acceptance: {report['model']} (tau = tokens per verify step, bonus included)",
+                  box=box.SIMPLE_HEAD, padding=(0, 0))
+    for col in ("workload", "ctx", "T", "method", "tau", "tau_drafter", "tok/s", "vs ar", "prompts", "tokens"):
+        table.add_column(col, justify="left" if col in ("workload", "method") else "right", no_wrap=col != "workload")
     for r in report["results"]:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
-        table.add_row(r["workload"], str(r["context"] or "as is"), f"{r['temperature']:g}", r["method"], f"{r['tau']:.2f}",
-                      f"{r['tok_per_s']:.1f}", speedup, str(r["prompts"]), str(r["tokens"]))
+        alone = f"{r['tau_drafter']:.2f}" if r["tau_drafter"] is not None else "-"
+        table.add_row(r["workload"], str(r["context"] or "as is"), f"{r['temperature']:g}", r["method"],
+                      f"{r['tau']:.2f}", alone, f"{r['tok_per_s']:.1f}", speedup, str(r["prompts"]), str(r["tokens"]))
     console = Console(stderr=False)
     console.print(table)
+    console.print(report["legend"], highlight=False)
     checked, failed = report["lossless_checked"], len(report["mismatches"])
     if failed:
         console.print(f"[bold red]LOSSLESS CHECK FAILED: {failed} of {checked} greedy output(s) differ "

@@ -25,7 +25,7 @@ from ddscope.hf_target import load_target
 from ddscope.training.contexts import Bucket, parse_context_lengths, select_mix
 from ddscope.training.distill import read_cache
 from ddscope.training.drafter_ckpt import mask_token_id, pick_layer_ids
-from ddscope.training.train_drafter import TrainSpec, train
+from ddscope.training.train_drafter import TrainSpec, closing_line, train
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if distributed:
             dist.destroy_process_group()
     if not distributed or int(os.environ["RANK"]) == 0:
-        print(f"drafter written to {args.out}: {result['steps']} steps, loss {result['loss']:.3f}, "
-              f"offline accept {result['accept']:.2f} (mean of the last steps)", file=sys.stderr)
+        print(f"drafter written to {args.out}: {closing_line(result)}", file=sys.stderr)
     return 0
 
 

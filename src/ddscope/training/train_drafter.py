@@ -36,6 +36,8 @@ from ddscope.training.distill import append_whole_lines
 from ddscope.training.drafter_ckpt import MASK_TOKEN, drafter_config, save_drafter
 from ddscope.weights import load_into
 
+TAIL_STEPS = 20  # the closing line's recent window, beside the mean over all steps
+
 
 @dataclass(frozen=True)
 class TrainSpec:
@@ -320,8 +322,7 @@ def train(target_dir: Path, target: TargetLike, records: list[dict[str, Any]], s
           checkpoint_every_s: float = 300.0, feature_cache_gb: float = 2.0,
           init: Path | None = None, mask_token: str = MASK_TOKEN) -> dict[str, float]:
     """Train, checkpointing to `work_dir/ckpt.pt` and logging to `work_dir/train_log.jsonl`, then export
-    the drafter to `out_dir` (rank 0 writes). Returns the step count and the mean loss/acceptance of the
-    last steps."""
+    the drafter to `out_dir` (rank 0 writes). Returns the step count and `_closing_stats` of the steps run."""
     usable = [r for r in records if len(r["ids"]) - r["prompt_len"] >= 1]
     if not usable:
         raise ValueError("no distilled sequence has generated tokens to train on")
@@ -376,6 +377,27 @@ def train(target_dir: Path, target: TargetLike, records: list[dict[str, Any]], s
     if lead:
         _save_checkpoint(ckpt_path, config, drafter, opt, step, train_s)
         save_drafter(out_dir, config, drafter.state_dict())
-    tail = min(20, len(losses))  # 0 when a resumed run had nothing left to do
-    mean = (lambda xs: sum(xs[-tail:]) / tail) if tail else (lambda xs: float("nan"))
-    return {"steps": step, "train_s": train_s, "loss": mean(losses), "accept": mean(accepts)}
+    return {"steps": step, "train_s": train_s, **_closing_stats(losses, accepts)}
+
+
+def _closing_stats(losses: list[float], accepts: list[float]) -> dict[str, float]:
+    """This run's steps (0 when a resumed run had nothing left to do), the mean loss and acceptance of the
+    last TAIL_STEPS of them (`loss`, `accept`), the mean loss over all of them and the last step's."""
+    n, tail = len(losses), min(TAIL_STEPS, len(losses))
+    if not n:
+        return {"run_steps": 0, "tail_steps": 0,
+                **dict.fromkeys(("loss", "accept", "loss_mean", "loss_last"), math.nan)}
+    return {"run_steps": n, "tail_steps": tail, "loss": sum(losses[-tail:]) / tail,
+            "accept": sum(accepts[-tail:]) / tail, "loss_mean": sum(losses) / n, "loss_last": losses[-1]}
+
+
+def closing_line(result: dict[str, float]) -> str:
+    """What train-drafter ends with: each loss named by the steps it averages (a mean over a run that
+    started from scratch reads far above its last steps)."""
+    n, tail, steps = result["run_steps"], result["tail_steps"], result["steps"]
+    if not n:
+        return f"{steps} steps, none left to run: no loss measured"
+    over = f"all {n} steps" if n == steps else f"the {n} steps since the resume at step {steps - n}"
+    recent = f", last {tail} steps {result['loss']:.3f}" if tail < n else ""
+    return (f"{steps} steps; loss: mean over {over} {result['loss_mean']:.3f}{recent}, last step "
+            f"{result['loss_last']:.3f}; offline accept: mean over the last {tail} steps {result['accept']:.2f}")
