@@ -1,0 +1,169 @@
+"""The OpenAI fields that change the output, honoured under every method: logprobs (and echo's prompt
+logprobs) from the target's own verify distribution, stop_token_ids, logit_bias and min_p applied at every
+tree node. Drafters here are really accepted (the oracle), so every check runs through accepted trees."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+import pytest
+import torch
+
+from ddscope.server.launch import serve_in_background
+from ddscope.testing import oracle_engine
+
+METHODS = ("ar", "dflash", "ddtree")
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_engine):
+    return oracle_engine(tiny_engine)
+
+
+def reference_logprobs(engine, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: the raw log-softmax of a plain causal forward over `ids`, with no cache tricks."""
+    cache = engine.target.new_cache(len(ids) + 1)
+    out = engine.target(torch.tensor(ids), torch.arange(len(ids)), cache)
+    return out.logits.float().log_softmax(-1)
+
+
+def run(engine, method: str, **kw):
+    return engine.generate(PROMPT, max_new_tokens=24, method=method, ignore_eos=True, **kw)
+
+
+def assert_drafts_accepted(out) -> None:
+    assert out.stats.to_dict()["avg_commit"] > 1.5  # trees were accepted: the test means something
+
+
+def test_logprobs_are_the_targets_own_and_equal_under_every_method(oracle):
+    outs = {m: run(oracle, m, logprobs=3) for m in METHODS}
+    for m in ("dflash", "ddtree"):
+        assert_drafts_accepted(outs[m])
+        assert outs[m].token_ids == outs["ar"].token_ids
+    prompt = oracle.encode(PROMPT)
+    ref = reference_logprobs(oracle, prompt + outs["ar"].token_ids)
+    for m, out in outs.items():
+        assert len(out.logprobs) == len(out.token_ids)
+        for k, (token, (lp, top)) in enumerate(zip(out.token_ids, out.logprobs)):
+            row = ref[len(prompt) - 1 + k]
+            assert lp == pytest.approx(row[token].item(), abs=1e-4), (m, k)
+            assert [i for i, _ in top] == row.topk(3).indices.tolist()
+            assert [v for _, v in top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_score_every_prompt_token_under_its_prefix(oracle):
+    out = run(oracle, "ddtree", logprobs=0, prompt_logprobs=2)
+    prompt = oracle.encode(PROMPT)
+    ref = reference_logprobs(oracle, prompt)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        lp, top = out.prompt_logprobs[i]
+        assert lp == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+        assert len(top) == 2
+    assert out.token_ids == run(oracle, "ar").token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logit_bias_and_min_p_are_the_targets_law_under_every_method(oracle, temperature):
+    base = run(oracle, "ar", temperature=0).token_ids
+    bias = {base[3]: -100.0, 17: 8.0}  # ban a token the target chose, favour another
+    kw = dict(temperature=temperature, seed=5, logit_bias=bias, min_p=0.05 if temperature else 0.0)
+    outs = {m: run(oracle, m, **kw) for m in METHODS}
+    assert base[3] not in outs["ar"].token_ids and outs["ar"].token_ids != base
+    for m in ("dflash", "ddtree"):
+        assert outs[m].token_ids == outs["ar"].token_ids, m  # one law, whatever the tree
+    assert sum(r.committed for r in outs["ddtree"].stats.rounds) > len(outs["ddtree"].stats.rounds)
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest(oracle):
+    out = run(oracle, "ddtree", temperature=1.0, seed=2, min_p=0.3)
+    prompt = oracle.encode(PROMPT)
+    probs = reference_logprobs(oracle, prompt + out.token_ids).exp()
+    for k, token in enumerate(out.token_ids):
+        row = probs[len(prompt) - 1 + k]
+        assert row[token] >= 0.3 * row.max() - 1e-6
+
+
+def test_stop_token_ids_end_every_method_at_the_same_token(oracle):
+    base = run(oracle, "ar").token_ids
+    stop = base[6]
+    first = base.index(stop)
+    for m in METHODS:
+        out = oracle.generate(PROMPT, max_new_tokens=24, method=m, stop_token_ids=[stop])
+        assert out.token_ids == base[:first + 1] and out.finish_reason == "stop", m
+    late = oracle.generate(PROMPT, max_new_tokens=24, method="ddtree", stop_token_ids=[stop], min_tokens=first + 2)
+    assert stop not in late.token_ids[:first + 2]  # masked below min_tokens, as EOS is
+
+
+# --- the server's OpenAI shapes ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(oracle):
+    with serve_in_background(engine=oracle) as url:
+        yield url
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completions_logprobs_and_echo(server, oracle):
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    plain = post(server, "/v1/completions", body)["choices"][0]
+    lp = plain["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 8
+    # Each token's own decode (a random target splits UTF-8 characters, so they need not join to the text).
+    assert lp["text_offset"] == list(itertools.accumulate((len(t) for t in lp["tokens"][:-1]), initial=0))
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == value and value == max(top.values())  # greedy: the chosen one is the likeliest
+
+    echo = post(server, "/v1/completions", {**body, "echo": True})["choices"][0]
+    n_prompt = len(oracle.encode(PROMPT))
+    assert echo["text"] == PROMPT + plain["text"]
+    elp = echo["logprobs"]
+    assert elp["token_logprobs"][0] is None and elp["top_logprobs"][0] is None
+    assert elp["token_logprobs"][n_prompt:] == pytest.approx(lp["token_logprobs"])
+    assert elp["text_offset"][n_prompt] == len(PROMPT)
+
+
+def test_chat_logprobs(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    choice = post(server, "/v1/chat/completions", body)["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 6
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+        assert entry["bytes"] == list(entry["token"].encode())
+
+
+def test_streamed_logprobs_equal_the_whole_answers(server):
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 1, "echo": True}
+    whole = post(server, "/v1/completions", body)["choices"][0]
+    tokens, values, text = [], [], ""
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            if choice["logprobs"]:
+                tokens += choice["logprobs"]["tokens"]
+                values += choice["logprobs"]["token_logprobs"]
+    assert text == whole["text"] and tokens == whole["logprobs"]["tokens"]
+    assert values == pytest.approx(whole["logprobs"]["token_logprobs"])
+
+
+def test_batched_prompts_answer_one_choice_each_as_alone(server):
+    prompts = [PROMPT, "The quick brown fox"]
+    batch = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})
+    alone = [post(server, "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0}) for p in prompts]
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert batch["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    assert isinstance(batch["ddscope"], list) and len(batch["ddscope"]) == 2
