@@ -3,6 +3,16 @@ import pytest
 from ddscope.testing import make_tiny_pair
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache(tmp_path_factory):
+    """DDSCOPE_CACHE (auto's verify-cost calibrations) in this session's temp dir: no test reads what an
+    earlier run measured, under another load or code. The vLLM peer's venv is not kept there
+    (ddscope.vllm_peer.venv_dir), so it stays installed across runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DDSCOPE_CACHE", str(tmp_path_factory.mktemp("ddscope-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(target_dir, drafter_dir): a random Qwen3 target and a z-lab-layout drafter, block size 8."""
@@ -20,3 +30,14 @@ def _one_thread():
     """Tiny test models run fastest single-threaded, and CI's two cores are then not oversubscribed."""
     import torch
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def virtual_time(monkeypatch):
+    """Time that passes only in target forwards and drafts, at fixed prices (tests/virtual_time.py): for tests
+    of what `auto` decides, which must not depend on this machine's speed."""
+    from virtual_time import VirtualTime
+
+    clock = VirtualTime(monkeypatch)
+    clock.install()
+    return clock

@@ -1,5 +1,10 @@
 """Prompt lookup: the copied continuation, its branch in the tree, and what it does to a real generation."""
-from ddscope.lookup import Lookup
+import torch
+from virtual_time import DEMO
+
+from ddscope.lookup import LOOKUP_MAX, Lookup
+from ddscope.proposers import DDTree
+from ddscope.sampling import SamplingParams
 from ddscope.tree import chain
 
 
@@ -32,14 +37,32 @@ def test_graft_shares_the_nodes_that_spell_its_start():
     assert tree.walk([11, 12, 20, 0, 21, 0]) == [0, 1, 2, 4, 5]  # choices by node index
 
 
-def test_the_demo_targets_code_loop_is_drafted_by_lookup():
+def test_a_budget_caps_the_drafters_tree_and_the_lookup_branch_comes_on_top():
+    proposer = DDTree(budget=8)
+    history = [1, 2, 3, 4] * 4  # lookup proposes 1 2 3 ...: a branch of 3 (its gain starts at 1)
+    logits = torch.randn(15, 64, generator=torch.Generator().manual_seed(0))
+    tree = proposer.tree(history[-1], logits, SamplingParams(), len(history) - 1, history)
+    alone = DDTree(budget=8, lookup=False).tree(history[-1], logits, SamplingParams(), len(history) - 1, history)
+    assert alone.size == 8 and tree.tokens[:alone.size + 1] == alone.tokens  # the drafter's tree, then the graft
+    assert 8 < tree.size <= 8 + LOOKUP_MAX
+
+
+def test_rounds_of_a_fixed_budget_verify_more_nodes_once_the_text_loops(tiny_engine):
+    """The tiny target's greedy text ends in a run of one token, which lookup grafts onto budget 8's trees: a
+    budget bounds a round's nodes only with LOOKUP_MAX on top (what tests/test_server.py may assert)."""
+    out = tiny_engine.generate([5, 6, 7, 8], max_new_tokens=80, method="ddtree", budget=8, ignore_eos=True)
+    nodes = [r.nodes for r in out.stats.rounds]
+    assert max(nodes) > 8 and all(n <= 8 + LOOKUP_MAX for n in nodes), nodes
+
+
+def test_the_demo_targets_code_loop_is_drafted_by_lookup(virtual_time):
     """On a long HumanEval prompt the demo target loops (`\"\"\"` and an indent, over and over), which its
     drafter commits about 2 tokens a step on; the lookup branch commits nearly whole blocks, and the output
     is still `ar`'s."""
     from ddscope.bench.workloads import fit_ids, load_workload
     from ddscope.engine import Engine
 
-    engine = Engine.load()
+    engine = virtual_time.use(Engine.load(), DEMO)
     prompt = fit_ids(load_workload("code"), 0, 1663, engine.tokenizer)
     ref = engine.generate(prompt, max_new_tokens=96, method="ar", ignore_eos=True).token_ids
     assert ref[-4:] == ref[-6:-2] == ref[-8:-4], "the target no longer loops here: the test has no power"
@@ -51,13 +74,13 @@ def test_the_demo_targets_code_loop_is_drafted_by_lookup():
         assert commit > 2 * base and commit > 4, (budget, commit, base)
 
 
-def test_auto_leaves_the_drafter_out_of_a_loop_that_lookup_drafts_whole():
+def test_auto_leaves_the_drafter_out_of_a_loop_that_lookup_drafts_whole(virtual_time):
     """Padding at 13 tokens: the demo target loops on `"The ` and the lookup branch commits whole blocks by
     itself, so `auto` runs rounds without a draft that commit far more than the root; same output."""
     from ddscope.bench.workloads import fit_ids, load_workload
     from ddscope.engine import Engine
 
-    engine = Engine.load()
+    engine = virtual_time.use(Engine.load(), DEMO)
     prompt = fit_ids(load_workload("padding"), 0, 13, engine.tokenizer)
     ref = engine.generate(prompt, max_new_tokens=256, method="ar", ignore_eos=True).token_ids
     out = engine.generate(prompt, max_new_tokens=256, method="ddtree", budget="auto", ignore_eos=True)
@@ -75,8 +98,6 @@ def test_lookup_is_scored_against_the_committed_tokens_grafted_or_not():
     """With the lookup gain spent, a plain round verifies the root alone, whatever lookup proposes; the
     tokens the round commits score the proposal all the same (those right before the first miss), and
     once they match, the next round grafts a branch for real."""
-    from ddscope.proposers import DDTree
-    from ddscope.sampling import SamplingParams
     from ddscope.stats import RoundStats
 
     proposer = DDTree(budget=4)

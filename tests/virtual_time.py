@@ -1,0 +1,98 @@
+"""Virtual time for tests of `budget="auto"`: time passes only in target forwards and drafts, at fixed prices.
+
+`auto` decides from the step times the decoder's clock measures and the verify costs a calibration
+measured; on a loaded 2-core machine both move, and tests that asserted its decisions flipped. Under
+virtual time the clock reads the sum of the prices of what ran so far and the calibration is those
+same prices, so every decision follows from the tokens alone, never from this machine's speed.
+
+A draft costs a drafter's price whatever runs inside it: the test oracle (ddscope.testing.OracleDrafter)
+drafts with block - 1 target forwards, which a real drafter does not; priced so, it could at best break
+even with plain rounds.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ddscope import decoding
+from ddscope.budget import NODE_GRID, VerifyCost
+from ddscope.drafter import Drafter
+from ddscope.engine import Engine
+from ddscope.model import Target
+from ddscope.testing import OracleDrafter
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Milliseconds: a target forward of n tokens over ctx cached ones costs
+    base + per_token * n + ctx * (per_ctx + per_ctx_token * n) (bilinear, so the calibration grid
+    interpolates it exactly); a draft costs `draft`."""
+
+    base: float
+    per_token: float
+    per_ctx: float
+    per_ctx_token: float
+    draft: float
+
+    def forward(self, ctx: int, n: int) -> float:
+        return self.base + self.per_token * n + ctx * (self.per_ctx + self.per_ctx_token * n)
+
+
+# About what the pairs cost single-threaded on the 2-core CI machine (perf_counter, best of 15).
+TINY = Prices(base=0.75, per_token=0.01, per_ctx=0.0002, per_ctx_token=0.00002, draft=0.33)
+DEMO = Prices(base=1.9, per_token=0.1, per_ctx=0.00027, per_ctx_token=0.000054, draft=2.5)
+
+
+class VirtualTime:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.monkeypatch, self.prices, self.now = monkeypatch, TINY, 0.0
+        self.drafting = False
+
+    def __call__(self) -> float:
+        """The decoder's clock (decoding.Clock's place)."""
+        return self.now
+
+    def verify_cost(self, max_ctx: int) -> VerifyCost:
+        """What a calibration would measure under these prices: exact, the prices being bilinear."""
+        ctx = [0, max_ctx]
+        return VerifyCost(ctx, list(NODE_GRID), [[self.prices.forward(c, n) for n in NODE_GRID] for c in ctx])
+
+    def use(self, engine: Engine, prices: Prices = TINY) -> Engine:
+        """Price `engine`'s forwards at `prices`, and let it start this test knowing nothing: no calibration
+        and nothing learned from an earlier test's requests (both restored after the test)."""
+        self.prices = prices
+        self.monkeypatch.setattr(engine, "verify_cost", self.verify_cost(engine.max_model_len))
+        self.monkeypatch.setattr(engine, "learned", {})
+        return engine
+
+    def install(self) -> None:
+        target_forward = Target.forward
+
+        def forward(target: Target, tokens: torch.Tensor, positions: torch.Tensor, cache, *args, **kwargs):
+            if not self.drafting:
+                self.now += self.prices.forward(cache.length, tokens.shape[0])
+            return target_forward(target, tokens, positions, cache, *args, **kwargs)
+
+        self.monkeypatch.setattr(decoding, "Clock", lambda device: self)
+        self.monkeypatch.setattr(Target, "forward", forward)
+        for drafter in (Drafter, OracleDrafter):
+            self.monkeypatch.setattr(drafter, "draft", self._priced_draft(drafter.draft))
+        # an engine that calibrates while this test runs gets the prices, not a measurement
+        self.monkeypatch.setattr(VerifyCost, "cached", classmethod(lambda cls, target, max_ctx, key:
+                                                                   self.verify_cost(max_ctx)))
+
+    def _priced_draft(self, draft: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def priced(drafter, *args, **kwargs) -> torch.Tensor:
+            if self.drafting:  # the oracle's own drafter, inside its draft
+                return draft(drafter, *args, **kwargs)
+            self.drafting = True
+            try:
+                return draft(drafter, *args, **kwargs)
+            finally:
+                self.drafting = False
+                self.now += self.prices.draft
+
+        return priced
