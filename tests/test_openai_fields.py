@@ -167,3 +167,8 @@ def test_batched_prompts_answer_one_choice_each_as_alone(server):
     assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert batch["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
     assert isinstance(batch["ddscope"], list) and len(batch["ddscope"]) == 2
+
+
+def test_max_completion_tokens_is_honoured_on_completions_too(server):
+    body = {"prompt": PROMPT, "max_completion_tokens": 3, "temperature": 0, "ignore_eos": True}
+    assert post(server, "/v1/completions", body)["usage"]["completion_tokens"] == 3
