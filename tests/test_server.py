@@ -448,30 +448,38 @@ def test_cli_registers_serve():
 LONG = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "method": "ar"}
 
 
-def test_streaming_disconnect_cancels_within_a_few_steps(paced):
+def test_streaming_disconnect_cancels_the_generation(paced):
+    """That it ends, however fast this machine runs the paced engine; how many steps a cancel costs is
+    tests/test_server_worker.py's, counted in steps."""
     engine, url = paced
     before, steps0 = scrape(url), engine.steps
     with httpx.Client(timeout=10) as client, client.stream("POST", f"{url}/v1/completions",
                                                            json={**LONG, "stream": True}) as r:
         assert r.status_code == 200
         next(line for line in r.iter_lines() if line.startswith("data: "))
-        at_close = engine.steps
-    assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="cancelled") == 1)
+    assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="cancelled") == 1, 60)
     after = scrape(url)
-    assert engine.steps - at_close <= 5
+    assert engine.steps - steps0 < LONG["max_tokens"]
     assert moved(before, after, "ddscope:verify_steps_total") == engine.steps - steps0 - 1  # 1: the prefill's token
     assert moved(before, after, "ddscope:requests_total", status="finished") == 0
     assert after[("ddscope:num_requests_running", ())] == 0
 
 
-def test_non_streaming_disconnect_cancels_within_a_few_steps(paced):
+def test_non_streaming_disconnect_cancels_the_generation(paced):
     engine, url = paced
-    before = scrape(url)
-    with httpx.Client(timeout=httpx.Timeout(10, read=0.3)) as client, pytest.raises(httpx.ReadTimeout):
-        client.post(f"{url}/v1/completions", json=LONG)
-    at_close = engine.steps
-    assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="cancelled") == 1)
-    assert engine.steps - at_close <= 5
+    before, steps0 = scrape(url), engine.steps
+
+    async def disconnect_once_generating() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            request = asyncio.create_task(client.post("/v1/completions", json=LONG))
+            assert await asyncio.to_thread(wait_for, lambda: engine.steps > steps0, 60)
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+
+    asyncio.run(disconnect_once_generating())
+    assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="cancelled") == 1, 60)
+    assert engine.steps - steps0 < LONG["max_tokens"]
+    assert moved(before, scrape(url), "ddscope:requests_total", status="finished") == 0
 
 
 def test_full_queue_answers_503_with_retry_after(paced):
@@ -544,13 +552,11 @@ def test_shutdown_cancels_in_flight_work(tiny_pair):
         except httpx.HTTPError as e:
             outcome.append(e)
 
-    with serve_in_background(engine=engine, shutdown_timeout=0.2) as url:
+    with serve_in_background(engine=engine, shutdown_timeout=0.2) as url:  # how soon: test_server_worker.py
         client = threading.Thread(target=stream, args=(url,))
         client.start()
-        assert got_first.wait(10)
-        t0 = time.monotonic()
-    assert time.monotonic() - t0 < 5
-    client.join(10)
+        assert got_first.wait(60)
+    client.join(60)
     assert outcome and not client.is_alive()
     stopped_at = engine.steps
     time.sleep(0.2)

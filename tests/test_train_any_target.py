@@ -101,22 +101,22 @@ def test_bf16_target_trains_an_fp32_drafter(tmp_path):
 
 
 @pytest.mark.parametrize("budget", [4, 16, "auto"])
-def test_moe_tree_verify_and_compaction_at_every_depth(tmp_path, monkeypatch, budget):
+def test_moe_tree_verify_and_compaction_at_every_depth(tmp_path, virtual_time, budget):
     """An oracle drafter (the target's own continuation, top-1 right at 70% of depths, the target's choice
     second where wrong) makes trees accept long paths and siblings: the transformers path's 4D mask,
-    positions and DynamicCache compaction must reproduce ar exactly."""
+    positions and DynamicCache compaction must reproduce ar exactly. Under virtual time `auto` drafts
+    (and so reaches every depth) whatever this machine's speed."""
     from test_lossless import prompts
 
     from ddscope.testing import make_drafter, oracle_engine
 
-    monkeypatch.setenv("DDSCOPE_CACHE", str(tmp_path / "cache"))  # auto's verify-cost calibration
     target = make_target(tmp_path / "target", "deepseek_v3", layers=4)
     plain = Engine.load(target, make_drafter(tmp_path / "drafter", target, block_size=6), max_model_len=256)
     depths = set()
     for i, prompt in enumerate(prompts(plain.vocab_size, 4, seed=7)):
         ref = plain.generate(prompt, max_new_tokens=60, method="ar", ignore_eos=True).token_ids
-        out = oracle_engine(plain, accuracy=0.7, seed=i).generate(prompt, max_new_tokens=60, method="ddtree",
-                                                                  budget=budget, ignore_eos=True)
+        oracle = virtual_time.use(oracle_engine(plain, accuracy=0.7, seed=i))
+        out = oracle.generate(prompt, max_new_tokens=60, method="ddtree", budget=budget, ignore_eos=True)
         assert out.token_ids == ref, f"prompt {i}: ddtree over transformers diverged from ar"
         depths |= {r.committed for r in out.stats.rounds}
     deepest = 6 if budget == "auto" else min(budget, 5) + 1

@@ -1,4 +1,5 @@
-"""Virtual time for tests of `budget="auto"`: time passes only in target forwards and drafts, at fixed prices.
+"""Virtual time for tests of `budget="auto"`: time passes only in target forwards (native or transformers) and
+drafts, at fixed prices.
 
 `auto` decides from the step times the decoder's clock measures and the verify costs a calibration
 measured; on a loaded 2-core machine both move, and tests that asserted its decisions flipped. Under
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from ddscope import decoding
 from ddscope.budget import NODE_GRID, VerifyCost
 from ddscope.drafter import Drafter
 from ddscope.engine import Engine
+from ddscope.hf_target import HFTarget
 from ddscope.model import Target
 from ddscope.testing import OracleDrafter
 
@@ -69,20 +72,22 @@ class VirtualTime:
         return engine
 
     def install(self) -> None:
-        target_forward = Target.forward
-
-        def forward(target: Target, tokens: torch.Tensor, positions: torch.Tensor, cache, *args, **kwargs):
-            if not self.drafting:
-                self.now += self.prices.forward(cache.length, tokens.shape[0])
-            return target_forward(target, tokens, positions, cache, *args, **kwargs)
-
         self.monkeypatch.setattr(decoding, "Clock", lambda device: self)
-        self.monkeypatch.setattr(Target, "forward", forward)
+        for target in (Target, HFTarget):  # the native target and the transformers one, alike
+            self.monkeypatch.setattr(target, "forward", self._priced_forward(target.forward))
         for drafter in (Drafter, OracleDrafter):
             self.monkeypatch.setattr(drafter, "draft", self._priced_draft(drafter.draft))
         # an engine that calibrates while this test runs gets the prices, not a measurement
         self.monkeypatch.setattr(VerifyCost, "cached", classmethod(lambda cls, target, max_ctx, key:
                                                                    self.verify_cost(max_ctx)))
+
+    def _priced_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def priced(target, tokens: torch.Tensor, positions: torch.Tensor, cache, *args, **kwargs) -> Any:
+            if not self.drafting:  # the oracle's target forwards are its draft's, priced there
+                self.now += self.prices.forward(cache.length, tokens.shape[0])
+            return forward(target, tokens, positions, cache, *args, **kwargs)
+
+        return priced
 
     def _priced_draft(self, draft: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def priced(drafter, *args, **kwargs) -> torch.Tensor:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
+from ddscope.atomic import replaced_name
 from ddscope.bench.serverlog import END_SLACK_S
 from ddscope.options import add_model_args, at_least, budget_arg
 
@@ -407,7 +408,7 @@ def _foreign(folder: Path, depth: int = 1) -> list[str]:
     if not folder.is_dir():
         return [folder.name] if folder.exists() else []
     return [entry.name for entry in sorted(folder.iterdir())
-            if not (entry.is_file() and entry.name.lstrip(".").replace(".tmp", "") in OUTPUTS
+            if not (entry.is_file() and (replaced_name(entry.name) or entry.name) in OUTPUTS
                     or depth and entry.is_dir() and not _foreign(entry, depth - 1))]
 
 

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ddscope.atomic import atomic_write_text, replacing
 from ddscope.bench.analyze import Analysis, Point
-from ddscope.bench.sweep import atomic_write
 
 
 def _pm(value: float | None, sd: float, digits: int) -> str:
@@ -197,10 +197,9 @@ def plot(a: Analysis, path: Path) -> None:
         right.legend(fontsize=8)
     right.set_title("verify step time vs context")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)  # the temp name ends in .tmp, not .png
     plt.close(fig)
-    tmp.replace(path)
 
 
 def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
@@ -245,4 +244,4 @@ def write_outputs(a: Analysis, meta: dict[str, Any], out_dir: Path) -> None:
     has_points = bool(a.points)
     if has_points:
         plot(a, out_dir / "sweep.png")
-    atomic_write(out_dir / "report.md", markdown(a, meta, "sweep.png" if has_points else None))
+    atomic_write_text(out_dir / "report.md", markdown(a, meta, "sweep.png" if has_points else None))

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from ddscope.atomic import atomic_write_text
 from ddscope.bench.acceptance import AcceptanceReader, Observation
 from ddscope.bench.backends import (
     Server,
@@ -106,13 +107,6 @@ class SweepConfig:
         return -1 - ci * self.warmup - w - self.first_prompt * self.warmup // self.repeats
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def cpu_model() -> str:
     """The CPU's model name, as lscpu prints it (x86 Linux), else what platform knows."""
     try:
@@ -167,12 +161,12 @@ class ResultsWriter:
         self.flush()
 
     def flush(self) -> None:
-        atomic_write(self.out_dir / "results.json", json.dumps(self.doc, indent=1))
+        atomic_write_text(self.out_dir / "results.json", json.dumps(self.doc, indent=1))
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(self.records)
-        atomic_write(self.out_dir / "results.csv", buf.getvalue())
+        atomic_write_text(self.out_dir / "results.csv", buf.getvalue())
 
 
 def _error_message(resp: httpx.Response) -> str:

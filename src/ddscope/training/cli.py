@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from ddscope.atomic import atomic_write_text
 from ddscope.options import add_threads_arg, set_threads
 from ddscope.training.corpus import docs_package
 from ddscope.training.distill import DEFAULT_DATA
@@ -92,7 +93,7 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
     report = evaluate(engine, spec)
     print_table(report)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
     if report["mismatches"]:
         print(f"ddscope: LOSSLESS CHECK FAILED on {len(report['mismatches'])} prompt(s): greedy output differs "
               "from ar (details in the JSON 'mismatches')", file=sys.stderr)

@@ -13,6 +13,7 @@ earlier text of its own kind (whole files, documents or conversations; the sente
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ddscope.atomic import atomic_write_text
 from ddscope.training.contexts import parse_context_lengths, sample_length
 from ddscope.training.corpus import IM_START, READERS, iter_documents
 
@@ -201,7 +203,7 @@ def append_whole_lines(path: Path) -> Any:
     if path.is_file():
         data = path.read_bytes()
         if data and not data.endswith(b"\n"):
-            path.write_bytes(data[:data.rfind(b"\n") + 1])
+            os.truncate(path, data.rfind(b"\n") + 1)  # in place: a rewrite killed midway lost every record
     return path.open("a")
 
 
@@ -216,7 +218,7 @@ def check_meta(out_dir: Path, spec: DistillSpec) -> None:
                              f"{asdict(spec)}. Use another --work-dir or the same settings.")
     else:
         out_dir.mkdir(parents=True, exist_ok=True)
-        meta.write_text(json.dumps(asdict(spec), indent=2) + "\n")
+        atomic_write_text(meta, json.dumps(asdict(spec), indent=2) + "\n")
 
 
 def temperature_of(spec: DistillSpec, i: int) -> float:

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ddscope.atomic import atomic_write_text
 from ddscope.config import default_target_layer_ids, rope_theta_of, text_config
 from ddscope.weights import save_weights
 
@@ -81,5 +83,5 @@ def save_drafter(directory: Path, config: dict[str, Any], state: dict[str, torch
     tensors = {prefix + k: v.detach().cpu().contiguous() for k, v in state.items()
                if not k.startswith(("embed_tokens.", "lm_head."))}
     save_weights(tensors, directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")
     return directory

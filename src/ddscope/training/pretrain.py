@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3Config
 
+from ddscope.atomic import atomic_write_text, replacing
 from ddscope.training.corpus import DEFAULT_MIX, DOMAINS, Document, is_heldout, iter_documents
 from ddscope.weights import umask_mode
 
@@ -66,12 +66,10 @@ class Plan:
 
 def tokenize_split(tok: Tokenizer, docs: list[Document], out: Path, eos_id: int) -> None:
     """Encode documents, each followed by eos, into a flat uint16 file (written atomically)."""
-    tmp = out.with_suffix(".tmp")
-    with tmp.open("wb") as f:
+    with replacing(out) as tmp, tmp.open("wb") as f:
         for i in range(0, len(docs), 256):
             for enc in tok.encode_batch([d.text for d in docs[i:i + 256]], add_special_tokens=False):
                 np.asarray(enc.ids + [eos_id], dtype=np.uint16).tofile(f)
-    os.replace(tmp, out)
 
 
 def prepare_data(tokenizer_dir: Path, data_dir: Path, eos_id: int) -> dict[tuple[str, str], np.ndarray]:
@@ -211,13 +209,12 @@ class Progress:
 
 def save_checkpoint(path: Path, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
                     plan: Plan, prog: Progress, batcher: Batcher) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "plan": asdict(plan), "progress": asdict(prog),
-        "numpy_rng": batcher.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-    }, tmp)
-    os.replace(tmp, path)  # never leave a half-written checkpoint behind
+    with replacing(path) as tmp:  # never leave a half-written checkpoint behind
+        torch.save({
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "plan": asdict(plan), "progress": asdict(prog),
+            "numpy_rng": batcher.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+        }, tmp)
 
 
 def save_hf(model: PreTrainedModel, tokenizer_dir: Path, out: Path) -> None:
@@ -328,7 +325,7 @@ def train(args: argparse.Namespace) -> None:
     }
     report["eval_wall_s"] = time.time() - start_eval
     save_hf(model, args.tokenizer, args.out)
-    (run_dir / "target_eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write_text(run_dir / "target_eval.json", json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2), flush=True)
     print(f"saved {args.out} (total {(time.time() - t0) / 60:.1f} min)", flush=True)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from ddscope.atomic import atomic_write_text, replacing
 from ddscope.config import DrafterConfig, read_json
 from ddscope.drafter import Drafter, drafter_state
 from ddscope.hf_target import CacheLike, TargetLike
@@ -292,9 +292,8 @@ def _save_checkpoint(path: Path, config: dict[str, Any], drafter: Drafter, opt: 
     (and train_s), and DDP keeps the drafter and optimizer identical on every rank."""
     state = {"config": config, "model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
              "train_s": train_s}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
+    with replacing(path) as tmp:  # a kill mid-save leaves the previous checkpoint intact
+        torch.save(state, tmp)
 
 
 def _restore(path: Path, config: dict[str, Any], drafter: Drafter, opt: torch.optim.Optimizer) -> tuple[int, float]:
@@ -314,7 +313,7 @@ def _trim_log(path: Path, step: int) -> None:
     if path.is_file():
         append_whole_lines(path).close()
         lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in lines))
+        atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
 def train(target_dir: Path, target: TargetLike, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
