@@ -138,3 +138,23 @@ def test_a_lookup_commit_near_the_context_limit_fits_the_drafters_buffer(tmp_pat
         assert len(out.token_ids) == 96 - len(prompt)
         longest = max(longest, *(r.committed for r in out.stats.rounds))
     assert longest > engine.drafter.block_size  # the test reached what it tests
+
+
+def test_a_bug_around_one_request_fails_it_and_the_worker_goes_on(tiny_engine, monkeypatch):
+    from ddscope.stats import GenerationStats
+
+    to_dict, calls = GenerationStats.to_dict, []
+
+    def broken_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("a bug in the stats")
+        return to_dict(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationStats, "to_dict", broken_once)
+    with serve_in_background(engine=tiny_engine, request_timeout=60) as url, httpx.Client(timeout=10) as client:
+        failed = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        assert client.get(f"{url}/health").status_code == 200
+        ok = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4

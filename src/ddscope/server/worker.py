@@ -214,23 +214,25 @@ class EngineWorker:
                 job.emit(outcome)
 
     def _run(self, job: Job) -> None:
+        """Run one job to its outcome; the job stays `_current` until its client has been told (a death
+        before that still answers it, in _die)."""
         if time.monotonic() > job.deadline:
             job.cancel("timeout")
         if job.cancel_reason:  # given up on while it waited
-            with self._ready:
-                self._current = None
-            self._finish(job, Failed(job.cancel_reason))
-            return
-        start = time.monotonic()
-        self.metrics.running.inc()
-        try:
-            outcome = self._generate(job, start)
-        finally:  # update the gauges before the client can see the answer
-            with self._ready:
-                self._current = None
-                self._ready.notify_all()  # a closing server may be waiting for this
-            self.metrics.running.dec()
+            outcome: Done | Failed = Failed(job.cancel_reason)
+        else:
+            self.metrics.running.inc()
+            try:
+                outcome = self._generate(job, time.monotonic())
+            except Exception as e:  # a bug in the bookkeeping around the engine: this request fails, not the worker
+                log.exception("request %s failed outside the engine", job.request_id)
+                outcome = Failed("error", e)
+            finally:  # update the gauge before the client can see the answer
+                self.metrics.running.dec()
         self._finish(job, outcome)
+        with self._ready:
+            self._current = None
+            self._ready.notify_all()  # a closing server may be waiting for this
 
     def _generate(self, job: Job, start: float) -> Done | Failed:
         try:
