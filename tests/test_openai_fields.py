@@ -53,16 +53,18 @@ def test_logprobs_are_the_targets_own_and_equal_under_every_method(oracle):
             assert [v for _, v in top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
 
 
-def test_prompt_logprobs_score_every_prompt_token_under_its_prefix(oracle):
-    out = run(oracle, "ddtree", logprobs=0, prompt_logprobs=2)
-    prompt = oracle.encode(PROMPT)
+@pytest.mark.parametrize("repeat", [1, 120])  # 120: over 512 tokens, scored in chunks
+def test_prompt_logprobs_score_every_prompt_token_under_its_prefix(oracle, repeat):
+    prompt = oracle.encode(PROMPT) * repeat
+    out = oracle.generate(prompt, max_new_tokens=24, method="ddtree", ignore_eos=True, logprobs=0,
+                          prompt_logprobs=2)
     ref = reference_logprobs(oracle, prompt)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for i in range(1, len(prompt)):
         lp, top = out.prompt_logprobs[i]
         assert lp == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
         assert len(top) == 2
-    assert out.token_ids == run(oracle, "ar").token_ids
+    assert out.token_ids == oracle.generate(prompt, max_new_tokens=24, method="ar", ignore_eos=True).token_ids
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

@@ -158,3 +158,32 @@ def test_a_bug_around_one_request_fails_it_and_the_worker_goes_on(tiny_engine, m
         assert client.get(f"{url}/health").status_code == 200
         ok = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_requests_finishing_within_the_grace_period_still_render_their_answers(tiny_pair):
+    """The tokenizer thread outlives the drain: an echo + logprobs answer is rendered after the worker stops."""
+    engine = PacedEngine(Engine.load(*tiny_pair), delay=0.02)
+    answers: list[httpx.Response] = []
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "echo": True, "logprobs": 2}
+
+    def post(url: str) -> None:
+        answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+
+    with serve_in_background(engine=engine, shutdown_timeout=60.0) as url:
+        client = threading.Thread(target=post, args=(url,))
+        client.start()
+        assert wait_for(lambda: scrape(url)[("ddscope:num_requests_running", ())] == 1)
+    client.join(60)
+    assert answers and answers[0].status_code == 200, answers[0].text if answers else None
+    assert len(answers[0].json()["choices"][0]["logprobs"]["tokens"]) > 40
+
+
+def test_a_dead_worker_does_not_hold_shutdown_for_its_grace_period(tiny_engine, monkeypatch):
+    def broken(self, job):
+        raise RuntimeError("a bug outside any generation")
+
+    monkeypatch.setattr(EngineWorker, "_run", broken)
+    with serve_in_background(engine=tiny_engine, shutdown_timeout=120.0) as url:
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code == 500
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 60  # far less than the 120 s grace: nothing is left to wait for

@@ -20,6 +20,9 @@ from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree
 
 
+SCORE_ROWS = 512  # prompt rows scored at a time (echo with logprobs): bounds the logits to 512 x vocab
+
+
 class Clock:
     """perf_counter in ms, synchronising first on CUDA so phases are not smeared."""
 
@@ -86,23 +89,37 @@ class Decoder:
         if self.draft_cache is not None:
             self.draft_cache.length = 0  # the first draft takes in the features it can see
         self.tokens, self.prompt_len = list(prompt), len(prompt)
-        ids = torch.tensor(prompt[cached:], dtype=torch.long, device=self.device)
-        positions = torch.arange(cached, len(prompt), device=self.device)
-        # The last layer finishes only the rows read later: the last (the first token's logits), and the first
-        # draft's reach from a block's start, so the prefix cache keeps whole blocks of features.
-        tail = len(prompt) - self.first_draft_reach(len(prompt)) // BLOCK * BLOCK if self.capture else 1
-        scored = prompt_logprobs is not None
-        out = self.target(ids, positions, self.cache, capture=self.capture, last_only=not scored,
-                          tail=None if scored else tail)
+        if prompt_logprobs is None:
+            # The last layer finishes only the rows read later: the last (the first token's logits), and the first
+            # draft's reach from a block's start, so the prefix cache keeps whole blocks of features.
+            tail = len(prompt) - self.first_draft_reach(len(prompt)) // BLOCK * BLOCK if self.capture else 1
+            out = self.target(torch.tensor(prompt[cached:], dtype=torch.long, device=self.device),
+                              torch.arange(cached, len(prompt), device=self.device), self.cache,
+                              capture=self.capture, last_only=True, tail=tail)
+            features, last = out.features, out.logits[-1:]
+        else:
+            features, last = self._scored_prefill(prompt, prompt_logprobs)
         if self.capture:
-            self.features_from = len(prompt) - len(out.features)
-            self.draft_cache.features[self.features_from:len(prompt)] = out.features
-        if scored:  # the first prompt token has no prefix to be scored under (None, as in OpenAI's echo)
-            self.prompt_logprobs = [None, *token_logprobs(out.logits[:-1], prompt[1:], prompt_logprobs)]
-        first = self.choose(out.logits[-1:], [0])[0]
-        self._record_logprobs(out.logits[-1:], [first])
+            self.features_from = len(prompt) - len(features)
+            self.draft_cache.features[self.features_from:len(prompt)] = features
+        first = self.choose(last, [0])[0]
+        self._record_logprobs(last, [first])
         self.tokens.append(first)  # the root of the first tree
         return first, self.clock() - t0
+
+    def _scored_prefill(self, prompt: list[int], top: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The whole prompt's forward, scoring each token under its prefix (the first: None, as OpenAI's echo),
+        in chunks of SCORE_ROWS: the logits are never more than [SCORE_ROWS, vocab] at once. Returns the
+        captured features and the last position's logits."""
+        self.prompt_logprobs, features = [None], []
+        for a in range(0, len(prompt), SCORE_ROWS):
+            ids = prompt[a:a + SCORE_ROWS]
+            out = self.target(torch.tensor(ids, dtype=torch.long, device=self.device),
+                              torch.arange(a, a + len(ids), device=self.device), self.cache, capture=self.capture)
+            following = prompt[a + 1:a + 1 + len(ids)]
+            self.prompt_logprobs += token_logprobs(out.logits[:len(following)], following, top)
+            features.append(out.features)
+        return (torch.cat(features) if self.capture else None), out.logits[-1:]
 
     def _record_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> None:
         if self.top_logprobs is not None:

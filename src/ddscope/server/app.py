@@ -86,10 +86,14 @@ class ServerState:
                                    log_interval=self.config.log_interval)
         self.engine = engine  # last: /health turns 200 only when everything is in place
 
-    def close(self, grace: float = 0.0) -> None:
-        """Refuse new requests, give those in flight `grace` seconds, then answer the rest 503."""
+    def drain(self, grace: float | None) -> None:
+        """Refuse new requests, give those in flight `grace` seconds, then answer the rest 503. The handlers
+        still render their answers (tokenizer thread and all) until close()."""
         if self.worker is not None:
             self.worker.close(grace)
+
+    def close(self) -> None:
+        self.drain(0.0)
         self._tok_thread.shutdown(wait=False, cancel_futures=True)
 
     async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
@@ -115,6 +119,8 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
         if state.worker is not None and state.worker.dead is not None:
             return JSONResponse({"status": "error", "message": f"the engine worker died: {state.worker.dead!r}"},
                                 status_code=503)
+        if state.worker is not None and state.worker.closing:  # so a load balancer stops sending traffic
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
         if state.engine is not None:
             return JSONResponse({"status": "ok"})
         if state.load_error is not None:
@@ -311,12 +317,6 @@ def _engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) ->
 
 
 def _failure(event: Failed, timeout: float) -> APIError:
-    err = _failure_error(event, timeout)
-    err.reached_engine = True  # counted by requests_total, not as a rejection
-    return err
-
-
-def _failure_error(event: Failed, timeout: float) -> APIError:
     if event.status == "timeout":
         return APIError(408, f"the request timed out after {timeout:g} s", code="timeout")
     if isinstance(event.error, ShuttingDown):
@@ -376,16 +376,17 @@ async def _generate(request: Request, state: ServerState, req: SamplingRequest, 
         for job in jobs:
             _submit(state, job)
             submitted.append(job)
+            request.state.reached_engine = True  # requests_total counts it from here on, not rejected_requests
         # Wait for the first event before answering, so that a failure is still a proper status code.
-        event = await _next_event(jobs[0])
-        if isinstance(event, Failed):
-            raise _failure(event, state.config.request_timeout)
         if req.stream:
+            event = await _next_event(jobs[0])
+            if isinstance(event, Failed):
+                raise _failure(event, state.config.request_timeout)
             stream = _stream(state, jobs[0], req, reply, event, watcher)
             watcher = None  # owned by the stream from here on
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        outcomes = [event] + [await _outcome(job, state) for job in jobs[1:]]
+        outcomes = [await _outcome(job, state) for job in jobs]
         choices = [await _choice(state, req, reply, i, job.prompt, done) for i, (job, done) in
                    enumerate(zip(jobs, outcomes))]
         return JSONResponse(reply.response(choices, [d.stats for d in outcomes]))
@@ -405,10 +406,6 @@ async def _outcome(job: Job, state: ServerState) -> Done:
     return event
 
 
-def _logprobs_wanted(req: SamplingRequest) -> bool:
-    return req.top_logprobs_wanted() is not None
-
-
 async def _choice(state: ServerState, req: SamplingRequest, reply: Reply, index: int, prompt: list[int],
                   done: Done) -> dict[str, Any]:
     text, parts = done.text, []
@@ -417,7 +414,7 @@ async def _choice(state: ServerState, req: SamplingRequest, reply: Reply, index:
         text = head + text
         if done.prompt_logprobs is not None:
             parts.append(await state.tokenize(Logprobs(state.tokenizer, False).render, prompt, done.prompt_logprobs))
-    if _logprobs_wanted(req):
+    if req.top_logprobs_wanted() is not None:
         offset = len(text) - len(done.text)
         parts.append(await state.tokenize(Logprobs(state.tokenizer, reply.chat, offset).render, done.token_ids,
                                           done.logprobs))
@@ -427,7 +424,7 @@ async def _choice(state: ServerState, req: SamplingRequest, reply: Reply, index:
 async def _stream(state: ServerState, job: Job, req: SamplingRequest, reply: Reply, event: Event,
                   watcher: asyncio.Task) -> AsyncIterator[str]:
     timeout = state.config.request_timeout
-    logprobs = Logprobs(state.tokenizer, reply.chat) if _logprobs_wanted(req) else None
+    logprobs = Logprobs(state.tokenizer, reply.chat) if req.top_logprobs_wanted() is not None else None
     try:
         if reply.chat:
             yield sse(reply.chunk("", role=True))
@@ -457,13 +454,12 @@ async def _stream(state: ServerState, job: Job, req: SamplingRequest, reply: Rep
 
 def _install_error_handlers(app: FastAPI) -> None:
     def rejected(request: Request, status: int) -> None:
-        if request.url.path in GENERATION_PATHS:
+        if request.url.path in GENERATION_PATHS and not getattr(request.state, "reached_engine", False):
             app.state.ddscope.metrics.rejected.labels(str(status)).inc()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        if not getattr(exc, "reached_engine", False):
-            rejected(request, exc.status)
+        rejected(request, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -30,8 +30,8 @@ class Server(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state = self.config.app.state.ddscope
-        await asyncio.to_thread(state.close, self.config.timeout_graceful_shutdown)
-        await super().shutdown(sockets)
+        await asyncio.to_thread(state.drain, self.config.timeout_graceful_shutdown)  # None: as long as it takes
+        await super().shutdown(sockets)  # the handlers answer at once now; the lifespan's close() comes last
 
 
 def _load_engine(target: str | Path | None, drafter: str | Path | None, engine_kw: dict[str, Any]) -> Engine:

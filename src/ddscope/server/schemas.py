@@ -99,7 +99,7 @@ def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
 
 
@@ -147,7 +147,7 @@ class SamplingRequest(BaseModel):
     @classmethod
     def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):  # int() takes "²" and 5000 digits
                 raise ValueError(f"keys are token ids as strings (OpenAI's shape), got {key!r:.40}")
             if not -100 <= value <= 100:
                 raise ValueError(f"biases are in [-100, 100], got {value}")
@@ -225,19 +225,21 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Forbid, not ignore: `tool_calls` or `tool_call_id` dropped in silence would template another conversation.
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # handed to the chat template, which may use it
 
     def template_dict(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content}
+        return {"role": self.role, "content": content} | ({"name": self.name} if self.name is not None else {})
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -140,6 +140,10 @@ class EngineWorker:
     def waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
     def submit(self, job: Job) -> None:
         with self._ready:
             if self.dead is not None:
@@ -163,7 +167,7 @@ class EngineWorker:
             self.metrics.waiting.dec()
         self._finish(job, Failed(job.cancel_reason or "cancelled"))
 
-    def close(self, grace: float = 0.0, timeout: float = 30.0) -> None:
+    def close(self, grace: float | None = 0.0, timeout: float = 30.0) -> None:
         """Refuse new jobs, give those running and waiting `grace` seconds to finish, then stop them (503 to
         their clients) and the thread."""
         with self._ready:
@@ -202,10 +206,12 @@ class EngineWorker:
     def _die(self, error: BaseException) -> None:
         log.critical("the engine worker died; failing every request in flight and in the queue", exc_info=error)
         with self._ready:
-            self.dead = error
+            self.dead, self._stopped = error, True
             jobs = ([self._current] if self._current is not None else []) + list(self._queue)
             self.metrics.waiting.dec(len(self._queue))
             self._queue.clear()
+            self._current = None
+            self._ready.notify_all()  # a closing server need not wait for its grace period
         for job in jobs:
             outcome = Failed("error", WorkerDied(f"the engine worker died: {error!r}"))
             try:
@@ -218,8 +224,8 @@ class EngineWorker:
         before that still answers it, in _die)."""
         if time.monotonic() > job.deadline:
             job.cancel("timeout")
-        if job.cancel_reason:  # given up on while it waited
-            outcome: Done | Failed = Failed(job.cancel_reason)
+        if job.cancel_reason:  # given up on while it waited, or stopped by close() before it ran
+            outcome: Done | Failed = Failed(job.cancel_reason, self._shutdown_error())
         else:
             self.metrics.running.inc()
             try:
@@ -229,10 +235,17 @@ class EngineWorker:
                 outcome = Failed("error", e)
             finally:  # update the gauge before the client can see the answer
                 self.metrics.running.dec()
-        self._finish(job, outcome)
+        try:
+            self._finish(job, outcome)
+        except Exception:  # its bookkeeping failed: the client is still told, and the worker goes on
+            log.exception("request %s: finishing failed", job.request_id)
+            job.emit(outcome)
         with self._ready:
             self._current = None
             self._ready.notify_all()  # a closing server may be waiting for this
+
+    def _shutdown_error(self) -> ShuttingDown | None:
+        return ShuttingDown("server is shutting down") if self._stopped else None
 
     def _generate(self, job: Job, start: float) -> Done | Failed:
         try:
@@ -260,8 +273,9 @@ class EngineWorker:
                 self._record_step(last)
                 text.append(last.text)
                 ids += last.token_ids
-                if last.logprobs is not None:
-                    logprobs = (logprobs or []) + last.logprobs
+                if last.logprobs is not None and not job.stream:  # a stream's steps carry their own
+                    logprobs = logprobs or []
+                    logprobs += last.logprobs
                 if job.stream:
                     job.emit(last)
                 if last.finish_reason:
@@ -269,7 +283,7 @@ class EngineWorker:
                 if now > job.deadline:
                     job.cancel("timeout")
                 if job.cancel_reason:
-                    return Failed(job.cancel_reason, ShuttingDown("server is shutting down") if self._stopped else None)
+                    return Failed(job.cancel_reason, self._shutdown_error())
         except KVCacheFull as e:  # capacity, not a bug: the client may retry
             log.warning("request %s: %s", job.request_id, e)
             return Failed("error", e)
@@ -278,7 +292,7 @@ class EngineWorker:
             return Failed("error", e)
         finally:
             steps.close()
-            self._window.maybe_log(self._current is not None, self.waiting)
+            self._window.maybe_log(True, self.waiting)
         stats = last.stats.to_dict(rounds=job.return_rounds)
         stats["queue_ms"] = 1000 * (start - job.arrival)
         stats["ttft_ms"] = 1000 * (first_at - job.arrival)
