@@ -112,20 +112,26 @@ def test_a_queued_request_whose_client_left_frees_its_slot_at_once(tiny_pair):
         assert asyncio.run(run())
 
 
-def test_a_request_running_at_shutdown_gets_503(tiny_pair):
+def answer_across_shutdown(tiny_pair, body: dict, grace: float) -> httpx.Response:
+    """The answer to a request that is running on a paced engine when the server starts shutting down."""
     engine = PacedEngine(Engine.load(*tiny_pair), delay=0.02)
     answers: list[httpx.Response] = []
 
     def post(url: str) -> None:
-        answers.append(httpx.post(f"{url}/v1/completions", json=LONG, timeout=10))
+        answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=grace + 30))
 
-    with serve_in_background(engine=engine, shutdown_timeout=2.0) as url:
+    with serve_in_background(engine=engine, shutdown_timeout=grace) as url:
         client = threading.Thread(target=post, args=(url,))
         client.start()
         assert wait_for(lambda: scrape(url)[("ddscope:num_requests_running", ())] == 1)
-    client.join(10)
-    assert answers and answers[0].status_code == 503, answers[0].text if answers else None
-    assert answers[0].json()["error"]["code"] == "shutting_down"
+    client.join(grace + 30)
+    assert answers, "no answer"
+    return answers[0]
+
+
+def test_a_request_running_at_shutdown_gets_503(tiny_pair):
+    answer = answer_across_shutdown(tiny_pair, LONG, grace=2.0)
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down", answer.text
 
 
 def test_a_lookup_commit_near_the_context_limit_fits_the_drafters_buffer(tmp_path):
@@ -162,20 +168,10 @@ def test_a_bug_around_one_request_fails_it_and_the_worker_goes_on(tiny_engine, m
 
 def test_requests_finishing_within_the_grace_period_still_render_their_answers(tiny_pair):
     """The tokenizer thread outlives the drain: an echo + logprobs answer is rendered after the worker stops."""
-    engine = PacedEngine(Engine.load(*tiny_pair), delay=0.02)
-    answers: list[httpx.Response] = []
     body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "echo": True, "logprobs": 2}
-
-    def post(url: str) -> None:
-        answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
-
-    with serve_in_background(engine=engine, shutdown_timeout=60.0) as url:
-        client = threading.Thread(target=post, args=(url,))
-        client.start()
-        assert wait_for(lambda: scrape(url)[("ddscope:num_requests_running", ())] == 1)
-    client.join(60)
-    assert answers and answers[0].status_code == 200, answers[0].text if answers else None
-    assert len(answers[0].json()["choices"][0]["logprobs"]["tokens"]) > 40
+    answer = answer_across_shutdown(tiny_pair, body, grace=60.0)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"][0]["logprobs"]["tokens"]) > 40
 
 
 def test_a_dead_worker_does_not_hold_shutdown_for_its_grace_period(tiny_engine, monkeypatch):
