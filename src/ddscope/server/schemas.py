@@ -175,8 +175,8 @@ class SamplingRequest(BaseModel):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def top_logprobs_wanted(self) -> int | None:
-        """None, or how many alternatives to report with each token."""
-        raise NotImplementedError
+        """None (no logprobs), or how many alternatives to report with each token; each endpoint names it its way."""
+        return None
 
 
 def _one_prompt(prompt: Any) -> str | list[int]:
