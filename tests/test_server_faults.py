@@ -50,7 +50,7 @@ def test_a_dead_worker_fails_everything_at_once_and_health_turns_503(tiny_engine
         t0 = time.monotonic()
         r = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
         assert r.status_code == 500 and r.json()["error"]["code"] == "worker_died"
-        assert time.monotonic() - t0 < 5  # at once, not at the request timeout
+        assert time.monotonic() - t0 < 30  # at once: well before the 60 s request timeout
         health = client.get(f"{url}/health")
         assert health.status_code == 503 and "RuntimeError" in health.json()["message"]
         again = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
@@ -90,7 +90,7 @@ def test_a_queued_request_whose_client_left_frees_its_slot_at_once(tiny_pair):
                     return scrape_text((await client.get("/metrics")).text)[(name, ())]
 
                 async def until(name: str, value: float) -> bool:
-                    for _ in range(100):  # 2 s: far less than the running request's 30 s
+                    for _ in range(250):  # 5 s: far less than the running request's 1500 paced steps
                         if await gauge(name) == value:
                             return True
                         await asyncio.sleep(0.02)
