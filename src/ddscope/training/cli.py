@@ -12,7 +12,7 @@ from ddscope.training.corpus import docs_package
 from ddscope.training.distill import DEFAULT_DATA
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -33,7 +33,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from ddscope.engine import Engine
-    from ddscope.training.distill import DistillSpec, distill
+    from ddscope.training.distill import DistillSpec, distill, read_cache
+    from ddscope.training.head import has_decoder
     from ddscope.training.train import launch, plan, train_from_args, train_spec
     from ddscope.training.train_drafter import closing_line
 
@@ -49,12 +50,18 @@ def _train_drafter(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     budget_s = args.distill_min * 60 if args.distill_min else None
+    whole = has_decoder(Path(args.target))
     if args.distill_url:
         from ddscope.training.remote_distill import remote_distill
 
         records, counts = remote_distill(args.distill_url, args.target, dspec, work, args.distill_concurrency,
                                          budget_s, args.distill_timeout)
         print(f"distilled from {args.distill_url}: {counts.summary()}", file=sys.stderr)
+    elif not whole:  # nothing to generate with here: train on the records already distilled
+        records = read_cache(work)
+        if not records:
+            raise ValueError(f"{args.target} holds no decoder layers, so it cannot distil in this process: give "
+                             f"--distill-url (a server of the same target) or put distilled records in {work}")
     else:
         records = distill(args.target, dspec, work, drafter=args.distill_drafter, method=args.distill_method,
                           time_budget_s=budget_s, workers=args.distill_workers,
@@ -72,6 +79,10 @@ def _train_drafter(args: argparse.Namespace) -> int:
         result = train_from_args(args, records)
         print(f"drafter written to {args.out} in {result['train_s'] / 60:.1f} min: {closing_line(result)}",
               file=sys.stderr)
+    if not whole:
+        print(f"engine check skipped: {args.target} holds only part of the target; load {args.out} with the whole "
+              "target (ddscope eval-acceptance --target FULL --drafter OUT) to check it", file=sys.stderr)
+        return 0
     # The drafter must read back, with the target loaded as it was for training.
     Engine.load(args.target, args.out, device=args.device, dtype=args.target_dtype, target_backend=args.target_backend,
                 device_map=args.target_device_map)
@@ -171,13 +182,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests in flight with --distill-url (default: %(default)s)")
     d.add_argument("--distill-timeout", type=float, default=600.0,
                    help="seconds per --distill-url request before it counts as failed (default: %(default)s)")
+    f = p.add_argument_group("features from the serving engine")
+    f.add_argument("--features-url", metavar="http://HOST:PORT",
+                   help="take the target's hidden states from a live vLLM (ddscope features-server) or SGLang "
+                        "(--enable-return-aux-hidden-states) instead of running the target here: only the target "
+                        "dir's config, tokenizer, embedding and head are read (the decoder's shards may be absent; "
+                        "then distil with --distill-url or train on the work dir's records) (default: in process)")
+    f.add_argument("--features-concurrency", type=int, default=8,
+                   help="feature requests in flight per rank (default: %(default)s)")
+    f.add_argument("--features-timeout", type=float, default=600.0,
+                   help="seconds per feature request (default: %(default)s)")
     t = p.add_argument_group("drafter and training")
     t.add_argument("--block-size", type=int, default=16, help="drafter block size B (default: %(default)s)")
     t.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default: %(default)s)")
     t.add_argument("--sliding-window", type=int, metavar="N",
                    help="drafter layers attend to the last N positions only (z-lab's sliding_attention): "
                         "attention, and its cost, then stay the same at any context length (default: all context)")
-    t.add_argument("--target-layer-ids", type=_int_list,
+    t.add_argument("--target-layer-ids", type=int_list,
                    help="target layers whose outputs feed the drafter (default: one per drafter layer, spread)")
     t.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's <|mask|>)")
     t.add_argument("--init-drafter", type=Path,
@@ -225,7 +246,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--chat-template", choices=("auto", "never"), default="auto",
                    help="auto: wrap math and chat prompts in the tokenizer's chat template when it has one; code "
                         "prompts stay raw (HumanEval is a completion task) (default: %(default)s)")
-    e.add_argument("--contexts", type=_int_list, default=[0],
+    e.add_argument("--contexts", type=int_list, default=[0],
                    help="prompt lengths in tokens, e.g. 0,1024,4096: each prompt is fitted to each length (earlier "
                         "prompts of the set prepended, as the bench does), tau is reported per length; 0 = the "
                         "prompt as it is (default: 0)")

@@ -14,16 +14,35 @@ from ddscope.weights import save_weights
 MASK_TOKEN = "<|mask|>"
 
 
+LAST_LAYER_WHY = ("vLLM hands out its output before the final norm, SGLang refuses to capture it, and ddscope and HF "
+                  "transformers take the normed one, so a drafter trained on it sees other features in each engine")
+
+
 def pick_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """z-lab's fallback spread, or an even spread over [1, L-1] where that one collapses (small L)."""
-    if n < 1 or n > num_target_layers:
-        raise ValueError(f"need 1..{num_target_layers} target layer ids for a {num_target_layers}-layer target, got {n}")
+    """z-lab's spread, or an even spread where that one collapses (small L); never the last layer (LAST_LAYER_WHY)."""
+    usable = num_target_layers - 1
+    if n < 1 or n > usable:
+        raise ValueError(f"need 1..{usable} target layer ids for a {num_target_layers}-layer target (its last layer "
+                         f"is never used: {LAST_LAYER_WHY}), got {n}")
     ids = default_target_layer_ids(num_target_layers, n)
-    if len(set(ids)) == n and all(0 <= i < num_target_layers for i in ids):
+    if ids == sorted(set(ids)) and all(0 <= i < usable for i in ids):
         return ids
     if n == 1:
-        return [num_target_layers // 2]
-    return [round(1 + i * (num_target_layers - 2) / (n - 1)) for i in range(n)]
+        return [min(num_target_layers // 2, usable - 1)]
+    lo = 1 if n < usable else 0
+    return [round(lo + i * (usable - 1 - lo) / (n - 1)) for i in range(n)]
+
+
+def check_layer_ids(layer_ids: list[int], num_target_layers: int, option: str = "--target-layer-ids") -> None:
+    """A one-line ValueError for ids the target has not, or for its last layer."""
+    missing = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    if missing:
+        raise ValueError(f"{option} {missing}: the target has no such layer (it has 0..{num_target_layers - 1})")
+    if num_target_layers - 1 in layer_ids:
+        raise ValueError(f"{option}: {num_target_layers - 1} is the target's last layer; {LAST_LAYER_WHY}. "
+                         f"Pick ids below {num_target_layers - 1}")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"{option} {layer_ids}: an id is repeated")
 
 
 def mask_token_id(tokenizer: Any, override: int | None, vocab_size: int) -> int:

@@ -24,7 +24,9 @@ from ddscope.config import CheckpointError, read_json, text_config
 from ddscope.hf_target import load_target
 from ddscope.training.contexts import Bucket, parse_context_lengths, select_mix
 from ddscope.training.distill import read_cache
-from ddscope.training.drafter_ckpt import mask_token_id, pick_layer_ids
+from ddscope.training.drafter_ckpt import check_layer_ids, mask_token_id, pick_layer_ids
+from ddscope.training.head import TargetHead
+from ddscope.training.served_features import ServedFeatures
 from ddscope.training.train_drafter import TrainSpec, closing_line, train
 
 
@@ -49,12 +51,14 @@ def train_spec(args: argparse.Namespace) -> TrainSpec:
 def plan(args: argparse.Namespace) -> Plan:
     if args.target_device_map and max(args.nproc, int(os.environ.get("WORLD_SIZE", 1))) > 1:
         raise ValueError("--target-device-map shards the target over all GPUs for one process; use --nproc 1")
+    if args.features_url and (args.target_device_map or args.target_backend == "transformers"):
+        raise ValueError("--features-url runs the target in the server: drop --target-device-map and --target-backend")
+    if args.features_concurrency < 1:
+        raise ValueError(f"--features-concurrency must be >= 1, got {args.features_concurrency}")
     raw = text_config(read_json(Path(args.target) / "config.json"))
     n_layers, vocab = int(raw["num_hidden_layers"]), int(raw["vocab_size"])
-    layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, min(args.layers, n_layers))
-    missing = [i for i in layer_ids if not 0 <= i < n_layers]
-    if missing:
-        raise ValueError(f"--target-layer-ids {missing}: the target has no such layer (it has 0..{n_layers - 1})")
+    layer_ids = args.target_layer_ids or pick_layer_ids(n_layers, max(1, min(args.layers, n_layers - 1)))
+    check_layer_ids(layer_ids, n_layers)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.target)
     except (OSError, ValueError, TypeError) as e:
@@ -77,8 +81,14 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
     if device == "cuda" and dist.is_initialized():  # one GPU per rank
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
-    target = load_target(Path(args.target), torch.device(device), getattr(torch, args.target_dtype),
-                         args.target_backend, args.target_device_map)
+    dtype, features = getattr(torch, args.target_dtype), None
+    if args.features_url:  # the target's decoder runs in the server: load its embedding and head alone
+        target = TargetHead.load(Path(args.target), torch.device(device), dtype)
+        features = ServedFeatures(args.features_url, p.layer_ids, p.work, args.features_concurrency,
+                                  args.features_timeout, int(os.environ.get("RANK", 0)))
+    else:
+        target = load_target(Path(args.target), torch.device(device), dtype, args.target_backend,
+                             args.target_device_map)
     records = read_cache(p.work) if records is None else records
     if p.mix is not None:
         records = select_mix(records, p.mix, args.seed)
@@ -86,7 +96,8 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
             print(f"--train-context-lengths: training on {len(records)} of the distilled sequences", file=sys.stderr)
     return train(Path(args.target), target, records, spec, p.mask_id, p.layer_ids, args.out, p.work,
                  resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
-                 feature_cache_gb=args.feature_cache_gb, init=args.init_drafter, mask_token=p.mask_token)
+                 feature_cache_gb=args.feature_cache_gb, init=args.init_drafter, mask_token=p.mask_token,
+                 features=features)
 
 
 def _parser() -> argparse.ArgumentParser:

