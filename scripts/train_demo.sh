@@ -136,13 +136,16 @@ if [ ! -f "$P/model.safetensors" ]; then
     -- --dtype float32 --enforce-eager --max-num-seqs 8 > "$RUN/features-server.log" 2>&1 &
   server=$!
   trap 'kill $server 2>/dev/null' EXIT
-  for _ in $(seq 600); do curl -sf "http://127.0.0.1:$FEATURES_PORT/v1/models" > /dev/null && break; sleep 1; done
+  for _ in $(seq 600); do
+    kill -0 $server 2>/dev/null || { echo "the features server died: $RUN/features-server.log" >&2; exit 1; }
+    curl -sf "http://127.0.0.1:$FEATURES_PORT/v1/models" > /dev/null && break; sleep 1
+  done
   resume=()
   [ -f "$P.work/ckpt.pt" ] && resume=(--resume)
   python -m ddscope.cli train-drafter --target "$RUN/target-head" --features-url "http://127.0.0.1:$FEATURES_PORT" \
     --out "$P" --work-dir "$P.work" --init-drafter "$RUN/drafter-far2" --target-layer-ids 1,2 --sliding-window 512 \
-    --layers 2 --block-size 16 --lr 4e-4 --time-budget-min "$PORTABLE_DRAFTER_MIN" --feature-cache-gb 10 \
-    --threads "${DRAFTER_THREADS:-2}" --seed 31 "${resume[@]}"
+    --train-context-lengths 16-1536:0.3,1536-6144:0.7 --layers 2 --block-size 16 --lr 4e-4 \
+    --time-budget-min "$PORTABLE_DRAFTER_MIN" --feature-cache-gb 10 --threads "${DRAFTER_THREADS:-2}" --seed 31 "${resume[@]}"
   kill $server
 fi
 echo "[$(date -u +%T)] bundling it into $ASSETS/drafter"

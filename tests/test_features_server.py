@@ -150,12 +150,3 @@ def test_two_ranks_from_one_server_resume_after_a_kill_to_the_same_weights(serve
     torch.testing.assert_close(_losses(killed), _losses(whole), rtol=1e-4, atol=0)
     assert not list(server[1].iterdir()), "no file is left behind by the killed ranks once the run resumed"
 
-
-def test_the_targets_last_layer_is_refused_naming_the_engines(server, records, stripped, tmp_path, capsys):
-    work = _work(records, tmp_path / "work")
-    argv = _args(stripped, work, "--features-url", server[0])
-    argv[argv.index("--target-layer-ids") + 1] = "1,3"
-    assert ddscope_main(["train-drafter", *argv]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("ddscope: error: --target-layer-ids: 3 is the target's last layer"), err
-    assert "vLLM" in err and "SGLang" in err

@@ -169,6 +169,8 @@ def test_default_layers_never_include_the_last_and_asking_for_it_is_refused():
         check_layer_ids([1, 3], 4)
     with pytest.raises(ValueError, match="need 1..0"):
         pick_layer_ids(1, 1)
+    with pytest.raises(ValueError, match=r"ascending order \(\[0, 2\]\), the order vLLM feeds them"):
+        check_layer_ids([2, 0], 4)
 
 
 def test_features_server_prints_vllms_command_with_its_ids(target_dir, capsys):
@@ -198,3 +200,37 @@ def test_a_connection_the_server_dropped_is_retried(target, tmp_path, monkeypatc
         monkeypatch.setattr(features.client, "post", flaky)
         [got] = features.features([[10, 11, 12]])
     assert len(calls) == 2 and got.shape == (3, 2 * 32)
+
+
+def test_a_timeout_is_not_retried_and_names_the_option(target, tmp_path, monkeypatch):
+    """A request that timed out would time out again: one attempt, then the option to raise."""
+    with serve(vllm_features_app(target, tmp_path / "s", vllm_layer_ids(LAYERS))) as url:
+        features = ServedFeatures(url, LAYERS, tmp_path)
+        calls = []
+
+        def slow(*args, **kwargs):
+            calls.append(1)
+            raise httpx.ReadTimeout("timed out")
+
+        monkeypatch.setattr(features.client, "post", slow)
+        with pytest.raises(ValueError, match="ReadTimeout on /v1/completions after 1 attempt.*--features-timeout"):
+            features.features([[10, 11, 12], [13, 14]])
+    assert len(calls) <= 2  # at most the one request per sequence already in flight
+
+
+def test_a_head_only_target_without_features_url_is_refused_before_any_work(stripped, tmp_path, capsys):
+    work = _records(tmp_path / "w")
+    assert ddscope_main(["train-drafter", *_args(stripped, work)]) == 2
+    assert "holds only part of the target (no decoder layers): train from the serving engine's hidden states " \
+           "with --features-url" in _last_error(capsys)
+    assert not (work / "train_log.jsonl").exists()
+
+
+def test_the_targets_last_layer_is_refused_naming_the_engines(stripped, tmp_path, capsys):
+    """Before any server is asked: the URL here answers nothing."""
+    argv = _args(stripped, _records(tmp_path / "w"), "--features-url", "http://127.0.0.1:9")
+    argv[argv.index("--target-layer-ids") + 1] = "0,2"
+    assert ddscope_main(["train-drafter", *argv]) == 2
+    err = _last_error(capsys)
+    assert err.startswith("ddscope: error: --target-layer-ids: 2 is the target's last layer"), err
+    assert "vLLM" in err and "SGLang" in err

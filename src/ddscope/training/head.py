@@ -36,8 +36,9 @@ def _weight_map(directory: Path) -> dict[str, str]:
 
 
 def _one(names: dict[str, str], suffix: str) -> str | None:
-    """The single tensor name ending in `suffix` (`language_model.` prefixes of multimodal targets allowed)."""
-    hits = sorted(n for n in names if n == suffix or n.endswith("." + suffix))
+    """The single tensor name ending in `suffix` (`language_model.` prefixes of multimodal targets allowed; a
+    decoder layer's own, as DeepSeek's MTP layer has, is not the model's)."""
+    hits = sorted(n for n in names if (n == suffix or n.endswith("." + suffix)) and ".layers." not in n)
     if len(hits) > 1:
         raise CheckpointError(f"several tensors end in {suffix}: {hits[:4]}; cannot tell the language model's")
     return hits[0] if hits else None
@@ -58,7 +59,7 @@ class TargetHead(nn.Module):
     def __init__(self, embed: torch.Tensor, head: torch.Tensor | None):
         super().__init__()
         self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
-        self.lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False)
+        self.lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")  # no random V x H
         self.lm_head.weight = self.embed_tokens.weight if head is None else nn.Parameter(head, requires_grad=False)
 
     @classmethod
@@ -89,5 +90,6 @@ def has_decoder(directory: Path) -> bool:
     index = directory / INDEX
     if index.is_file():
         return all((directory / s).is_file() for s in set(json.loads(index.read_text())["weight_map"].values()))
-    names = _weight_map(directory)
-    return any(".layers." in n for n in names)
+    if not any(directory.glob("*.safetensors")):
+        return True  # not ours to judge (.bin, or nothing): the target loader says what is wrong
+    return any(".layers." in n for n in _weight_map(directory))

@@ -25,15 +25,19 @@ from typing import Any
 
 import httpx
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from ddscope.atomic import atomic_write_text
 
 LAYER_IDS_KEY = "vllm_aux_layer_ids"  # the metadata ddscope's connector writes (assets/vllm_plugin)
 START_HINT = ("start one with `ddscope features-server --target DIR` (vLLM), or SGLang with "
               "--enable-return-hidden-states --enable-return-aux-hidden-states --speculative-algorithm DFLASH "
-              "--return-aux-hidden-state-layer-ids IDS")
+              "--return-aux-hidden-state-layer-ids IDS --disable-radix-cache --chunked-prefill-size N (N above the "
+              "longest sequence)")
 
 
-ATTEMPTS = 4  # per request, against transport errors only: an HTTP error status is final
+ATTEMPTS = 4  # per request, against a refused or dropped connection only: a timeout or an HTTP error is final
+RETRIED = (httpx.ConnectError, httpx.RemoteProtocolError)
 
 
 class FeaturesError(ValueError):
@@ -50,7 +54,7 @@ class Journal:
         if path.is_file():
             for line in path.read_text().splitlines():
                 _remove(line)
-        path.write_text("")
+        atomic_write_text(path, "")
         self.open: set[str] = set()
 
     def add(self, name: str) -> None:
@@ -65,7 +69,7 @@ class Journal:
             self._write()
 
     def _write(self) -> None:
-        self.path.write_text("".join(p + "\n" for p in sorted(self.open)))
+        atomic_write_text(self.path, "".join(p + "\n" for p in sorted(self.open)))
 
 
 def _remove(path: str) -> None:
@@ -90,7 +94,8 @@ class ServedFeatures:
         try:
             for path in ("/server_info", "/get_server_info"):
                 info = self.client.get(f"{self.url}{path}")
-                if info.status_code == 200:
+                # vLLM answers /server_info too, in its dev mode, with its own config
+                if info.status_code == 200 and "vllm_config" not in info.json():
                     self.sglang_layers = _sglang_layers(info.json(), self.url)
                     return "sglang", ""
             models = self.client.get(f"{self.url}/v1/models")
@@ -104,8 +109,19 @@ class ServedFeatures:
 
     def features(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         fetch = self._vllm if self.engine == "vllm" else self._sglang
-        with ThreadPoolExecutor(max(1, min(self.concurrency, len(seqs)))) as pool:
-            return list(pool.map(fetch, seqs))
+        if len(seqs) <= 1:
+            return [fetch(s) for s in seqs]
+        with ThreadPoolExecutor(min(self.concurrency, len(seqs))) as pool:
+            futures = [pool.submit(fetch, s) for s in seqs]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:  # the first failure ends the batch: no more requests sent for it
+                    f.cancel()
+                raise
+
+    def close(self) -> None:
+        self.client.close()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         for attempt in range(ATTEMPTS):
@@ -113,9 +129,10 @@ class ServedFeatures:
                 r = self.client.post(f"{self.url}{path}", json=body)
                 break
             except httpx.TransportError as e:  # e.g. a keep-alive connection the server closed as it was reused
-                if attempt == ATTEMPTS - 1:
-                    raise FeaturesError(f"--features-url {self.url}: {type(e).__name__} on {path}, {ATTEMPTS} "
-                                        f"attempts: {str(e)[:160]}") from None
+                if attempt == ATTEMPTS - 1 or not isinstance(e, RETRIED):
+                    raise FeaturesError(f"--features-url {self.url}: {type(e).__name__} on {path} after "
+                                        f"{attempt + 1} attempt(s): {str(e)[:160]} (a timeout: raise "
+                                        "--features-timeout)") from None
                 time.sleep(0.5 * 2 ** attempt)
         if r.status_code != 200:
             raise FeaturesError(f"--features-url {self.url}{path} answered {r.status_code}: {r.text[:200]}")
@@ -172,7 +189,10 @@ def _read_locked(path: str) -> tuple[torch.Tensor, list[int], list[int] | None]:
                     json.loads(recorded) if recorded else None
     except FileNotFoundError:
         raise FeaturesError(f"hidden states file {path} (or its .lock) is not on this machine: the trainer must "
-                            "share the server's --storage filesystem") from None
+                            "share the server's --storage filesystem, mounted at the same path") from None
+    except (SafetensorError, OSError) as e:
+        raise FeaturesError(f"hidden states file {path} is unreadable ({type(e).__name__}: {str(e)[:120]}): is "
+                            "the server's --storage full, or another trainer deleting its files?") from None
 
 
 def _check_tokens(got: list[int], sent: list[int], url: str) -> None:

@@ -83,9 +83,10 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
         torch.cuda.set_device(device)
     dtype, features = getattr(torch, args.target_dtype), None
     if args.features_url:  # the target's decoder runs in the server: load its embedding and head alone
-        target = TargetHead.load(Path(args.target), torch.device(device), dtype)
+        rank = dist.get_rank() if dist.is_initialized() else 0
         features = ServedFeatures(args.features_url, p.layer_ids, p.work, args.features_concurrency,
-                                  args.features_timeout, int(os.environ.get("RANK", 0)))
+                                  args.features_timeout, rank)  # a wrong URL fails before any shard is read
+        target = TargetHead.load(Path(args.target), torch.device(device), dtype)
     else:
         target = load_target(Path(args.target), torch.device(device), dtype, args.target_backend,
                              args.target_device_map)
@@ -94,10 +95,14 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
         records = select_mix(records, p.mix, args.seed)
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"--train-context-lengths: training on {len(records)} of the distilled sequences", file=sys.stderr)
-    return train(Path(args.target), target, records, spec, p.mask_id, p.layer_ids, args.out, p.work,
-                 resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
-                 feature_cache_gb=args.feature_cache_gb, init=args.init_drafter, mask_token=p.mask_token,
-                 features=features)
+    try:
+        return train(Path(args.target), target, records, spec, p.mask_id, p.layer_ids, args.out, p.work,
+                     resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
+                     feature_cache_gb=args.feature_cache_gb, init=args.init_drafter, mask_token=p.mask_token,
+                     features=features)
+    finally:
+        if features is not None:
+            features.close()
 
 
 def _parser() -> argparse.ArgumentParser:
