@@ -31,7 +31,9 @@ def sweep(url: str, workload: str, contexts: str, max_tokens: int, out: Path) ->
            "--contexts", contexts, "--max-tokens", str(max_tokens), "--repeats", "2", "--warmup", "1",
            "--tokenizer", str(DEMO_DIR / "target"), "--out", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    records = json.loads((out / "results.json").read_text())["records"]
+    records = [r for r in json.loads((out / "results.json").read_text())["records"] if r.get("avg_commit")]
+    if not records:
+        raise SystemExit(f"{url}: the sweep read no acceptance from the server (see {out})")
     return {c: median(r["avg_commit"] for r in records if r["context"] == c) for c in sorted({r["context"] for r in records})}
 
 
@@ -56,7 +58,7 @@ def main() -> int:
                                                      Path(tmp) / f"{drafter.name}-{name}-{workload}")
             for workload in args.workloads.split(","):
                 for c, mine in arms["ddscope", workload].items():
-                    theirs = arms["vllm", workload][c]
+                    theirs = arms["vllm", workload].get(c, float("nan"))
                     rows.append(f"| {drafter.name} | {ids} | {workload} | {c} | {theirs:.2f} | {mine:.2f} | "
                                 f"{theirs / mine:.3f} |")
     args.out.mkdir(parents=True, exist_ok=True)
