@@ -18,12 +18,15 @@
 #      deep in the block at long context -> $RUN/drafter-far2 (resumes from $RUN/drafter-far2.work)
 #   9. portable drafter: stage 8's drafter moved off the target's last layer (target layers 1, 2), fine-tuned
 #      on code-heavy continuations at 16-5.9k tokens with features from a real vLLM (`ddscope features-server`),
-#      the trainer seeing a copy of the target without its decoder -> src/ddscope/assets/demo/drafter
+#      the trainer seeing a copy of the target without its decoder -> $RUN/drafter-portable
 #      (resumes from $RUN/drafter-portable.work)
+#  10. long-code drafter: code prompts of 1.5k-4.6k tokens distilled (stage 9's drafter drafts), then stage 9's
+#      drafter fine-tuned the same way on them plus stage 9's records -> src/ddscope/assets/demo/drafter
+#      (resumes from $RUN/drafter-code.work)
 # Env: RUN (default runs/demo), TARGET_MIN (target budget, minutes, default 60), DISTILL_MIN (12),
 #      DRAFTER_MIN (28), LONG_DISTILL_MIN (25), LONG_DRAFTER_MIN (35), WINDOW_DRAFTER_MIN (25),
 #      FAR_DISTILL_MIN (15), FAR_DRAFTER_MIN (30), FAR2_DRAFTER_MIN (35), PORTABLE_DISTILL_MIN (14),
-#      PORTABLE_DRAFTER_MIN (40), FEATURES_PORT (8123).
+#      PORTABLE_DRAFTER_MIN (40), CODE_DISTILL_MIN (16), CODE_DRAFTER_MIN (40), FEATURES_PORT (8123).
 #      A finished stage is skipped on a rerun (delete its output to redo it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +42,8 @@ FAR_DRAFTER_MIN=${FAR_DRAFTER_MIN:-30}
 FAR2_DRAFTER_MIN=${FAR2_DRAFTER_MIN:-35}
 PORTABLE_DISTILL_MIN=${PORTABLE_DISTILL_MIN:-14}
 PORTABLE_DRAFTER_MIN=${PORTABLE_DRAFTER_MIN:-40}
+CODE_DISTILL_MIN=${CODE_DISTILL_MIN:-16}
+CODE_DRAFTER_MIN=${CODE_DRAFTER_MIN:-40}
 FEATURES_PORT=${FEATURES_PORT:-8123}
 ASSETS=src/ddscope/assets/demo
 SEED=1234
@@ -128,10 +133,9 @@ P="$RUN/drafter-portable"
   --context-lengths 16-512:0.3,512-2048:0.25,2048-4096:0.3,4096-5888:0.15 --prompts 1500 \
   --distill-min "$PORTABLE_DISTILL_MIN" --distill-workers 2 --sampled-frac 0.3 --max-new-tokens 256 \
   --distill-method ddtree --distill-drafter "$RUN/drafter-far2" --seed 31
-echo "[$(date -u +%T)] portable drafter: fine-tuning (${PORTABLE_DRAFTER_MIN} min) from vLLM's features"
-if [ ! -f "$P/model.safetensors" ]; then
-  python -c "import sys; from pathlib import Path; from ddscope.testing import head_only; head_only(Path(sys.argv[1]), Path(sys.argv[2]))" \
-    "$ASSETS/target" "$RUN/target-head"  # what a trainer beside a sharded 1T target has: no decoder
+server=""
+features_up() {  # a features server of the whole target (real vLLM), started once, stopped at exit
+  [ -n "$server" ] && return
   python -m ddscope.cli features-server --target "$ASSETS/target" --port "$FEATURES_PORT" --layer-ids 0,1,2 \
     -- --dtype float32 --enforce-eager --max-num-seqs 8 > "$RUN/features-server.log" 2>&1 &
   server=$!
@@ -140,15 +144,37 @@ if [ ! -f "$P/model.safetensors" ]; then
     kill -0 $server 2>/dev/null || { echo "the features server died: $RUN/features-server.log" >&2; exit 1; }
     curl -sf "http://127.0.0.1:$FEATURES_PORT/v1/models" > /dev/null && break; sleep 1
   done
-  resume=()
-  [ -f "$P.work/ckpt.pt" ] && resume=(--resume)
+}
+# what a trainer beside a sharded 1T target has: no decoder
+[ -d "$RUN/target-head" ] || python -c "import sys; from pathlib import Path; from ddscope.testing import head_only; \
+head_only(Path(sys.argv[1]), Path(sys.argv[2]))" "$ASSETS/target" "$RUN/target-head"
+portable() {  # portable OUT WORK INIT MIX MINUTES LR SEED: fine-tune INIT on WORK's records from vLLM's features
+  local resume=()
+  [ -f "$1/model.safetensors" ] && return
+  features_up
+  [ -f "$2/ckpt.pt" ] && resume=(--resume)
   python -m ddscope.cli train-drafter --target "$RUN/target-head" --features-url "http://127.0.0.1:$FEATURES_PORT" \
-    --out "$P" --work-dir "$P.work" --init-drafter "$RUN/drafter-far2" --target-layer-ids 1,2 --sliding-window 512 \
-    --train-context-lengths 16-1536:0.3,1536-6144:0.7 --layers 2 --block-size 16 --lr 4e-4 \
-    --time-budget-min "$PORTABLE_DRAFTER_MIN" --feature-cache-gb 10 --threads "${DRAFTER_THREADS:-2}" --seed 31 "${resume[@]}"
-  kill $server
-fi
+    --out "$1" --work-dir "$2" --init-drafter "$3" --target-layer-ids 1,2 --sliding-window 512 \
+    --train-context-lengths "$4" --layers 2 --block-size 16 --lr "$6" --time-budget-min "$5" \
+    --feature-cache-gb 10 --threads "${DRAFTER_THREADS:-2}" --seed "$7" "${resume[@]}"
+}
+echo "[$(date -u +%T)] portable drafter: fine-tuning (${PORTABLE_DRAFTER_MIN} min) from vLLM's features"
+portable "$P" "$P.work" "$RUN/drafter-far2" 16-1536:0.3,1536-6144:0.7 "$PORTABLE_DRAFTER_MIN" 4e-4 31
+
+# Stage 9 drafts long code at 0.63x its short-context tau: the target cycles there, and few records were long code.
+echo "[$(date -u +%T)] long-code drafter: distillation (${CODE_DISTILL_MIN} min), code at 1.5k-4.6k tokens"
+Q="$RUN/drafter-code"
+[ -f "$Q/model.safetensors" ] || python -m ddscope.cli train-drafter --target "$ASSETS/target" --out "$Q" \
+  --work-dir "$Q.data" --distill-only --data code:1 --context-lengths 1536-4608:1 --prompts 600 \
+  --distill-min "$CODE_DISTILL_MIN" --distill-workers 2 --sampled-frac 0.2 --max-new-tokens 256 \
+  --distill-method ddtree --distill-drafter "$P" --seed 32
+echo "[$(date -u +%T)] long-code drafter: fine-tuning (${CODE_DRAFTER_MIN} min) on stages 9 and 10's records"
+mkdir -p "$Q.work"
+for f in "$Q.data"/distill.*.jsonl; do ln -sf "$(realpath "$f")" "$Q.work/"; done
+for f in "$P.work"/distill.*.jsonl; do ln -sf "$(realpath "$f")" "$Q.work/stage9-$(basename "$f")"; done
+portable "$Q" "$Q.work" "$P" 16-1536:0.25,1536-6144:0.75 "$CODE_DRAFTER_MIN" 3e-4 32
+[ -z "$server" ] || kill $server
 echo "[$(date -u +%T)] bundling it into $ASSETS/drafter"
-bundle "$P" drafter
+bundle "$Q" drafter
 du -sh "$ASSETS"
 echo "[$(date -u +%T)] done"

@@ -56,13 +56,13 @@ def test_rounds_of_a_fixed_budget_verify_more_nodes_once_the_text_loops(tiny_eng
 
 
 def test_the_demo_targets_code_loop_is_drafted_by_lookup(virtual_time):
-    """On a long HumanEval prompt the demo target loops (`\"\"\"` and an indent, over and over), which its
-    drafter commits about 2 tokens a step on; the lookup branch commits nearly whole blocks, and the output
-    is still `ar`'s."""
+    """On a long HumanEval prompt the demo target loops (`\"\"\"` and an indent, over and over), which the
+    short-context drafter commits about 2 tokens a step on (the bundled one, trained on long code, drafts it
+    well); the lookup branch commits nearly whole blocks, and the output is still `ar`'s."""
     from ddscope.bench.workloads import fit_ids, load_workload
-    from ddscope.engine import Engine
+    from ddscope.engine import DEMO_DIR, Engine
 
-    engine = virtual_time.use(Engine.load(), DEMO)
+    engine = virtual_time.use(Engine.load(DEMO_DIR / "target", DEMO_DIR / "drafter-short"), DEMO)
     prompt = fit_ids(load_workload("code"), 0, 1663, engine.tokenizer)
     ref = engine.generate(prompt, max_new_tokens=96, method="ar", ignore_eos=True).token_ids
     assert ref[-4:] == ref[-6:-2] == ref[-8:-4], "the target no longer loops here: the test has no power"
