@@ -6,6 +6,7 @@ owning the forward keeps that exact and independent of the HF Cache API.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -92,8 +93,14 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool = False) -> torch.Tensor:
-        """q [heads, n, d] over k, v [kv_heads, S, d]. `mask`: boolean [n, S] (True = may attend), or the
-        additive bias of `grouped_bias`, which runs the queries grouped; None: all keys (or `causal`)."""
+        """`mix` through the output projection."""
+        return self.o_proj(self.mix(q, k, v, mask, causal))
+
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            causal: bool = False) -> torch.Tensor:
+        """q [heads, n, d] over k, v [kv_heads, S, d] -> [n, heads * d]. `mask`: boolean [n, S] (True = may
+        attend), or the additive bias of `grouped_bias`, which runs the queries grouped; None: all keys (or
+        `causal`)."""
         heads, n, d = q.shape
         if causal or (mask is not None and mask.dtype == torch.bool):
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
@@ -101,7 +108,7 @@ class Attention(nn.Module):
         else:  # the query heads of one K/V head as one head of group * n rows: K/V are read once per group
             grouped = q.reshape(k.shape[0], -1, d)
             out = F.scaled_dot_product_attention(grouped[None], k[None], v[None], attn_mask=mask)[0]
-        return self.o_proj(out.reshape(heads, n, d).transpose(0, 1).reshape(n, -1))
+        return out.reshape(heads, n, d).transpose(0, 1).reshape(n, -1)
 
 
 def grouped_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -162,8 +169,40 @@ class KVCache:
 
 @dataclass
 class ForwardOut:
-    logits: torch.Tensor          # [n, vocab]
-    features: torch.Tensor | None  # [n, len(capture) * hidden] target hidden states for the drafter
+    logits: torch.Tensor | None    # [rows, vocab]; None where none were asked for
+    features: torch.Tensor | None  # [rows, len(capture) * hidden] target hidden states for the drafter
+
+
+class Cache(Protocol):
+    """What a forward writes K/V through: one sequence's slots (`KVCache`, or its pages in a pool)."""
+    length: int
+    capacity: int
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
+@dataclass
+class Segment:
+    """One sequence's rows in a batched forward, written at slots `[cache.length, +n)` of its cache.
+
+    `mask` is a boolean [n, cache.length + n] (True = may attend); None means causal. `tail` (causal only):
+    the last layer runs past its K/V for the last `tail` rows alone (0: none), and logits and features are
+    theirs; nothing later reads the other rows' outputs (a prefill: the drafter's window). `logits`: "all"
+    rows', the "last" row's alone (a prefill: the head is vocab-wide), or "none" (a prefill's early chunk).
+    """
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cache: Cache
+    mask: torch.Tensor | None = None
+    tail: int | None = None
+    logits: str = "all"
+
+    @property
+    def rows(self) -> int:
+        """The rows the last layer runs for."""
+        n = self.tokens.shape[0]
+        return n if self.tail is None else min(self.tail, n)
 
 
 class Target(nn.Module):
@@ -207,48 +246,120 @@ class Target(nn.Module):
         return self.lm_head(hidden)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache,
                 mask: torch.Tensor | None = None, capture: tuple[int, ...] = (), last_only: bool = False,
                 tail: int | None = None) -> ForwardOut:
-        """Run `tokens` at `positions`, writing their K/V at slots `[cache.length, +n)`.
+        """One sequence's forward: `forward_many` of one `Segment`."""
+        return self.forward_many([Segment(tokens, positions, cache, mask, tail, "last" if last_only else "all")],
+                                 capture)[0]
 
-        `mask` is a boolean [n, cache.length + n] (True = may attend); None means causal.
-        `capture` lists layer ids whose outputs are returned, HF-style (output of layer id).
-        `last_only`: logits of the last token alone (a prefill needs no others: the head is vocab-wide).
-        `tail` (causal only): the last layer runs past its K/V for the last `tail` rows alone, and logits and
-        features are theirs; nothing later reads the other rows' outputs (a prefill: the drafter's window).
-        """
-        start, n = cache.length, tokens.shape[0]
-        if start + n > cache.capacity:
-            raise KVCacheFull(f"KV cache full: {start} + {n} tokens > capacity {cache.capacity}")
-        trim = tail is not None and tail < n
-        if trim and mask is not None:
-            raise ValueError("tail applies to a causal forward (mask=None)")
-        if mask is None and start > 0 and n > 1:
-            mask = torch.ones(n, start + n, dtype=torch.bool, device=tokens.device).tril(start)
-        if mask is not None and n <= GROUPED_QUERIES:
-            g = self.cfg.geometry
-            mask = grouped_bias(mask, g.num_heads // g.num_kv_heads, self.lm_head.weight.dtype)
-        cos, sin = self.rope(positions, self.lm_head.weight.dtype)
-        h = self.embed(tokens)
+    @torch.inference_mode()
+    def forward_many(self, segments: list[Segment], capture: tuple[int, ...] = ()) -> list[ForwardOut]:
+        """Every segment's rows in one pass: the projections and MLPs over all rows at once, attention per
+        segment over its own cache. `capture` lists layer ids whose outputs are returned as features,
+        HF-style (output of layer id)."""
+        for seg in segments:
+            start, n = seg.cache.length, seg.tokens.shape[0]
+            if start + n > seg.cache.capacity:
+                raise KVCacheFull(f"KV cache full: {start} + {n} tokens > capacity {seg.cache.capacity}")
+            if seg.tail is not None and seg.tail < n and seg.mask is not None:
+                raise ValueError("tail applies to a causal forward (mask=None)")
+        dtype = self.lm_head.weight.dtype
+        sizes = [seg.tokens.shape[0] for seg in segments]
+        plans = [self._plan(seg) for seg in segments]
+        cos, sin = self.rope(torch.cat([seg.positions for seg in segments]), dtype)
+        h = self.embed(torch.cat([seg.tokens for seg in segments]))
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            k, v = cache.write(i, start, *attn.key_value(x, cos, sin))
-            causal = mask is None and start == 0 and n > 1
-            if i == last and trim:
-                h, x, cos, sin = h[-tail:], x[-tail:], cos[-tail:], sin[-tail:]
-                mask = torch.ones(tail, start + n, dtype=torch.bool, device=tokens.device).tril(start + n - tail)
-                causal = False
-            h = h + attn.attend(attn.query(x, cos, sin), k, v, mask, causal=causal)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            k, v = attn.key_value(x, cos, sin)
+            if i == last:  # past its K/V, the last layer runs only for the rows read later
+                keep = _trailing(sizes, [seg.rows for seg in segments], h.device)
+                if keep is not None:
+                    h, x, cos, sin = h[keep], x[keep], cos[keep], sin[keep]
+            q = attn.query(x, cos, sin)
+            mixed, a, qa = [], 0, 0
+            for seg, n, plan in zip(segments, sizes, plans):
+                rows = seg.rows if i == last else n
+                keys, values = seg.cache.write(i, seg.cache.length, k[:, a:a + n], v[:, a:a + n])
+                if rows:
+                    mask, causal = plan.last if i == last else plan.body
+                    mixed.append(attn.mix(q[:, qa:qa + rows], keys, values, mask, causal))
+                a, qa = a + n, qa + rows
+            if mixed:
+                h = h + attn.o_proj(torch.cat(mixed))
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in capture and i != last:
                 captured[i] = h
-        cache.length = start + n
+        for seg, n in zip(segments, sizes):
+            seg.cache.length += n
         h = self.model.norm(h)
         if last in capture:  # HF's last hidden state is the normed one
             captured[last] = h
-        features = torch.cat([captured[i][-len(h):] for i in capture], dim=-1) if capture else None
-        return ForwardOut(self.logits(h[-1:] if last_only else h), features)
+        return self._outputs(segments, sizes, h, captured, capture)
+
+    def _plan(self, seg: Segment) -> "_Masks":
+        """Each segment's (mask, causal) for the layers before the last and for the last (its `tail` rows)."""
+        start, n, dev = seg.cache.length, seg.tokens.shape[0], seg.tokens.device
+        mask = seg.mask
+        if mask is None and start > 0 and n > 1:
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(start)
+        causal = mask is None and start == 0 and n > 1
+        body = (self._grouped(mask) if mask is not None and n <= GROUPED_QUERIES else mask, causal)
+        rows = seg.rows
+        if rows == n or rows == 0:
+            return _Masks(body, body)
+        tail = torch.ones(rows, start + n, dtype=torch.bool, device=dev).tril(start + n - rows)
+        return _Masks(body, (self._grouped(tail) if rows <= GROUPED_QUERIES else tail, False))
+
+    def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
+        g = self.cfg.geometry
+        return grouped_bias(mask, g.num_heads // g.num_kv_heads, self.lm_head.weight.dtype)
+
+    def _outputs(self, segments: list[Segment], sizes: list[int], h: torch.Tensor, captured: dict[int, torch.Tensor],
+                 capture: tuple[int, ...]) -> list[ForwardOut]:
+        """Split the last layer's rows (and the captured layers' matching rows) back into segments."""
+        rows = [seg.rows for seg in segments]
+        picks = [(a + n - r, a + n) for a, n, r in zip(_starts(sizes), sizes, rows)]  # in the full rows
+        kept = [(b - r, b) for b, r in zip(_ends(rows), rows)]  # in the last layer's rows
+        wanted = {"all": lambda a, b: (a, b), "last": lambda a, b: (b - 1, b), "none": lambda a, b: (b, b)}
+        heads = [wanted[seg.logits](*ab) for seg, ab in zip(segments, kept)]
+        head_rows = torch.cat([h[a:b] for a, b in heads]) if len(heads) > 1 else h[heads[0][0]:heads[0][1]]
+        logits = self.logits(head_rows) if head_rows.shape[0] else None
+        out, at = [], 0
+        for seg, (fa, fb), (ka, kb), (la, lb) in zip(segments, picks, kept, heads):
+            feats = None
+            if capture:
+                last = len(self.model.layers) - 1  # its rows are the last layer's; the others' are all rows
+                parts = [captured[i][ka:kb] if i == last else captured[i][fa:fb] for i in capture]
+                feats = torch.cat(parts, dim=-1)
+            n = lb - la
+            out.append(ForwardOut(None if seg.logits == "none" else logits[at:at + n], feats))
+            at += n
+        return out
+
+
+@dataclass
+class _Masks:
+    body: tuple[torch.Tensor | None, bool]  # (mask or grouped bias, causal) of every layer but the last
+    last: tuple[torch.Tensor | None, bool]  # ... of the last, for its rows
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _ends(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i + 1]) for i in range(len(sizes))]
+
+
+def _trailing(sizes: list[int], rows: list[int], device: torch.device) -> torch.Tensor | slice | None:
+    """The rows of every segment's trailing `rows`, in order; None when that is all of them."""
+    if sizes == rows:
+        return None
+    if len(sizes) == 1:
+        return slice(sizes[0] - rows[0], sizes[0])
+    idx = [j for a, n, r in zip(_starts(sizes), sizes, rows) for j in range(a + n - r, a + n)]
+    return torch.tensor(idx, dtype=torch.long, device=device)
