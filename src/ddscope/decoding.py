@@ -1,22 +1,24 @@
-"""One generation's decoding state and its round: draft -> tree -> verify -> commit.
+"""One generation's decoding state, in the phases a batched step interleaves with other sequences':
+prefill chunks, then rounds of draft -> tree (`plan`) -> verify (the batch's forward) -> `commit`.
 
 Invariant between rounds: the target cache holds K/V for every committed token but the last one
 (the root of the next tree), and the drafter's cache holds the target features of the same positions.
-Prefill establishes it: it caches the whole prompt and chooses the first token, the first root.
+Prefill establishes it: it caches the whole prompt and chooses the first token, the first root. A
+sequence resumed after preemption prefills again every token but its root, and chooses nothing.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ddscope.drafter import Drafter, DrafterCache
-from ddscope.model import KVCache, Target
-from ddscope.prefix_cache import BLOCK
+from ddscope.drafter import Drafter
+from ddscope.kv_pool import BLOCK
+from ddscope.model import ForwardOut, Segment, Target
 from ddscope.proposers import Proposer
 from ddscope.sampling import Noise, SamplingParams, TokenLogprob, token_logprobs
-from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree
 
 
@@ -55,11 +57,11 @@ class Law:
 
 
 class Decoder:
-    def __init__(self, target: Target, drafter: Drafter | None, proposer: Proposer, cache: KVCache,
-                 draft_cache: DrafterCache | None, sampling: SamplingParams, generator: torch.Generator | None,
-                 law: Law = Law(), logprobs: int | None = None):
+    def __init__(self, target: Target, drafter: Drafter | None, proposer: Proposer, cache: Any, draft_cache: Any,
+                 sampling: SamplingParams, generator: torch.Generator | None, law: Law = Law(),
+                 logprobs: int | None = None):
         self.target, self.drafter, self.proposer = target, drafter, proposer
-        self.cache, self.draft_cache = cache, draft_cache
+        self.cache, self.draft_cache = cache, draft_cache  # KVCache-like: the sequence's own slots
         self.sampling, self.noise = sampling, Noise(generator)
         self.law, self.top_logprobs = law, logprobs  # logprobs: None, or the top N to report with each token
         self.logprobs: list[TokenLogprob] = []  # one per generated token, when asked for
@@ -67,9 +69,10 @@ class Decoder:
         self.capture = drafter.cfg.target_layer_ids if proposer.uses_drafter else ()
         self.device = target.lm_head.weight.device
         self._bias = self._bias_row(law.bias, target.cfg.vocab_size)
-        self.clock = Clock(self.device)
         self.tokens: list[int] = []
         self.prompt_len = 0
+        self.prefill_end = 0  # a prefill caches positions up to here
+        self.resumed = False  # a resumed prefill chooses no token: its root is known
         self.features_from = 0  # the drafter's cache holds features from here on (a prefill skips older ones)
 
     def _bias_row(self, bias: dict[int, float], vocab: int) -> torch.Tensor | None:
@@ -79,47 +82,58 @@ class Decoder:
         row[list(bias)] = torch.tensor(list(bias.values()), device=self.device)
         return row
 
-    def prefill(self, prompt: list[int], cached: int = 0, prompt_logprobs: int | None = None) -> tuple[int, float]:
-        """Cache the whole prompt and choose the first token from its last position's logits, as the
-        DDTree reference and vLLM do: no verify round is spent on it. The caches may already hold the
-        first `cached` positions (a prefix-cache hit): only the rest is run. Returns (that token, ms).
-        `prompt_logprobs` (top N, with cached == 0) also scores every prompt token under its prefix."""
-        t0 = self.clock()
+    def begin(self, prompt: list[int] | None, cached: int = 0) -> None:
+        """Start a prefill of `prompt`, or (None) a resumed one of every token but the root; the caches may
+        already hold the first `cached` positions (a prefix-cache hit): only the rest is run."""
+        self.resumed = prompt is None
+        if prompt is not None:
+            self.tokens, self.prompt_len = list(prompt), len(prompt)
+        self.prefill_end = len(self.tokens) - self.resumed
         self.cache.length = cached
         if self.draft_cache is not None:
             self.draft_cache.length = 0  # the first draft takes in the features it can see
-        self.tokens, self.prompt_len = list(prompt), len(prompt)
-        if prompt_logprobs is None:
-            # The last layer finishes only the rows read later: the last (the first token's logits), and the first
-            # draft's reach from a block's start, so the prefix cache keeps whole blocks of features.
-            tail = len(prompt) - self.first_draft_reach(len(prompt)) // BLOCK * BLOCK if self.capture else 1
-            out = self.target(torch.tensor(prompt[cached:], dtype=torch.long, device=self.device),
-                              torch.arange(cached, len(prompt), device=self.device), self.cache,
-                              capture=self.capture, last_only=True, tail=tail)
-            features, last = out.features, out.logits[-1:]
+        # The last layer finishes only the rows read later: the first draft's reach from a block's start, so
+        # whole blocks of features can be shared, and the last row (the first token's logits).
+        self.features_from = self.first_draft_reach(self.prefill_end) // BLOCK * BLOCK if self.capture else 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cache.length < self.prefill_end
+
+    def prefill_segment(self, limit: int, scored: bool = False) -> Segment:
+        """The next chunk of the prefill, at most `limit` tokens. `scored`: every row's logits (echo with
+        logprobs), so the chunk must be at most SCORE_ROWS."""
+        a = self.cache.length
+        b = min(self.prefill_end, a + limit)
+        final = b == self.prefill_end and not self.resumed
+        if scored:
+            tail, logits = None, "all"
         else:
-            features, last = self._scored_prefill(prompt, prompt_logprobs)
-        if self.capture:
-            self.features_from = len(prompt) - len(features)
-            self.draft_cache.features[self.features_from:len(prompt)] = features
+            needed = max(0, b - max(a, self.features_from)) if self.capture else int(final)
+            tail, logits = needed, "last" if final else "none"
+        ids = torch.tensor(self.tokens[a:b], dtype=torch.long, device=self.device)
+        return Segment(ids, torch.arange(a, b, device=self.device), self.cache, None, tail, logits)
+
+    def prefilled(self, seg: Segment, out: ForwardOut, top: int | None = None) -> int | None:
+        """Take in a prefill chunk's output; return the first token once the last chunk of a fresh prefill
+        ran (chosen from its last position's logits, as the DDTree reference and vLLM do: no verify round is
+        spent on it). `top`: the chunk was scored, and each prompt token gets its log-prob under its prefix."""
+        b = self.cache.length
+        a = b - seg.tokens.shape[0]
+        if self.capture and out.features is not None and len(out.features):
+            self.draft_cache.features[b - len(out.features):b] = out.features
+        if top is not None:
+            if a == 0:
+                self.prompt_logprobs = [None]  # the first token has no prefix, as OpenAI's echo
+            following = self.tokens[a + 1:min(b + 1, self.prompt_len)]
+            self.prompt_logprobs += token_logprobs(out.logits[:len(following)], following, top)
+        if self.prefilling or self.resumed:
+            return None
+        last = out.logits[-1:]
         first = self.choose(last, [0])[0]
         self._record_logprobs(last, [first])
         self.tokens.append(first)  # the root of the first tree
-        return first, self.clock() - t0
-
-    def _scored_prefill(self, prompt: list[int], top: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The whole prompt's forward, scoring each token under its prefix (the first: None, as OpenAI's echo),
-        in chunks of SCORE_ROWS: the logits are never more than [SCORE_ROWS, vocab] at once. Returns the
-        captured features and the last position's logits."""
-        self.prompt_logprobs, features = [None], []
-        for a in range(0, len(prompt), SCORE_ROWS):
-            ids = prompt[a:a + SCORE_ROWS]
-            out = self.target(torch.tensor(ids, dtype=torch.long, device=self.device),
-                              torch.arange(a, a + len(ids), device=self.device), self.cache, capture=self.capture)
-            following = prompt[a + 1:a + 1 + len(ids)]
-            self.prompt_logprobs += token_logprobs(out.logits[:len(following)], following, top)
-            features.append(out.features)
-        return (torch.cat(features) if self.capture else None), out.logits[-1:]
+        return first
 
     def _record_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> None:
         if self.top_logprobs is not None:
@@ -130,25 +144,26 @@ class Decoder:
         horizon = self.drafter.horizon
         return max(0, prompt_len - horizon) if horizon is not None else 0
 
-    def step(self) -> tuple[list[int], RoundStats]:
-        start, root = self.cache.length, self.tokens[-1]
-        t0 = self.clock()
-        draft_logits = None
-        if self.proposer.drafts(start):
-            draft_logits = self.drafter.draft(self.target, root, start, self.draft_cache)
-        t1 = self.clock()
-        tree = self.proposer.tree(root, draft_logits, self.sampling, start, self.tokens)
+    def plan(self, draft_logits: torch.Tensor | None, tree: DraftTree | None = None) -> tuple[DraftTree, Segment]:
+        """This round's tree (the proposer's, unless given) and its forward: rooted at the last committed
+        token, every node seeing its ancestors only."""
+        start = self.cache.length
+        if tree is None:
+            tree = self.proposer.tree(self.tokens[-1], draft_logits, self.sampling, start, self.tokens)
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor(tree.depths, dtype=torch.long, device=self.device) + start
         mask = None
         if tree.size:
             mask = torch.ones(len(tree.tokens), start + len(tree.tokens), dtype=torch.bool, device=self.device)
             mask[:, start:] = tree.visibility().to(self.device)
-        t2 = self.clock()
-        out = self.target(tokens, positions, self.cache, mask, capture=self.capture)
-        t_fwd = self.clock()
-        path, choices = self.accept(tree, out.logits)
-        t3 = self.clock()
+        return tree, Segment(tokens, positions, self.cache, mask)
+
+    def commit(self, tree: DraftTree, out: ForwardOut) -> tuple[list[int], list[int]]:
+        """Lossless acceptance: draw the target's own choice at every node, walk the tree, keep the accepted
+        path's K/V and features. Returns (the committed tokens, the accepted node indices)."""
+        start = self.cache.length - len(tree.tokens)
+        choices = self.choose(out.logits, tree.depths)
+        path = tree.walk(choices)
         slots = torch.tensor(path, device=self.device)
         self.cache.keep(start, slots)
         if self.capture:
@@ -156,17 +171,7 @@ class Decoder:
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self._record_logprobs(out.logits.index_select(0, slots), new)  # node path[k] chose new[k]
         self.tokens += new
-        t4 = self.clock()
-        rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t_fwd - t2),
-                         draft_logits is not None)
-        self.proposer.observe(rnd, path, new)
-        rnd.commit_ms += self.clock() - t4  # the policy's bookkeeping is part of the round too
-        return new, rnd
-
-    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""
-        choices = self.choose(logits, tree.depths)
-        return tree.walk(choices), choices
+        return new, path
 
     def choose(self, logits: torch.Tensor, depths: list[int]) -> list[int]:
         """The target's choice at each node; the node at depth d chooses generated index `generated + d`."""

@@ -8,7 +8,9 @@ slides, positions out of reach are not even projected.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,6 +18,9 @@ from torch import nn
 from ddscope.config import CheckpointError, DecoderGeometry, DrafterConfig, LayerAttention
 from ddscope.model import DecoderLayer, KVCache, RMSNorm, RopeTable, Target, grouped_bias
 from ddscope.weights import load_into, read_state_dict
+
+if TYPE_CHECKING:
+    from ddscope.kv_pool import PagedCache
 
 
 class Drafter(nn.Module):
@@ -56,74 +61,91 @@ class Drafter(nn.Module):
         """Project concatenated target hidden states to the drafter's context stream."""
         return self.hidden_norm(self.fc(features))
 
-    def forward_block(self, block: torch.Tensor, start: int, ctx: torch.Tensor,
-                      cache: KVCache) -> torch.Tensor:
-        """Hidden states of one block at positions `[start, start+B)` (inference).
-
-        `ctx` are projected context features for positions `[cache.length, start)`; they are
-        appended to the cache, which afterwards holds context K/V only.
-        """
-        cached = cache.length
-        if cached + ctx.shape[0] != start:
-            raise RuntimeError(f"drafter context holds {cached} + {ctx.shape[0]} positions, block starts at {start}")
-        dev = block.device
-        h = self.run(block, torch.arange(start, start + block.shape[0], device=dev), ctx,
-                     torch.arange(cached, start, device=dev), cache=cache)
-        cache.length = start
-        return h
-
     def run(self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
-            mask: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """The decoder stack: queries from `block`, keys/values from `[ctx (+cached), block]`.
-
-        Training passes many anchor blocks at once with a boolean `mask` [n_block, n_ctx + n_block].
-        Inference appends the block's K/V to the cache after the context (the next round overwrites them),
-        so every layer reads one contiguous slice of it.
-        """
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder stack for training: queries from `block`, keys/values from `[ctx, block]`; many anchor
+        blocks at once with a boolean `mask` [n_block, n_ctx + n_block]."""
         cos_c, sin_c = self.rope(ctx_pos, block.dtype)
         cos_b, sin_b = self.rope(block_pos, block.dtype)
-        seen: dict[LayerAttention, tuple[int, torch.Tensor | None]] = {}  # per rule: first key slot, mask
-        start = None if cache is None else cache.length + ctx.shape[0]  # where the block's K/V go
+        keys = torch.cat([ctx_pos, block_pos])
+        seen = {rule: visible(rule, block_pos, keys, mask) for rule in set(self.cfg.attention)}
         h = block
-        for i, (layer, rule) in enumerate(zip(self.layers, self.cfg.attention)):
+        for layer, rule in zip(self.layers, self.cfg.attention):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
             k_blk, v_blk = attn.key_value(x, cos_b, sin_b)
             k, v = torch.cat([k_ctx, k_blk], dim=1), torch.cat([v_ctx, v_blk], dim=1)
-            if cache is not None:  # k, v so far: the new context and the block; the cache holds the rest
-                k, v = cache.write(i, cache.length, k, v)
-            if rule not in seen:
-                seen[rule] = self._visible(rule, block_pos, ctx_pos, mask, start)
-            first, layer_mask = seen[rule]
-            h = h + attn.attend(attn.query(x, cos_b, sin_b), k[:, first:], v[:, first:], layer_mask)
+            h = h + attn.attend(attn.query(x, cos_b, sin_b), k, v, seen[rule])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    def _visible(self, rule: LayerAttention, block_pos: torch.Tensor, ctx_pos: torch.Tensor,
-                 mask: torch.Tensor | None, start: int | None) -> tuple[int, torch.Tensor | None]:
-        """(first key slot, mask over the keys from there) for a layer under `rule`. With a cache (the block
-        at slot `start`), keys outside every query's window are sliced off rather than masked: that is the
-        saving at long context."""
-        if start is None:
-            return 0, visible(rule, block_pos, torch.cat([ctx_pos, block_pos]), mask)
+    def _visible(self, rule: LayerAttention, start: int) -> tuple[int, torch.Tensor | None]:
+        """(first key slot, mask over the keys from there) for a block at `start` under `rule`: keys outside
+        every query's window are sliced off rather than masked, which is the saving at long context."""
+        dev = self.fc.weight.device
+        block_pos = torch.arange(start, start + self.block_size, device=dev)
         first = 0 if rule.window is None else max(0, start - rule.window + 1)
-        keys = torch.arange(first, start + block_pos.shape[0], device=block_pos.device)
-        seen = visible(rule, block_pos, keys, mask)
+        seen = visible(rule, block_pos, torch.arange(first, start + self.block_size, device=dev), None)
         g = self.cfg.geometry
         return first, None if seen is None else grouped_bias(seen, g.num_heads // g.num_kv_heads, self.fc.weight.dtype)
 
     @torch.inference_mode()
     def draft(self, target: Target, last_token: int, start: int, cache: "DrafterCache") -> torch.Tensor:
-        """Logits [B-1, vocab] for positions `start+1 .. start+B-1`, from the target features of the
-        positions before `start` (`cache.features`); those not taken in yet are projected first."""
-        if self.horizon is not None:  # older positions are out of every layer's reach, now and later
-            cache.length = max(cache.length, start - self.horizon)
-        dev = self.fc.weight.device
-        block = torch.full((self.block_size,), self.cfg.mask_token_id, dtype=torch.long, device=dev)
-        block[0] = last_token
-        h = self.forward_block(target.embed(block), start, self.context(cache.features[cache.length:start]), cache)
-        return target.logits(h[1:])
+        """Logits [B-1, vocab] for positions `start+1 .. start+B-1`: `draft_many` of one."""
+        return self.draft_many(target, [Draft(last_token, start, cache)])[0]
+
+    @torch.inference_mode()
+    def draft_many(self, target: Target, drafts: list["Draft"]) -> list[torch.Tensor]:
+        """Each draft's logits [B-1, vocab], all blocks in one pass: projections and MLPs over every row,
+        attention per draft over its own context. A draft reads the target features of the positions
+        before its `start` (`cache.features`); those not taken in yet are projected first and their K/V
+        cached, followed by the block's own (which the next draft overwrites)."""
+        B, dev = self.block_size, self.fc.weight.device
+        for d in drafts:
+            if self.horizon is not None:  # older positions are out of every layer's reach, now and later
+                d.cache.length = max(d.cache.length, d.start - self.horizon)
+        spans = [(d.cache.length, d.start) for d in drafts]
+        ctx = self.context(torch.cat([d.cache.features[a:b] for d, (a, b) in zip(drafts, spans)]))
+        ctx_pos = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
+        blk_pos = torch.cat([torch.arange(d.start, d.start + B, device=dev) for d in drafts])
+        block = torch.full((len(drafts), B), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = torch.tensor([d.root for d in drafts], device=dev)
+        cos_c, sin_c = self.rope(ctx_pos, ctx.dtype)
+        cos_b, sin_b = self.rope(blk_pos, ctx.dtype)
+        seen = [{rule: self._visible(rule, d.start) for rule in set(self.cfg.attention)} for d in drafts]
+        h = target.embed(block.flatten())
+        for i, (layer, rule) in enumerate(zip(self.layers, self.cfg.attention)):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
+            k_blk, v_blk = attn.key_value(x, cos_b, sin_b)
+            q = attn.query(x, cos_b, sin_b)
+            mixed, c = [], 0
+            for j, (d, (a, b)) in enumerate(zip(drafts, spans)):
+                rows = slice(j * B, (j + 1) * B)
+                k = torch.cat([k_ctx[:, c:c + b - a], k_blk[:, rows]], dim=1)
+                v = torch.cat([v_ctx[:, c:c + b - a], v_blk[:, rows]], dim=1)
+                k, v = d.cache.write(i, a, k, v)
+                first, mask = seen[j][rule]
+                mixed.append(attn.mix(q[:, rows], k[:, first:], v[:, first:], mask))
+                c += b - a
+            h = h + attn.o_proj(torch.cat(mixed))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for d in drafts:
+            d.cache.length = d.start
+        h = self.norm(h).view(len(drafts), B, -1)[:, 1:]
+        return list(target.logits(h.reshape(-1, h.shape[-1])).view(len(drafts), B - 1, -1).unbind(0))
+
+
+@dataclass
+class Draft:
+    """One sequence's draft request: its root (last committed token) at `start`, its drafter cache, and
+    its target cache (which only test drafters read)."""
+    root: int
+    start: int
+    cache: "DrafterCache | PagedCache"
+    target_cache: object = None
 
 
 class DrafterCache(KVCache):

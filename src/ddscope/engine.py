@@ -11,37 +11,31 @@ from transformers import AutoTokenizer
 
 from ddscope.budget import AutoBudget, Learned, VerifyCost
 from ddscope.config import CheckpointError, eos_ids
+from ddscope.block_manager import BlockManager
+from ddscope.completion import Completion
 from ddscope.decoding import Decoder, Law
 from ddscope.drafter import Drafter
 from ddscope.hf_target import HFTarget, load_target
 from ddscope.lookup import LOOKUP_MAX
+from ddscope.kv_pool import BLOCK, KVPool, Pages
 from ddscope.model import Target
-from ddscope.prefix_cache import PrefixCache
 from ddscope.proposers import AR, DDTree, DFlash, Proposer
 from ddscope.sampling import SamplingParams, TokenLogprob
-from ddscope.stats import GenerationStats, RoundStats
-from ddscope.threads import prefill_threads, torch_threads
+from ddscope.runner import Runner, StepReport
+from ddscope.scheduler import Scheduler
+from ddscope.sequence import Sequence, Step
+from ddscope.stats import GenerationStats
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 METHODS = ("ar", "dflash", "ddtree")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_BUDGET = 512
-PREFIX_CACHE_MB = 512  # default prefix-cache budget: the demo pair's K/V is 6 KiB a token
+KV_CACHE_MB = 1024  # the pool: the demo pair's target K/V, drafter K/V and features are 8 KiB a token
+MAX_NUM_SEQS = 16
+MAX_PREFILL_TOKENS = 1024  # prefill tokens a step, over all sequences (chunked prefill)
 # Bounds on a request's extras: every completed token rescans the held-back text for each stop string.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
-
-
-@dataclass
-class Step:
-    token_ids: list[int]
-    text: str
-    round: RoundStats | None  # None for the first token, which the prefill chose
-    stats: GenerationStats  # running totals of this generation, final on the last step
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None  # on "stop": the EOS id, stop token id or stop string that ended it
-    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first Step, when asked for
 
 
 @dataclass
@@ -56,30 +50,45 @@ class Generation:
 
 
 class Engine:
-    """Batch-1 engine; one generation at a time (the server serialises requests)."""
+    """The engine: sequences added at any time are decoded together, one batched step at a time
+    (ddscope.scheduler, ddscope.runner); `stream` and `generate` follow one of them."""
 
     def __init__(self, target: Target | HFTarget, drafter: Drafter | None, tokenizer, source: Path, max_model_len: int,
-                 default_budget: int | str = 32, prefix_cache_mb: int = PREFIX_CACHE_MB,
-                 prefill_threads: int | None = None):
+                 default_budget: int | str = 32, kv_cache_mb: int = KV_CACHE_MB, prefix_cache: bool = True,
+                 prefill_threads: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS):
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        self.prefill_threads = prefill_threads  # None: the idle CPUs at each prefill (ddscope.threads)
         self.source, self.model_name = str(source.resolve()), source.name
         self.max_model_len, self.default_budget = max_model_len, default_budget
         self.verify_cost: VerifyCost | None = None  # calibrated on first use of budget="auto"
         self.learned: dict[tuple, Learned] = {}  # auto's model of the pair, per sampler, across requests
         self.device = target.lm_head.weight.device
-        self.cache = target.new_cache(max_model_len + MAX_BUDGET + LOOKUP_MAX + 1)  # + root, tree, lookup
-        # + root and the longest path a round commits: a drafted block or a lookup branch, whichever is longer
-        self.draft_cache = drafter.new_cache(max_model_len + 1 + LOOKUP_MAX) if drafter is not None else None
         self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
-        # The native target's caches only: transformers' DynamicCache (HFTarget) is rebuilt per request.
-        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if isinstance(target, Target) else None
+        self.kv_cache_mb, self.prefill_threads = kv_cache_mb, prefill_threads
+        self.pool, blocks = self._pool(kv_cache_mb, prefix_cache) if isinstance(target, Target) else (None, None)
+        self.scheduler = Scheduler(blocks, max_num_seqs, max_prefill_tokens)
+        self.runner = Runner(target, drafter, prefill_threads)
+
+    def _pool(self, kv_cache_mb: int, prefix_cache: bool) -> tuple[KVPool, BlockManager]:
+        """The pool of `kv_cache_mb`; it must hold at least one sequence of max_model_len and its round."""
+        d = self.drafter
+        dg, fdim = (d.cfg.geometry, d.fc.in_features) if d is not None else (None, 0)
+        p = self.target.lm_head.weight
+        per_block = KVPool.block_bytes(self.target.cfg.geometry, dg, fdim, p.dtype)
+        blocks = (kv_cache_mb << 20) // per_block
+        need = -(-(self.max_model_len + 1 + MAX_BUDGET + LOOKUP_MAX) // BLOCK)
+        if blocks < need:
+            raise ValueError(f"kv_cache_mb={kv_cache_mb} holds {blocks} blocks of {BLOCK} tokens; one sequence of "
+                             f"max_model_len {self.max_model_len} needs {need} ({-(-need * per_block >> 20)} MB)")
+        return KVPool(self.target.cfg.geometry, dg, fdim, blocks, p.device, p.dtype), BlockManager(blocks, BLOCK,
+                                                                                                   prefix_cache)
 
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
              dtype: str = "float32", max_model_len: int | None = None, target_backend: str = "auto",
-             device_map: str | None = None, prefix_cache_mb: int = PREFIX_CACHE_MB,
-             prefill_threads: int | None = None) -> "Engine":
+             device_map: str | None = None, kv_cache_mb: int = KV_CACHE_MB, prefix_cache: bool = True,
+             prefill_threads: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
+             max_prefill_tokens: int = MAX_PREFILL_TOKENS) -> "Engine":
         """`target_backend`: the native Qwen3/Llama model where it applies (auto), or transformers for any
         other causal LM (ddscope.hf_target); `device_map` (transformers) shards a target over several GPUs."""
         if target is None:
@@ -98,14 +107,17 @@ class Engine:
         limit = model.cfg.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
-        return cls(model, draft, tokenizer, target_dir, max_model_len or limit, prefix_cache_mb=prefix_cache_mb,
-                   prefill_threads=prefill_threads)
+        return cls(model, draft, tokenizer, target_dir, max_model_len or limit, kv_cache_mb=kv_cache_mb,
+                   prefix_cache=prefix_cache, prefill_threads=prefill_threads, max_num_seqs=max_num_seqs,
+                   max_prefill_tokens=max_prefill_tokens)
 
     def with_drafter(self, drafter: str | Path) -> "Engine":
         """Another engine over this one's target (weights shared, caches its own), with another drafter:
         two drafters compared side by side in one process."""
         return Engine(self.target, Drafter.load(Path(drafter), self.target), self.tokenizer, Path(self.source),
-                      self.max_model_len, self.default_budget, prefill_threads=self.prefill_threads)
+                      self.max_model_len, self.default_budget, self.kv_cache_mb, prefill_threads=self.prefill_threads,
+                      max_num_seqs=self.scheduler.max_num_seqs,
+                      max_prefill_tokens=self.scheduler.max_prefill_tokens)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -170,15 +182,29 @@ class Engine:
                stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
                prompt_logprobs: int | None = None, lookup: bool = True) -> Iterator[Step]:
-        """Validate now, then yield the prefill's token as the first Step (prefill runs at the first `next`)
-        and one Step per verify round after it.
+        """Validate now, then yield the prefill's token as the first Step (the sequence joins the batch at the
+        first `next`) and one Step per verify round after it.
 
         `stop_token_ids` end a generation as EOS does (kept, and their text with them, as vLLM), also under
         `ignore_eos`; `logit_bias` is added to the target's logits at every node; `logprobs` (top N >= 0)
         puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
         (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
         out of `ddtree` trees (the drafter alone). Closing the iterator cancels generation at the next round.
+        Other sequences in the engine (other streams, `add`ed ones) advance in the same steps.
         """
+        seq = self.sequence(prompt, max_new_tokens=max_new_tokens, method=method, budget=budget,
+                            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                            ignore_eos=ignore_eos, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                            logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, lookup=lookup)
+        return self._follow(seq)
+
+    def sequence(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
+                 budget: int | str | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 min_p: float = 0.0, seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
+                 stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, lookup: bool = True) -> Sequence:
+        """A validated request, not yet added (`stream`'s arguments); raises ValueError on bad input."""
         ids = self.encode(prompt)
         self._validate(len(ids), max_new_tokens, min_tokens, stop, stop_token_ids, logit_bias, logprobs,
                        prompt_logprobs)
@@ -188,11 +214,58 @@ class Engine:
         eos = () if ignore_eos else tuple(self.eos_ids)
         stops = tuple(stop_token_ids or ())
         law = Law(dict(logit_bias or {}), eos + stops, min_tokens)
-        decoder = Decoder(self.target, self.drafter, proposer, self.cache, self.draft_cache, sampling, generator,
-                          law, logprobs)
+        pages = Pages()
+        cache, draft_cache = self._caches(pages, len(ids) + max_new_tokens)
+        decoder = Decoder(self.target, self.drafter, proposer, cache, draft_cache, sampling, generator, law, logprobs)
         stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
         completion = Completion(self.tokenizer, eos, max_new_tokens, min_tokens, stop or [], stops)
-        return self._rounds(decoder, ids, stats, completion, prompt_logprobs)
+        return Sequence(ids, decoder, completion, stats, pages, prompt_logprobs)
+
+    def _caches(self, pages: Pages, length: int) -> tuple:
+        """A sequence's target and drafter caches: its pages of the pool, or (transformers) its own."""
+        if self.pool is not None:
+            return self.pool.target_cache(pages), self.pool.drafter_cache(pages) if self.drafter else None
+        room = length + MAX_BUDGET + LOOKUP_MAX + 1  # + root, tree, lookup
+        return self.target.new_cache(room), self.drafter.new_cache(room) if self.drafter else None
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq`; `step` advances it with the rest and puts its Steps in its outbox."""
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop `seq` wherever it is (a cancelled request); its blocks go back to the pool."""
+        self.scheduler.finish(seq)
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.busy
+
+    def step(self) -> StepReport:
+        """One batched step over the sequences the scheduler picks; finished ones leave the batch."""
+        batch = self.scheduler.schedule()
+        report = self.runner.step(batch)
+        for seq in self.scheduler.running[:]:
+            if seq.finished:
+                self.scheduler.finish(seq)
+            elif seq in batch.decodes or any(s is seq for s, _ in batch.prefills):
+                self.scheduler.register(seq)
+        return report
+
+    def _follow(self, seq: Sequence) -> Iterator[Step]:
+        self.add(seq)
+        try:
+            while True:
+                while not seq.outbox:
+                    if seq.finished:
+                        return
+                    self.step()
+                step = seq.outbox.popleft()
+                yield step
+                if step.finish_reason:
+                    return
+        finally:
+            if not seq.finished:
+                self.abort(seq)
 
     def _validate(self, prompt_len: int, max_new_tokens: int, min_tokens: int, stop: list[str] | None,
                   stop_token_ids: list[int] | None, logit_bias: dict[int, float] | None, logprobs: int | None,
@@ -218,32 +291,6 @@ class Engine:
             if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
 
-    def _rounds(self, decoder: Decoder, prompt: list[int], stats: GenerationStats, completion: Completion,
-                prompt_logprobs: int | None) -> Iterator[Step]:
-        features = self.draft_cache.features if decoder.capture else None
-        reach = decoder.first_draft_reach(len(prompt)) if decoder.capture else 0
-        scored = prompt_logprobs is not None  # every prompt position's logits: nothing may come from the cache
-        cached = self.prefix_cache.load(prompt, self.cache, features, reach) if self.prefix_cache and not scored else 0
-        stats.prefill_threads = prefill_threads(len(prompt) - cached, self.prefill_threads)
-        with torch_threads(stats.prefill_threads):
-            first, stats.prefill_ms = decoder.prefill(prompt, cached, prompt_logprobs)
-        stats.from_prefill, stats.cached_tokens = 1, cached
-        new, rnd = [first], None  # the prefill's token is yielded on its own, before any verify round
-        while True:
-            done = completion.count
-            kept = completion.extend(new)
-            if rnd is not None:
-                rnd.committed = len(kept)
-                stats.rounds.append(rnd)
-            if completion.finish_reason and self.prefix_cache:  # the caches hold what the tokens say
-                self.prefix_cache.save(decoder.tokens, self.cache, features, decoder.features_from)
-            logprobs = decoder.logprobs[done:done + len(kept)] if decoder.top_logprobs is not None else None
-            yield Step(kept, completion.release(), rnd, stats, completion.finish_reason, completion.matched_stop,
-                       logprobs, decoder.prompt_logprobs if rnd is None and scored else None)
-            if completion.finish_reason:
-                return
-            new, rnd = decoder.step()
-
     def generate(self, prompt: str | list[int], **kwargs) -> Generation:
         steps = list(self.stream(prompt, **kwargs))
         ids = [t for s in steps for t in s.token_ids]
@@ -252,107 +299,3 @@ class Engine:
         logprobs = [lp for s in steps for lp in s.logprobs] if last.logprobs is not None else None
         return Generation(text, ids, last.finish_reason, last.stats.prompt_tokens, last.stats, logprobs,
                           steps[0].prompt_logprobs)
-
-
-class Completion:
-    """The tokens and text so far, grown one token at a time through the EOS, stop-string and length checks.
-
-    A verify round commits several tokens at once; feeding them one by one makes the result (tokens,
-    text, finish reason) exactly what `ar` gives, wherever the round boundaries fall. The rules are
-    vLLM v1's: EOS ends it and adds no text; a stop string must end in the text of a token past
-    min_tokens; it ends the tokens at the one that completes it and the text before it; when one token
-    completes several, the one that ends first wins, then list order.
-    """
-
-    def __init__(self, tokenizer, eos: list[int] | tuple[int, ...], max_new: int, min_tokens: int, stop: list[str],
-                 stop_ids: tuple[int, ...] = ()):
-        self.text = IncrementalText(tokenizer)
-        self.eos, self.max_new, self.min_tokens, self.stop = set(eos), max_new, min_tokens, stop
-        self.stop_ids = set(stop_ids) - self.eos
-        self.count = 0  # tokens kept
-        self.cut: int | None = None  # the text's end once a stop string matched
-        self.released = 0  # characters handed out
-        self.holdback = max((len(s) for s in stop), default=1) - 1  # what may yet begin a stop string
-        self.finish_reason: str | None = None
-        self.matched_stop: int | str | None = None
-
-    def extend(self, tokens: list[int]) -> list[int]:
-        """Add tokens up to and including the one that ends the generation; return those kept."""
-        for i, token in enumerate(tokens):
-            self._add(token)
-            if self.finish_reason:
-                return tokens[:i + 1]
-        return tokens
-
-    def release(self) -> str:
-        """The text not yet handed out that no later token can take back."""
-        if self.finish_reason:
-            end = len(self.text.text) if self.cut is None else self.cut
-        else:
-            end = max(self.released, len(self.text.text) - self.holdback)
-        delta = self.text.text[self.released:end]
-        self.released = end
-        return delta
-
-    def _add(self, token: int) -> None:
-        self.count += 1
-        if token in self.eos:  # the decoder masks EOS before min_tokens
-            self._finish("stop", token)
-            return
-        old = len(self.text.text)
-        text = self.text.push(token)
-        hit = first_stop(text, old, self.stop) if self.count > self.min_tokens else None
-        if token in self.stop_ids and hit is None:  # the decoder masks these before min_tokens too
-            self._finish("stop", token)
-        elif hit is not None:
-            self.cut, string = hit
-            self._finish("stop", string)
-        elif self.count == self.max_new:
-            self._finish("length", None)
-
-    def _finish(self, reason: str, matched: int | str | None) -> None:
-        self.finish_reason, self.matched_stop = reason, matched
-        if self.cut is None:
-            self.text.flush()
-
-
-def first_stop(text: str, old: int, stop: list[str]) -> tuple[int, str] | None:
-    """(start, string) of the stop string that ends first past `old`; ties go to list order."""
-    hits = [(i + len(s), k, i, s) for k, s in enumerate(stop) if (i := text.find(s, max(0, old - len(s) + 1))) >= 0]
-    if not hits:
-        return None
-    _, _, start, string = min(hits)
-    return start, string
-
-
-class IncrementalText:
-    """Detokenize a few ids per token; re-decoding everything would cost O(length) each time.
-
-    New text = decode(ids[prefix:]) minus decode(ids[prefix:read]), as vLLM and TGI do: the previous
-    token gives context to tokenizers that drop a leading space at the start of a decode, and text
-    ending in an incomplete UTF-8 character waits for the tokens that complete it.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-        self.text = ""
-
-    def push(self, token: int) -> str:
-        """Add a token; return the whole text so far, minus a trailing incomplete UTF-8 character."""
-        self.ids.append(token)
-        self._decode(final=False)
-        return self.text
-
-    def flush(self) -> None:
-        """The end: take what is held back, incomplete character and all."""
-        if self.read < len(self.ids):
-            self._decode(final=True)
-
-    def _decode(self, final: bool) -> None:
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if final or (len(after) > len(before) and not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ddscope.config import (SUPPORTED_TARGETS, CheckpointError, DecoderGeometry, TargetConfig, read_json, text_config,
                             token_ids)
-from ddscope.model import ForwardOut, KVCache, KVCacheFull, Target
+from ddscope.model import ForwardOut, KVCache, KVCacheFull, Segment, Target
 
 BACKENDS = ("auto", "native", "transformers")
 
@@ -148,6 +148,13 @@ class HFTarget(nn.Module):
         dev = self.lm_head.weight.device
         features = torch.cat([out.hidden_states[i + 1][0].to(dev) for i in capture], dim=-1) if capture else None
         return ForwardOut(out.logits[0], features)
+
+
+    def forward_many(self, segments: list[Segment], capture: tuple[int, ...] = ()) -> list[ForwardOut]:
+        """`Target.forward_many`'s interface; this backend runs one sequence at a time (its scheduler admits
+        one), so the segments run in turn, every row's features returned."""
+        return [self.forward(s.tokens, s.positions, s.cache, s.mask, capture, last_only=s.logits != "all")
+                for s in segments]
 
 
 # What the engine and training accept as a target, and the cache each one makes.

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ddscope.budget import AutoBudget
+from ddscope.budget import MAX_AUTO_BUDGET, AutoBudget
 from ddscope.lookup import LOOKUP_MAX, Lookup
 from ddscope.sampling import SamplingParams, first_max
 from ddscope.stats import RoundStats
@@ -28,6 +28,10 @@ class Proposer(ABC):
              history: list[int] = ()) -> DraftTree:
         """The tree to verify this round, rooted at the last committed token (`history`'s last)."""
 
+    def max_nodes(self, block: int) -> int:
+        """The most draft nodes a round verifies (what a sequence reserves cache slots for)."""
+        return block - 1
+
     def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
         """Feedback after each round: its stats, accepted node indices and the tokens it committed (the
         target's own, whatever the tree); only adaptive proposers use it."""
@@ -35,6 +39,9 @@ class Proposer(ABC):
 
 class AR(Proposer):
     uses_drafter = False
+
+    def max_nodes(self, block: int) -> int:
+        return 0
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
              history: list[int] = ()) -> DraftTree:
@@ -85,6 +92,9 @@ class DDTree(Proposer):
             if length := self._branch_length():
                 tree.graft(self._proposal[:length])
         return tree
+
+    def max_nodes(self, block: int) -> int:
+        return (MAX_AUTO_BUDGET if self.policy else self.budget) + LOOKUP_MAX
 
     def _branch_length(self) -> int:
         """What recent rounds earned; 0 once lookup stopped paying (it is still scored, unverified)."""

@@ -1,0 +1,87 @@
+"""One step of the batch: every drafting sequence's block in one drafter pass, then each tree, then every
+tree and prefill chunk in one target forward, then each sequence's commit. Phases are timed for the whole
+step; each sequence's round reports the step it shared (its step time is the batch's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddscope.decoding import Clock
+from ddscope.drafter import Draft, Drafter
+from ddscope.hf_target import TargetLike
+from ddscope.scheduler import Batch
+from ddscope.sequence import Sequence
+from ddscope.stats import RoundStats
+from ddscope.threads import prefill_threads, torch_threads
+from ddscope.tree import DraftTree
+
+
+@dataclass
+class StepReport:
+    """What one step did, for the server's metrics and logs."""
+    sequences: int
+    decodes: int
+    prefill_tokens: int
+    tokens: int  # rows in the target forward
+    ms: float
+
+
+class Runner:
+    def __init__(self, target: TargetLike, drafter: Drafter | None, prefill_threads: int | None = None):
+        self.target, self.drafter = target, drafter
+        self.prefill_threads = prefill_threads  # None: the idle CPUs at each prefill (ddscope.threads)
+        self.clock = Clock(target.lm_head.weight.device)
+
+    def step(self, batch: Batch) -> StepReport:
+        new_tokens = sum(n for _, n in batch.prefills)
+        threads = prefill_threads(new_tokens, self.prefill_threads)
+        with torch_threads(threads):
+            return self._step(batch, new_tokens, threads)
+
+    def _step(self, batch: Batch, new_tokens: int, threads: int) -> StepReport:
+        t0 = self.clock()
+        drafting = [s for s in batch.decodes if s.decoder.proposer.drafts(s.decoder.cache.length)]
+        drafts = dict(zip(drafting, self._draft(drafting)))
+        t1 = self.clock()
+        plans = [s.decoder.plan(drafts.get(s)) for s in batch.decodes]
+        chunks = [s.decoder.prefill_segment(n, s.scored) for s, n in batch.prefills]
+        t2 = self.clock()
+        segments = chunks + [seg for _, seg in plans]
+        capture = self.drafter.cfg.target_layer_ids if any(s.decoder.capture for s in self._all(batch)) else ()
+        outs = self.target.forward_many(segments, capture) if segments else []
+        t3 = self.clock()
+        committed = [s.decoder.commit(tree, out) for s, (tree, _), out in zip(batch.decodes, plans, outs[len(chunks):])]
+        firsts = [s.decoder.prefilled(seg, out, s.prompt_logprobs)
+                  for (s, _), seg, out in zip(batch.prefills, chunks, outs)]
+        t4 = self.clock()
+        for seq, (tree, _), (new, path) in zip(batch.decodes, plans, committed):
+            self._deliver_round(seq, tree, new, path, seq in drafts, (t0, t1, t2, t3, t4))
+        for (seq, _), first in zip(batch.prefills, firsts):
+            seq.stats.prefill_ms += t4 - t0
+            seq.stats.prefill_threads = max(seq.stats.prefill_threads, threads)
+            if first is not None:
+                seq.stats.from_prefill = 1
+                seq.deliver([first], None)
+        return StepReport(batch.size, len(batch.decodes), new_tokens, sum(len(s.tokens) for s in segments),
+                          self.clock() - t0)
+
+    def _draft(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        if not seqs:
+            return []
+        return self.drafter.draft_many(self.target, [
+            Draft(s.decoder.tokens[-1], s.decoder.cache.length, s.decoder.draft_cache, s.decoder.cache) for s in seqs])
+
+    def _deliver_round(self, seq: Sequence, tree: DraftTree, new: list[int], path: list[int], drafted: bool,
+                       t: tuple[float, ...]) -> None:
+        t0, t1, t2, t3, t4 = t
+        start = seq.decoder.cache.length - len(path)
+        rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t3 - t2),
+                         drafted)
+        seq.decoder.proposer.observe(rnd, path, new)
+        seq.deliver(new, rnd)
+
+    @staticmethod
+    def _all(batch: Batch) -> list[Sequence]:
+        return batch.decodes + [s for s, _ in batch.prefills]
+
