@@ -240,6 +240,17 @@ class Engine:
     def busy(self) -> bool:
         return self.scheduler.busy
 
+    @property
+    def waiting(self) -> int:
+        """Sequences added but not running (not admitted yet, or preempted)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the pool's blocks that running sequences hold (0 without a pool)."""
+        blocks = self.scheduler.blocks
+        return blocks.used / blocks.blocks if blocks is not None else 0.0
+
     def step(self) -> StepReport:
         """One batched step over the sequences the scheduler picks; finished ones leave the batch."""
         batch = self.scheduler.schedule()

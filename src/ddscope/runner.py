@@ -24,7 +24,10 @@ class StepReport:
     decodes: int
     prefill_tokens: int
     tokens: int  # rows in the target forward
-    ms: float
+    draft_ms: float
+    tree_ms: float
+    verify_ms: float
+    commit_ms: float
 
 
 class Runner:
@@ -64,7 +67,7 @@ class Runner:
                 seq.stats.from_prefill = 1
                 seq.deliver([first], None)
         return StepReport(batch.size, len(batch.decodes), new_tokens, sum(len(s.tokens) for s in segments),
-                          self.clock() - t0)
+                          t1 - t0, t2 - t1, t3 - t2, self.clock() - t3)
 
     def _draft(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         if not seqs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ddscope.engine import PREFIX_CACHE_MB
+from ddscope.engine import KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
 from ddscope.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
 
@@ -23,11 +23,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens (default: the model's)")
-    p.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_MB, metavar="MB",
-                   help="memory for the prefix cache, which serves a repeated prompt head without prefilling it; "
-                        "0 turns it off (default: %(default)s)")
+    p.add_argument("--kv-cache-mb", type=int, default=KV_CACHE_MB, metavar="MB",
+                   help="memory for the paged KV cache that every running request shares; its free blocks are the "
+                        "prefix cache (default: %(default)s)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse a repeated prompt head's blocks (every prompt is prefilled whole)")
+    p.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
+                   help="requests decoded together in one batch; more wait (default: %(default)s)")
+    p.add_argument("--max-prefill-tokens", type=int, default=MAX_PREFILL_TOKENS,
+                   help="prompt tokens prefilled a step, over all requests: a longer prompt is prefilled in chunks "
+                        "beside the running requests' steps (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests allowed to wait; beyond it the server answers 503 (default: %(default)s)")
+                   help="requests allowed to wait beyond the running batch; beyond it the server answers 503 "
+                        "(default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from arrival until a request is cancelled with 408 (default: %(default)s)")
     p.add_argument("--log-interval", type=float, default=10.0,
@@ -40,9 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from ddscope.server.launch import serve
 
-    if args.max_queue < 1 or args.request_timeout <= 0 or args.log_interval <= 0 or args.prefix_cache < 0:
-        raise SystemExit("ddscope serve: --max-queue, --request-timeout and --log-interval must be positive, "
-                         "--prefix-cache at least 0")
+    if min(args.max_queue, args.max_num_seqs, args.max_prefill_tokens, args.kv_cache_mb) < 1 or \
+            args.request_timeout <= 0 or args.log_interval <= 0:
+        raise SystemExit("ddscope serve: --max-queue, --max-num-seqs, --max-prefill-tokens, --kv-cache-mb, "
+                         "--request-timeout and --log-interval must be positive")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_threads(args.threads)
@@ -50,7 +59,9 @@ def _run(args: argparse.Namespace) -> int:
         serve(args.target, args.drafter, method=args.method, budget=args.budget, host=args.host, port=args.port,
               max_queue=args.max_queue, request_timeout=args.request_timeout, log_interval=args.log_interval,
               shutdown_timeout=args.shutdown_timeout, device=args.device, dtype=args.dtype,
-              max_model_len=args.max_model_len, prefix_cache_mb=args.prefix_cache,
+              max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
+              prefix_cache=not args.no_prefix_cache, max_num_seqs=args.max_num_seqs,
+              max_prefill_tokens=args.max_prefill_tokens,
               prefill_threads=args.prefill_threads)
     except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         logging.getLogger("ddscope.server").error("cannot serve: %s", e)

@@ -23,6 +23,7 @@ STATUSES = ("finished", "cancelled", "error", "timeout")
 COMMIT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 128)
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -51,14 +52,22 @@ class ServerMetrics:
                                 m + ["status"], registry=r)
         self.commit_length = Histogram("ddscope:commit_length", "Tokens committed per verify step.", m,
                                        buckets=COMMIT_BUCKETS, registry=r)
-        self.step_phase = Histogram("ddscope:step_phase_seconds", "Seconds per verify step, by phase.",
+        self.step_phase = Histogram("ddscope:step_phase_seconds", "Seconds per batched engine step that verified, by "
+                                    "phase.",
                                     m + ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.ttft = Histogram("ddscope:time_to_first_token_seconds", "Arrival to the first token (the prefill's).", m,
                               buckets=TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("ddscope:e2e_request_latency_seconds", "Arrival to finish, finished requests.", m,
                              buckets=E2E_BUCKETS, registry=r)
-        self.running = Gauge("ddscope:num_requests_running", "Requests on the engine (0 or 1).", m, registry=r)
-        self.waiting = Gauge("ddscope:num_requests_waiting", "Requests waiting in the FIFO queue.", m, registry=r)
+        self.running = Gauge("ddscope:num_requests_running", "Requests in the engine's running batch.", m, registry=r)
+        self.waiting = Gauge("ddscope:num_requests_waiting", "Requests waiting to join the batch (queued or "
+                             "preempted).", m, registry=r)
+        self.batch_size = Histogram("ddscope:batch_size", "Sequences in each engine step (decoding or prefilling).",
+                                    m, buckets=BATCH_BUCKETS, registry=r)
+        self.kv_usage = Gauge("ddscope:kv_cache_usage_perc", "Share of the KV cache's blocks in use (0 to 1), as "
+                              "vLLM's vllm:kv_cache_usage_perc.", m, registry=r)
+        self.engine_steps = Counter("ddscope:engine_steps", "Batched engine steps (one target forward each).", m,
+                                    registry=r)
         # With requests_total, every generation request sent is counted exactly once.
         self.rejected = Counter("ddscope:rejected_requests", "Generation requests answered with an error before "
                                 "they reached the engine queue, by HTTP status.", ["status"], registry=r)
@@ -87,3 +96,6 @@ class ModelMetrics:
         self.e2e = m.e2e.labels(model_name)
         self.running = m.running.labels(model_name)
         self.waiting = m.waiting.labels(model_name)
+        self.batch_size = m.batch_size.labels(model_name)
+        self.kv_usage = m.kv_usage.labels(model_name)
+        self.engine_steps = m.engine_steps.labels(model_name)

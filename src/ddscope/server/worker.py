@@ -1,10 +1,11 @@
-"""The single engine thread: a bounded FIFO of jobs, run one at a time (batch 1).
+"""The single engine thread: jobs join the engine's running batch as they arrive (continuous batching).
 
-The event loop never touches the engine. A handler submits a Job and awaits its events; the
-worker pushes each committed step to the job's asyncio queue with call_soon_threadsafe. A job
-is cancelled by setting a flag, which the worker checks between verify steps and then closes
-the engine's stream, so a disconnect or timeout costs at most one more step; a job cancelled
-while it waits leaves the queue at once, so its slot goes to the next client.
+The event loop never touches the engine. A handler submits a Job and awaits its events; the worker
+hands it to the engine as a sequence, steps the batch, and pushes each sequence's committed steps to its
+job's asyncio queue with call_soon_threadsafe. The worker holds no decoding logic: the engine's
+scheduler picks each step's batch. A job is cancelled by setting a flag, which the worker checks after
+every step and then aborts the sequence, so a disconnect or timeout costs at most one more step; a job
+cancelled before the worker took it leaves the queue at once, so its slot goes to the next client.
 
 If the thread itself dies (a bug outside one request's generation), every job in flight and in
 the queue fails at once, and `dead` turns /health to 503.
@@ -19,7 +20,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from ddscope.model import KVCacheFull
 from ddscope.sampling import TokenLogprob
 from ddscope.server.metrics import PHASES, ModelMetrics
 
@@ -121,24 +121,39 @@ class DecodeWindow:
         self._reset(now)
 
 
+@dataclass
+class Active:
+    """A job the engine is running: its sequence and what its client has been sent so far."""
+    job: Job
+    seq: Any  # ddscope.sequence.Sequence
+    start: float  # when the worker handed it to the engine
+    first_at: float | None = None
+    last: Any = None  # its latest Step
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
 class EngineWorker:
     def __init__(self, engine: Engine, metrics: ModelMetrics, *, max_queue: int, log_interval: float):
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        self._queue: deque[Job] = deque()
-        self._ready = threading.Condition()  # guards _queue, _closing, _stopped, _current and dead
+        self._queue: deque[Job] = deque()  # submitted, not yet handed to the engine
+        self._ready = threading.Condition()  # guards _queue, _closing, _stopped, _active and dead
         self._window = DecodeWindow(log_interval)
         self._closing = False  # new jobs are refused
         self._stopped = False  # and no more are run
-        self._current: Job | None = None
+        self._active: list[Active] = []
+        self._engine_waiting = 0  # sequences the engine holds but has not admitted, as of the last step
         self.dead: BaseException | None = None  # why the thread died, once it has
         self._thread = threading.Thread(target=self._loop, name="ddscope-engine", daemon=True)
         self._thread.start()
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + self._engine_waiting
 
     @property
     def closing(self) -> bool:
@@ -150,21 +165,21 @@ class EngineWorker:
                 raise WorkerDied(f"the engine worker died ({type(self.dead).__name__}); see the server log")
             if self._closing:
                 raise ShuttingDown("server is shutting down")
-            if len(self._queue) >= self.max_queue:
+            if self.waiting >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
             self._queue.append(job)
-            self.metrics.waiting.inc()
+            self._set_gauges()
             self._ready.notify_all()
 
     def withdraw(self, job: Job) -> None:
-        """A job given up on while it waits leaves the queue now, freeing its slot; a running one stops
-        at the next step (it is cancelled already)."""
+        """A job given up on before the worker took it leaves the queue now, freeing its slot; a running one
+        stops after the next step (it is cancelled already)."""
         with self._ready:
             try:
                 self._queue.remove(job)
             except ValueError:
                 return
-            self.metrics.waiting.dec()
+            self._set_gauges()
         self._finish(job, Failed(job.cancel_reason or "cancelled"))
 
     def close(self, grace: float | None = 0.0, timeout: float = 30.0) -> None:
@@ -172,45 +187,151 @@ class EngineWorker:
         their clients) and the thread."""
         with self._ready:
             self._closing = True
-            self._ready.wait_for(lambda: not self._queue and self._current is None, timeout=grace)
+            self._ready.wait_for(lambda: not self._queue and not self._active, timeout=grace)
             self._stopped = True
-            current, waiting = self._current, list(self._queue)
+            active, waiting = list(self._active), list(self._queue)
             self._queue.clear()
-            self.metrics.waiting.dec(len(waiting))
             self._ready.notify_all()
-        if current is not None:
-            current.cancel()
+        for a in active:
+            a.job.cancel()
         for job in waiting:
             job.cancel()
             self._finish(job, Failed("cancelled", ShuttingDown("server is shutting down")))
         self._thread.join(timeout)
 
-    def _next(self) -> Job | None:
-        with self._ready:
-            while not self._queue and not self._stopped:
-                if not self._ready.wait(timeout=self._window.interval):
-                    self._window.maybe_log(False, 0)
-            if self._stopped:
-                return None
-            self.metrics.waiting.dec()
-            self._current = self._queue.popleft()
-            return self._current
+    def _set_gauges(self) -> None:
+        running = len(self._active) - self._engine_waiting
+        self.metrics.running.set(max(running, 0))
+        self.metrics.waiting.set(self.waiting)
 
     def _loop(self) -> None:
         try:
-            while (job := self._next()) is not None:
-                self._run(job)
+            while self._take():
+                self._step()
+            for a in list(self._active):  # stopped: whoever is still running is told
+                self._end(a, Failed(a.job.cancel_reason or "cancelled", self._shutdown_error()))
         except BaseException as e:  # a bug outside any one generation: no request would ever be served
             self._die(e)
+
+    def _take(self) -> bool:
+        """Hand the queued jobs to the engine, waiting for one while none runs; False once stopped."""
+        with self._ready:
+            while not self._queue and not self._active and not self._stopped:
+                if not self._ready.wait(timeout=self._window.interval):
+                    self._window.maybe_log(0, 0)
+            if self._stopped:
+                return False
+            jobs = list(self._queue)
+            self._queue.clear()
+        for job in jobs:
+            self._start(job)
+        return True
+
+    def _start(self, job: Job) -> None:
+        now = time.monotonic()
+        if now > job.deadline:
+            job.cancel("timeout")
+        if job.cancel_reason:  # given up on while it waited
+            self._finish(job, Failed(job.cancel_reason, self._shutdown_error()))
+            return
+        try:
+            seq = self.engine.sequence(job.prompt, **job.params)
+        except ValueError as e:  # invalid input the app did not catch: still the client's fault
+            self._finish(job, Failed("error", InvalidRequest(str(e))))
+            return
+        except Exception as e:  # the engine failed before generating: ours, not the client's
+            log.exception("engine failed on request %s", job.request_id)
+            self._finish(job, Failed("error", e))
+            return
+        self.engine.add(seq)
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        with self._ready:
+            self._active.append(Active(job, seq, now))
+            self._engine_waiting += 1
+
+    def _step(self) -> None:
+        """One engine step; then each running job gets its new steps, or its end."""
+        if not self._active:
+            return
+        try:
+            report = self.engine.step()
+        except Exception as e:  # an engine bug fails the batch it hit, not the worker
+            log.exception("engine step failed; failing the %d requests in it", len(self._active))
+            for a in list(self._active):
+                self.engine.abort(a.seq)
+                self._end(a, Failed("error", e))
+            return
+        self.metrics.batch_size.observe(report.sequences)
+        self.metrics.engine_steps.inc()
+        self.metrics.kv_usage.set(self.engine.kv_usage)
+        for phase in PHASES:
+            if report.decodes:
+                self.metrics.step_phase[phase].observe(getattr(report, f"{phase}_ms") / 1000)
+        with self._ready:
+            self._engine_waiting = self.engine.waiting
+            self._set_gauges()
+        now = time.monotonic()
+        for a in list(self._active):
+            outcome = self._drain(a, now)
+            if outcome is None:
+                if now > a.job.deadline:
+                    a.job.cancel("timeout")
+                if a.job.cancel_reason:
+                    self.engine.abort(a.seq)
+                    outcome = Failed(a.job.cancel_reason, self._shutdown_error())
+            if outcome is not None:
+                self._end(a, outcome)
+        self._window.maybe_log(len(self._active) - self._engine_waiting, self.waiting)
+
+    def _drain(self, a: Active, now: float) -> Done | None:
+        """Pass on the steps `a`'s sequence made; its Done once it finished."""
+        job = a.job
+        while a.seq.outbox:
+            step = a.last = a.seq.outbox.popleft()
+            if a.first_at is None:
+                a.first_at = now
+                self.metrics.ttft.observe(now - job.arrival)
+                self.metrics.cached_prompt_tokens.inc(step.stats.cached_tokens)
+                a.prompt_logprobs = step.prompt_logprobs
+            self._record_step(step)
+            a.text.append(step.text)
+            a.ids += step.token_ids
+            if step.logprobs is not None and not job.stream:  # a stream's steps carry their own
+                a.logprobs = (a.logprobs or []) + step.logprobs
+            if job.stream:
+                job.emit(step)
+            if step.finish_reason:
+                stats = step.stats.to_dict(rounds=job.return_rounds)
+                stats["queue_ms"] = 1000 * (a.start - job.arrival)
+                stats["ttft_ms"] = 1000 * (a.first_at - job.arrival)
+                stats["preemptions"] = a.seq.preemptions
+                return Done(step.finish_reason, stats, "".join(a.text), step.matched_stop, a.ids, a.logprobs,
+                            a.prompt_logprobs)
+        return None
+
+    def _end(self, a: Active, outcome: Done | Failed) -> None:
+        """`a` leaves the worker; its client is told (a death before that still answers it, in _die)."""
+        try:
+            self._finish(a.job, outcome)
+        except Exception:  # its bookkeeping failed: the client is still told, and the worker goes on
+            log.exception("request %s: finishing failed", a.job.request_id)
+            a.job.emit(outcome)
+        with self._ready:
+            if a in self._active:
+                self._active.remove(a)
+            self._engine_waiting = min(self._engine_waiting, len(self._active))
+            self._set_gauges()
+            self._ready.notify_all()  # a closing server may be waiting for this
 
     def _die(self, error: BaseException) -> None:
         log.critical("the engine worker died; failing every request in flight and in the queue", exc_info=error)
         with self._ready:
             self.dead, self._stopped = error, True
-            jobs = ([self._current] if self._current is not None else []) + list(self._queue)
-            self.metrics.waiting.dec(len(self._queue))
+            jobs = [a.job for a in self._active] + list(self._queue)
             self._queue.clear()
-            self._current = None
+            self._active.clear()
+            self._engine_waiting = 0
+            self._set_gauges()
             self._ready.notify_all()  # a closing server need not wait for its grace period
         for job in jobs:
             outcome = Failed("error", WorkerDied(f"the engine worker died: {error!r}"))
@@ -219,84 +340,8 @@ class EngineWorker:
             except Exception:  # what killed the thread may be in _finish itself: the client still hears
                 job.emit(outcome)
 
-    def _run(self, job: Job) -> None:
-        """Run one job to its outcome; the job stays `_current` until its client has been told (a death
-        before that still answers it, in _die)."""
-        if time.monotonic() > job.deadline:
-            job.cancel("timeout")
-        if job.cancel_reason:  # given up on while it waited, or stopped by close() before it ran
-            outcome: Done | Failed = Failed(job.cancel_reason, self._shutdown_error())
-        else:
-            self.metrics.running.inc()
-            try:
-                outcome = self._generate(job, time.monotonic())
-            except Exception as e:  # a bug in the bookkeeping around the engine: this request fails, not the worker
-                log.exception("request %s failed outside the engine", job.request_id)
-                outcome = Failed("error", e)
-            finally:  # update the gauge before the client can see the answer
-                self.metrics.running.dec()
-        try:
-            self._finish(job, outcome)
-        except Exception:  # its bookkeeping failed: the client is still told, and the worker goes on
-            log.exception("request %s: finishing failed", job.request_id)
-            job.emit(outcome)
-        with self._ready:
-            self._current = None
-            self._ready.notify_all()  # a closing server may be waiting for this
-
     def _shutdown_error(self) -> ShuttingDown | None:
         return ShuttingDown("server is shutting down") if self._stopped else None
-
-    def _generate(self, job: Job, start: float) -> Done | Failed:
-        try:
-            steps = self.engine.stream(job.prompt, **job.params)
-        except ValueError as e:  # invalid input the app did not catch: still the client's fault
-            return Failed("error", InvalidRequest(str(e)))
-        except Exception as e:  # the engine failed before generating: ours, not the client's
-            log.exception("engine failed on request %s", job.request_id)
-            return Failed("error", e)
-        self.metrics.prompt_tokens.inc(len(job.prompt))
-        first_at: float | None = None
-        last = None
-        text: list[str] = []
-        ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = None
-        prompt_logprobs = None
-        try:
-            for last in steps:
-                now = time.monotonic()
-                if first_at is None:
-                    first_at = now
-                    self.metrics.ttft.observe(now - job.arrival)
-                    self.metrics.cached_prompt_tokens.inc(last.stats.cached_tokens)
-                    prompt_logprobs = last.prompt_logprobs
-                self._record_step(last)
-                text.append(last.text)
-                ids += last.token_ids
-                if last.logprobs is not None and not job.stream:  # a stream's steps carry their own
-                    logprobs = logprobs or []
-                    logprobs += last.logprobs
-                if job.stream:
-                    job.emit(last)
-                if last.finish_reason:
-                    break
-                if now > job.deadline:
-                    job.cancel("timeout")
-                if job.cancel_reason:
-                    return Failed(job.cancel_reason, self._shutdown_error())
-        except KVCacheFull as e:  # capacity, not a bug: the client may retry
-            log.warning("request %s: %s", job.request_id, e)
-            return Failed("error", e)
-        except Exception as e:  # an engine bug must not kill the worker
-            log.exception("engine failed on request %s", job.request_id)
-            return Failed("error", e)
-        finally:
-            steps.close()
-            self._window.maybe_log(True, self.waiting)
-        stats = last.stats.to_dict(rounds=job.return_rounds)
-        stats["queue_ms"] = 1000 * (start - job.arrival)
-        stats["ttft_ms"] = 1000 * (first_at - job.arrival)
-        return Done(last.finish_reason, stats, "".join(text), last.matched_stop, ids, logprobs, prompt_logprobs)
 
     def _record_step(self, step: Step) -> None:
         n, rnd = len(step.token_ids), step.round
@@ -308,9 +353,6 @@ class EngineWorker:
         self.metrics.committed_tokens.inc(n)
         self.metrics.draft_nodes.inc(rnd.nodes)
         self.metrics.commit_length.observe(n)
-        for phase in PHASES:
-            self.metrics.step_phase[phase].observe(getattr(rnd, f"{phase}_ms") / 1000)
-
     def _finish(self, job: Job, outcome: Done | Failed) -> None:
         now = time.monotonic()
         status = outcome.status if isinstance(outcome, Failed) else "finished"
