@@ -1,69 +1,74 @@
-"""The prefix cache's block store: what it keeps, what it gives back, and what it evicts."""
+"""The prefix cache is the pool's block index: whole blocks of committed tokens, shared by reference, found
+by a key that stands for their whole prefix, kept while free until the pool needs them."""
 from __future__ import annotations
 
-import torch
-
-from ddscope.config import DecoderGeometry
-from ddscope.model import KVCache
-from ddscope.prefix_cache import BLOCK, PrefixCache
+from ddscope.block_manager import BlockManager, block_key
+from ddscope.kv_pool import BLOCK, Pages
 
 
-def _cache(fill: float, length: int) -> KVCache:
-    g = DecoderGeometry(hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
-                        rms_norm_eps=1e-6, rope_theta=10000.0, qk_norm=False)
-    cache = KVCache(g, 8 * BLOCK, torch.device("cpu"), torch.float32)
-    cache.k[:, :, :length] = torch.arange(length, dtype=torch.float32)[None, None, :, None] + fill
-    cache.v[:, :, :length] = -cache.k[:, :, :length]
-    cache.length = length
-    return cache
+def _held(manager: BlockManager, tokens: list[int], length: int, features_from: int | None = 0) -> Pages:
+    """Pages that computed `length` positions of `tokens` and registered them."""
+    pages = Pages()
+    manager.grow(pages, len(tokens) + 1)
+    manager.register(pages, tokens, length, features_from)
+    return pages
 
 
-def _features(fill: float) -> torch.Tensor:
-    return torch.arange(8 * BLOCK * 3, dtype=torch.float32).view(8 * BLOCK, 3) + fill
-
-
-def test_longest_whole_block_prefix_comes_back_exactly():
+def test_a_prompt_head_is_shared_block_for_block_and_diverging_blocks_are_not():
+    m = BlockManager(16)
     tokens = list(range(3 * BLOCK + 10))
-    store = PrefixCache(1 << 30)
-    target, features = _cache(0.5, 2 * BLOCK + 5), _features(7.0)
-    store.save(tokens, target, features)
-    assert len(store.blocks) == 2  # the target holds two whole blocks: only those are complete
-    fresh_t, fresh_f = _cache(0.0, 0), _features(0.0) * 0
+    first = _held(m, tokens, 2 * BLOCK + 5)  # two whole blocks are final
     other = tokens[:BLOCK + 3] + [9999] + tokens[BLOCK + 4:]  # diverges inside the second block
-    assert store.load(other, fresh_t, fresh_f) == BLOCK
-    assert store.load(tokens, fresh_t, fresh_f) == 2 * BLOCK
-    assert fresh_t.length == 2 * BLOCK
-    assert torch.equal(fresh_t.k[:, :, :2 * BLOCK], target.k[:, :, :2 * BLOCK])
-    assert torch.equal(fresh_f[:2 * BLOCK], features[:2 * BLOCK]) and not fresh_f[2 * BLOCK:].any()
+    a, b = Pages(), Pages()
+    assert m.match(a, other, 0) == BLOCK and a.table == first.table[:1]
+    assert m.match(b, tokens, 0) == 2 * BLOCK and b.table == first.table[:2]
+    assert m.refs[first.table[0]] == 3 and m.refs[first.table[1]] == 2  # shared, not copied
 
 
 def test_one_token_is_always_left_to_prefill():
+    m = BlockManager(16)
     tokens = list(range(2 * BLOCK))
-    store = PrefixCache(1 << 30)
-    store.save(tokens + [1], _cache(0.0, 2 * BLOCK), None)
-    assert store.load(tokens, _cache(0.0, 0), None) == BLOCK  # the last block would leave nothing
+    _held(m, tokens + [1], 2 * BLOCK)
+    assert m.match(Pages(), tokens, 0) == BLOCK  # the last block would leave nothing
 
 
 def test_target_only_blocks_serve_ar_not_a_drafter():
+    m = BlockManager(16)
     tokens = list(range(2 * BLOCK + 1))
-    store = PrefixCache(1 << 30)
-    store.save(tokens, _cache(0.0, 2 * BLOCK), None)  # an `ar` request: no drafter context
-    assert store.load(tokens, _cache(0.0, 0), _features(0.0)) == 0
-    assert store.load(tokens, _cache(0.0, 0), None) == 2 * BLOCK
-    store.save(tokens, _cache(0.0, 2 * BLOCK), _features(1.0))  # now with the drafter's
-    assert store.load(tokens, _cache(0.0, 0), _features(0.0)) == 2 * BLOCK
+    plain = _held(m, tokens, 2 * BLOCK, None)  # an `ar` request: no drafter features
+    assert m.match(Pages(), tokens, 0) == 0  # a drafter reading from position 0 needs them
+    assert m.match(Pages(), tokens, BLOCK) == BLOCK  # one reading from the second block: the first serves
+    assert m.match(Pages(), tokens, None) == 2 * BLOCK
+    m.release(plain)
+    drafted = _held(m, tokens, 2 * BLOCK)  # now with the drafter's
+    assert m.match(Pages(), tokens, 0) == 2 * BLOCK and m.index[block_key(b"", tokens[:BLOCK])] == drafted.table[0]
 
 
-def test_least_recently_used_blocks_go_first_within_the_budget():
+def test_freed_blocks_stay_cached_until_needed_least_recently_freed_first():
+    m = BlockManager(4)
     a, b = list(range(BLOCK + 1)), list(range(1000, 1000 + BLOCK + 1))
-    one = PrefixCache(1 << 30)
-    one.save(a, _cache(0.0, BLOCK), None)
-    store = PrefixCache(one.bytes)  # room for one block
-    store.save(a, _cache(0.0, BLOCK), None)
-    store.save(b, _cache(0.0, BLOCK), None)
-    assert store.bytes <= store.max_bytes and len(store.blocks) == 1
-    assert store.load(a, _cache(0.0, 0), None) == 0 and store.load(b, _cache(0.0, 0), None) == BLOCK
-    assert PrefixCache(0).load(a, _cache(0.0, 0), None) == 0
+    m.release(_held(m, a, BLOCK))
+    m.release(_held(m, b, BLOCK))
+    assert m.free == 4 and len(m.cached) == 2
+    m.grow(Pages(), 3 * BLOCK)  # two empty blocks, then the least recently freed cached one (a's)
+    assert m.match(Pages(), a, 0) == 0 and m.match(Pages(), b, 0) == BLOCK
+
+
+def test_a_pool_without_room_gives_nothing():
+    m = BlockManager(2)
+    pages = Pages()
+    try:
+        m.grow(pages, 3 * BLOCK)
+    except RuntimeError as e:
+        assert "3 blocks needed, 2 free" in str(e)
+    assert pages.table == [] and m.free == 2
+
+
+def test_keys_are_exact_over_the_whole_prefix():
+    """Equal blocks after different heads are different blocks: the key covers every earlier token."""
+    x = list(range(BLOCK))
+    assert block_key(block_key(b"", [1] * BLOCK), x) != block_key(block_key(b"", [2] * BLOCK), x)
+    assert block_key(b"", x) == block_key(b"", list(x))
 
 
 def test_engine_outputs_are_the_same_with_and_without_the_cache():
@@ -72,7 +77,7 @@ def test_engine_outputs_are_the_same_with_and_without_the_cache():
     from ddscope.bench.workloads import fit_ids, load_workload
     from ddscope.engine import Engine
 
-    cached, plain = Engine.load(), Engine.load(prefix_cache_mb=0)
+    cached, plain = Engine.load(), Engine.load(prefix_cache=False)
     head = fit_ids(load_workload("padding"), 0, 700, cached.tokenizer)
     # `other` shares 10 whole blocks; its first draft reads none of the two that `head` saved without features
     other = head[:640] + cached.encode(" Something else entirely, then continue:")
@@ -105,23 +110,3 @@ def test_server_reports_cached_tokens_in_usage_and_metrics():
     assert 'ddscope:cached_prompt_tokens_total{model_name="target"} 256.0' in metrics
 
 
-def test_a_hit_gives_the_drafter_the_features_a_prefill_would(tiny_engine):
-    """A request that never drafted (`ar`-like plain rounds) still leaves the target features of every cached
-    position, so a later hit drafts exactly as after a full prefill."""
-    from ddscope.decoding import Decoder
-    from ddscope.proposers import DDTree
-    from ddscope.sampling import SamplingParams
-
-    e = tiny_engine
-    prompt = list(range(5, 5 + 2 * BLOCK + 9))
-    full = Decoder(e.target, e.drafter, DDTree(4), e.cache, e.draft_cache, SamplingParams(), None)
-    full.prefill(prompt)
-    want = e.draft_cache.features[:len(prompt)].clone()
-    store = PrefixCache(1 << 30)
-    store.save(prompt, e.cache, e.draft_cache.features)
-    e.draft_cache.features.zero_()
-    hit = Decoder(e.target, e.drafter, DDTree(4), e.cache, e.draft_cache, SamplingParams(), None)
-    cached = store.load(prompt, e.cache, e.draft_cache.features)
-    hit.prefill(prompt, cached)
-    assert cached == 2 * BLOCK and e.draft_cache.length == 0
-    torch.testing.assert_close(e.draft_cache.features[:len(prompt)], want, atol=1e-5, rtol=1e-4)

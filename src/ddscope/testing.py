@@ -13,9 +13,9 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, 
                           PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
 
 from ddscope.config import DrafterConfig
-from ddscope.drafter import Drafter, DrafterCache
+from ddscope.drafter import Draft, Drafter
 from ddscope.engine import Engine
-from ddscope.model import KVCache, Target
+from ddscope.model import Target
 from ddscope.training.drafter_ckpt import drafter_config, pick_layer_ids, save_drafter
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
@@ -111,45 +111,48 @@ class OracleDrafter:
     is right that often (a tree can still find the target's choice among the siblings).
 
     The real drafter still drafts each block (its logits unused), so its context cache is exercised as
-    in real runs. The continuation is read off the engine's own target cache, which holds the committed
+    in real runs. The continuation is read off each sequence's own target cache, which holds the committed
     prefix up to the block start; the slots written past it are overwritten by the verify.
     """
 
-    def __init__(self, drafter: Drafter, target: Target, cache: KVCache, accuracy: float = 1.0, seed: int = 0):
-        self.drafter, self.target, self.cache = drafter, target, cache
+    def __init__(self, drafter: Drafter, target: Target, accuracy: float = 1.0, seed: int = 0):
+        self.drafter, self.target = drafter, target
         self.accuracy, self.rng = accuracy, random.Random(seed)
 
     def __getattr__(self, name: str):
         return getattr(self.drafter, name)
 
     @torch.inference_mode()
-    def draft(self, target: Target, last_token: int, start: int, cache: DrafterCache) -> torch.Tensor:
-        self.drafter.draft(target, last_token, start, cache)
-        logits = self._greedy_path(last_token, start)
-        for row in logits:
-            if self.rng.random() >= self.accuracy:
-                top2 = row.topk(2).indices
-                row[top2] = row[top2.flip(0)]
-        return logits
+    def draft_many(self, target: Target, drafts: list[Draft]) -> list[torch.Tensor]:
+        self.drafter.draft_many(target, drafts)
+        out = []
+        for d in drafts:
+            logits = self._greedy_path(d.root, d.start, d.target_cache)
+            for row in logits:
+                if self.rng.random() >= self.accuracy:
+                    top2 = row.topk(2).indices
+                    row[top2] = row[top2.flip(0)]
+            out.append(logits)
+        return out
 
-    def _greedy_path(self, token: int, start: int) -> torch.Tensor:
+    def _greedy_path(self, token: int, start: int, cache) -> torch.Tensor:
         """[block_size - 1, vocab]: the target's logits for positions start+1 .. as it decodes greedily."""
         dev = self.target.lm_head.weight.device
         rows = []
         for pos in range(start, start + self.drafter.block_size - 1):
-            out = self.target(torch.tensor([token], device=dev), torch.tensor([pos], device=dev), self.cache)
+            out = self.target(torch.tensor([token], device=dev), torch.tensor([pos], device=dev), cache)
             rows.append(out.logits[0] * 3)  # sharpened: a confident drafter, so best-first trees go deep
             token = int(rows[-1].argmax())
-        self.cache.length = start
+        cache.length = start
         return torch.stack(rows)
 
 
-def oracle_engine(engine: Engine, accuracy: float = 1.0, seed: int = 0) -> Engine:
+def oracle_engine(engine: Engine, accuracy: float = 1.0, seed: int = 0, **engine_kw) -> Engine:
     """Another engine over `engine`'s target and drafter (weights shared, caches its own) that drafts with
     an OracleDrafter: accuracy 1.0 is accepted in full at T=0, 0.5 about half the time per token."""
     oracle = Engine(engine.target, engine.drafter, engine.tokenizer, Path(engine.source), engine.max_model_len,
-                    engine.default_budget)
-    oracle.drafter = OracleDrafter(engine.drafter, oracle.target, oracle.cache, accuracy, seed)
+                    engine.default_budget, **engine_kw)
+    oracle.drafter = oracle.runner.drafter = OracleDrafter(engine.drafter, oracle.target, accuracy, seed)
     return oracle
 
 

@@ -1,0 +1,144 @@
+"""Continuous batching is lossless: every response equals the same request run alone, whatever else is in
+the batch, when it joins, whether its prefill is chunked and whether it is preempted and recomputed.
+Drafters here are really accepted (the demo pair, the oracle), and that is asserted too."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddscope.engine import Engine
+from ddscope.kv_pool import BLOCK, KVPool, Pages
+from ddscope.model import KVCache, Segment
+from ddscope.testing import oracle_engine
+
+REQUESTS = [  # (prompt, kwargs): different lengths, methods, samplers and stops
+    ("def add(a, b):", dict(method="ddtree", max_new_tokens=40, ignore_eos=True)),
+    ("import os\nimport sys\n" * 20, dict(method="dflash", max_new_tokens=56, ignore_eos=True)),
+    ("class Stack:\n    def", dict(method="ddtree", budget="auto", max_new_tokens=64, ignore_eos=True)),
+    ("# sort a list\n" * 60, dict(method="ddtree", max_new_tokens=32, temperature=0.8, seed=7, ignore_eos=True)),
+    ("x = 1\n", dict(method="ar", max_new_tokens=24, ignore_eos=True)),
+    ("def main():\n", dict(method="ddtree", max_new_tokens=48, stop=["\n\n"], logprobs=2)),
+    ("for i in range(10):", dict(method="dflash", max_new_tokens=40, temperature=0.8, seed=3, ignore_eos=True)),
+    ("print('hi')\n" * 30, dict(method="ddtree", budget=8, max_new_tokens=48, min_tokens=4)),
+]
+
+
+def _alone(engine: Engine) -> list[dict]:
+    return [_summary(engine.generate(p, **kw)) for p, kw in REQUESTS]
+
+
+def _summary(g) -> dict:
+    return dict(ids=g.token_ids, text=g.text, finish=g.finish_reason, usage=(g.prompt_tokens, len(g.token_ids)),
+                logprobs=_rounded(g.logprobs))
+
+
+def _rounded(logprobs: list | None) -> list | None:
+    """Log-probs to 4 places: a batch computes the same rows among others' (last-bit differences)."""
+    return [(round(lp, 4), [(t, round(x, 4)) for t, x in top]) for lp, top in logprobs] if logprobs else None
+
+
+def _together(engine: Engine, join_every: int = 2) -> tuple[list[dict], list]:
+    """All of REQUESTS through one engine, one joining every `join_every` steps while the others decode;
+    returns their summaries and the steps' reports."""
+    seqs = [engine.sequence(p, **kw) for p, kw in REQUESTS]
+    steps: dict[int, list] = {s.id: [] for s in seqs}
+    reports, pending = [], list(seqs)
+    for n in range(10_000):
+        if pending and n % join_every == 0:
+            engine.add(pending.pop(0))
+        if not engine.busy and not pending:
+            break
+        if engine.busy:
+            reports.append(engine.step())
+        for s in seqs:
+            while s.outbox:
+                steps[s.id].append(s.outbox.popleft())
+    return [_from_steps(steps[s.id]) for s in seqs], reports
+
+
+def _from_steps(steps: list) -> dict:
+    ids = [t for s in steps for t in s.token_ids]
+    lps = [lp for s in steps for lp in s.logprobs] if steps[-1].logprobs is not None else None
+    return dict(ids=ids, text="".join(s.text for s in steps), finish=steps[-1].finish_reason,
+                usage=(steps[-1].stats.prompt_tokens, len(ids)),
+                logprobs=_rounded(lps),
+                avg_commit=steps[-1].stats.to_dict()["avg_commit"])
+
+
+def _assert_equal(got: list[dict], want: list[dict]) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert {k: g[k] for k in w} == w, REQUESTS[i]
+
+
+def test_the_batched_forward_equals_each_sequence_alone(tiny_engine):
+    """A prefill chunk over a cached head, a tree and a single token, in one forward over paged caches,
+    give each sequence's own forward's logits and features."""
+    target, g = tiny_engine.target, tiny_engine.target.cfg.geometry
+    pool = KVPool(g, None, 0, 16, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    heads = [torch.randint(5, 200, (n,), generator=gen) for n in (70, 9, 130)]
+    news = [torch.randint(5, 200, (n,), generator=gen) for n in (20, 6, 1)]
+    masks = [None, torch.ones(6, 15, dtype=torch.bool).tril(9), None]
+    alone, segs = [], []
+    for i, (head, new, mask) in enumerate(zip(heads, news, masks)):
+        ref = KVCache(g, 256, torch.device("cpu"), torch.float32)
+        target(head, torch.arange(len(head)), ref)
+        pos = torch.arange(len(head), len(head) + len(new))
+        alone.append(target(new, pos, ref, mask, capture=(1, 2)))
+        pages = Pages()
+        pages.extend([15 - 3 * i - j for j in range(3)] if i != 1 else [2 * i + j for j in range(3)])
+        cache = pool.target_cache(pages)
+        target(head, torch.arange(len(head)), cache)
+        segs.append(Segment(new, pos, cache, mask))
+    outs = target.forward_many(segs, capture=(1, 2))
+    for a, b in zip(alone, outs):
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.features, b.features, atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def demo() -> Engine:
+    return Engine.load()
+
+
+def test_eight_requests_joining_mid_flight_equal_their_isolated_runs(demo):
+    want = _alone(demo)
+    got, reports = _together(demo)
+    _assert_equal(got, want)
+    assert max(r.sequences for r in reports) >= 6  # they really ran together
+    drafted = [g for g, (_, kw) in zip(got, REQUESTS) if kw["method"] != "ar" and "temperature" not in kw]
+    assert min(g["avg_commit"] for g in drafted) > 1.5  # drafts were accepted
+
+
+def test_oracle_drafters_in_a_batch_are_accepted_and_lossless(demo):
+    oracle = oracle_engine(demo, accuracy=0.7)
+    want = _alone(oracle)
+    got, _ = _together(oracle, join_every=1)
+    _assert_equal(got, want)
+    assert sum(g["avg_commit"] for g in got) / len(got) > 3
+
+
+def test_chunked_prefill_runs_beside_decoding_and_changes_nothing(demo):
+    want = _alone(demo)
+    chunked = Engine(demo.target, demo.drafter, demo.tokenizer, Path(demo.source), demo.max_model_len,
+                     max_prefill_tokens=64)
+    got, reports = _together(chunked)
+    _assert_equal(got, want)
+    assert any(r.prefill_tokens == 64 and r.decodes for r in reports)  # a chunk beside decoding sequences
+
+
+def test_a_pool_too_small_for_the_load_preempts_and_outputs_are_unchanged(demo):
+    """A pool of one max-length sequence and a little more: sequences are preempted and recomputed, never
+    dropped, and their outputs do not change."""
+    want = _alone(demo)
+    small = Engine(demo.target, demo.drafter, demo.tokenizer, Path(demo.source), 400, kv_cache_mb=8)
+    got, _ = _together(small, join_every=1)
+    _assert_equal(got, want)
+    assert small.scheduler.preemptions > 0 and small.scheduler.blocks.used == 0
+
+
+def test_a_pool_smaller_than_one_sequence_is_refused(demo):
+    with pytest.raises(ValueError, match="kv_cache_mb=1 holds"):
+        Engine(demo.target, demo.drafter, demo.tokenizer, Path(demo.source), 4096, kv_cache_mb=1)
