@@ -6,11 +6,9 @@ import torch
 
 from ddscope import Engine
 from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
-from ddscope.decoding import Decoder
-from ddscope.drafter import Drafter
-from ddscope.prefix_cache import BLOCK, PrefixCache
-from ddscope.proposers import DDTree
-from ddscope.sampling import SamplingParams
+from ddscope.drafter import Draft, Drafter
+from ddscope.kv_pool import BLOCK
+from ddscope.sequence import Sequence
 from ddscope.testing import (TINY_PROMPTS, make_drafter, make_target, oracle_engine, run_cli,
                              write_prompts)
 from ddscope.training.contexts import parse_context_lengths, select_mix
@@ -75,9 +73,9 @@ def run_cached(d: Drafter, block, ctx, chunks: list[int]) -> torch.Tensor:
     cache, start = d.new_cache(64), 0
     with torch.no_grad():
         for n in chunks[:-1]:  # earlier rounds' blocks: only their context writes matter here
-            d.forward_block(block, start + n, ctx[start:start + n], cache)
+            d.forward_blocks(block, [Draft(0, start + n, cache)], ctx[start:start + n])
             start += n
-        return d.forward_block(block, start + chunks[-1], ctx[start:start + chunks[-1]], cache)
+        return d.forward_blocks(block, [Draft(0, start + chunks[-1], cache)], ctx[start:start + chunks[-1]])[0]
 
 
 def run_masked(d: Drafter, block, ctx) -> torch.Tensor:
@@ -125,7 +123,8 @@ def test_a_draft_projects_only_the_positions_in_reach(target_dir, tmp_path):
         got = d.draft(target, 7, 30, cache)
         block = torch.full((B,), d.cfg.mask_token_id)
         block[0] = 7
-        everything = d.forward_block(target.embed(block), 30, d.context(cache.features[:30]), d.new_cache(64))
+        everything = d.forward_blocks(target.embed(block), [Draft(7, 30, d.new_cache(64))],
+                                      d.context(cache.features[:30]))[0]
     assert cache.length == 30 and not cache.k[:, :, :19].any()  # 0..18 are out of reach: never projected
     assert cache.k[:, :, 19:30].abs().amax() > 0
     torch.testing.assert_close(got, target.logits(everything[1:]), atol=1e-5, rtol=1e-4)
@@ -180,16 +179,17 @@ def test_train_drafter_sliding_window_fine_tunes_a_full_drafter(tmp_path, target
         TrainSpec(block_size=B, sliding_window=B - 1, steps=1)
 
 
-def _first_draft(engine: Engine, prompt: list[int], store=None) -> tuple[int, Decoder, torch.Tensor]:
-    """(cached tokens, the decoder after its prefill, the first draft's logits) through the engine's prefill
-    path, the prefix cache `store` loaded before and saved after."""
-    decoder = Decoder(engine.target, engine.drafter, DDTree(8), engine.cache, engine.draft_cache, SamplingParams(), None)
-    features = engine.draft_cache.features
-    cached = store.load(prompt, engine.cache, features, decoder.first_draft_reach(len(prompt))) if store else 0
-    first, _ = decoder.prefill(prompt, cached)
-    if store:
-        store.save(prompt, engine.cache, features, decoder.features_from)
-    return cached, decoder, engine.drafter.draft(engine.target, first, len(prompt), engine.draft_cache)
+def _first_draft(engine: Engine, prompt: list[int]) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
+    """(the sequence after its prefill, the first draft's logits, the prompt's target K) through the engine's
+    prefill path and its prefix cache; the sequence then leaves, its blocks offered to the cache."""
+    seq = engine.sequence(prompt, method="ddtree", budget=8, max_new_tokens=2)
+    engine.add(seq)
+    engine.step()
+    d = seq.decoder
+    draft = engine.drafter.draft(engine.target, d.tokens[-1], len(prompt), d.draft_cache)
+    k = engine.pool.k[:, :, d.cache.pages.slots(0, len(prompt))].clone()
+    engine.abort(seq)
+    return seq, draft, k
 
 
 def _full_prefill_draft(engine: Engine, prompt: list[int]) -> tuple[int, torch.Tensor]:
@@ -213,11 +213,12 @@ def test_a_prefill_finishes_only_the_rows_the_first_draft_reads(target_dir, tmp_
     engine = _windowed_engine(target_dir, tmp_path)
     n = 3 * BLOCK + 8
     prompt = [int(t) for t in torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(5))]
-    _, decoder, got = _first_draft(engine, prompt)
+    seq, got, k = _first_draft(engine, prompt)
+    decoder = seq.decoder
     assert decoder.features_from == (n - engine.drafter.horizon) // BLOCK * BLOCK == 2 * BLOCK
     cache = engine.target.new_cache(n)
     engine.target(torch.tensor(prompt), torch.arange(n), cache)
-    torch.testing.assert_close(engine.cache.k[:, :, :n], cache.k[:, :, :n])
+    torch.testing.assert_close(k, cache.k[:, :, :n])
     want_first, want = _full_prefill_draft(engine, prompt)
     assert decoder.tokens[-1] == want_first
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
@@ -226,15 +227,15 @@ def test_a_prefill_finishes_only_the_rows_the_first_draft_reads(target_dir, tmp_
 def test_prefix_hits_over_blocks_saved_without_features(target_dir, tmp_path):
     """A block a trimmed prefill left without features serves a later prompt whose first draft does not
     reach it, and ends a hit whose draft would; the draft is that of a full prefill either way."""
-    engine, store = _windowed_engine(target_dir, tmp_path), PrefixCache(1 << 30)
+    engine = _windowed_engine(target_dir, tmp_path)
     first = [int(t) for t in torch.randint(5, 300, (4 * BLOCK + 44,), generator=torch.Generator().manual_seed(6))]
     far = first[:3 * BLOCK] + [7] * 40  # its draft reads from 3 * BLOCK + 31: blocks 0-2 serve without features
     near = first[:4 * BLOCK] + [9] * 4  # its draft reads from 4 * BLOCK - 5, in block 3, which has none
     hits = []
     for prompt in (first, far, near):
-        cached, decoder, got = _first_draft(engine, prompt, store)
+        seq, got, _ = _first_draft(engine, prompt)
         want_token, want = _full_prefill_draft(engine, prompt)
-        assert decoder.tokens[-1] == want_token
+        assert seq.decoder.tokens[-1] == want_token
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-        hits.append(cached)
+        hits.append(seq.stats.cached_tokens)
     assert hits == [0, 3 * BLOCK, 3 * BLOCK]

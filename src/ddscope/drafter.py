@@ -97,24 +97,32 @@ class Drafter(nn.Module):
 
     @torch.inference_mode()
     def draft_many(self, target: Target, drafts: list["Draft"]) -> list[torch.Tensor]:
-        """Each draft's logits [B-1, vocab], all blocks in one pass: projections and MLPs over every row,
-        attention per draft over its own context. A draft reads the target features of the positions
-        before its `start` (`cache.features`); those not taken in yet are projected first and their K/V
-        cached, followed by the block's own (which the next draft overwrites)."""
+        """Each draft's logits [B-1, vocab], all blocks in one pass. A draft reads the target features of
+        the positions before its `start` (`cache.features`); those not taken in yet are projected first."""
         B, dev = self.block_size, self.fc.weight.device
         for d in drafts:
             if self.horizon is not None:  # older positions are out of every layer's reach, now and later
                 d.cache.length = max(d.cache.length, d.start - self.horizon)
-        spans = [(d.cache.length, d.start) for d in drafts]
-        ctx = self.context(torch.cat([d.cache.features[a:b] for d, (a, b) in zip(drafts, spans)]))
-        ctx_pos = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
-        blk_pos = torch.cat([torch.arange(d.start, d.start + B, device=dev) for d in drafts])
+        ctx = self.context(torch.cat([d.cache.features[d.cache.length:d.start] for d in drafts]))
         block = torch.full((len(drafts), B), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = torch.tensor([d.root for d in drafts], device=dev)
-        cos_c, sin_c = self.rope(ctx_pos, ctx.dtype)
-        cos_b, sin_b = self.rope(blk_pos, ctx.dtype)
+        h = self.forward_blocks(target.embed(block.flatten()), drafts, ctx)[:, 1:]
+        return list(target.logits(h.reshape(-1, h.shape[-1])).view(len(drafts), B - 1, -1).unbind(0))
+
+    def forward_blocks(self, block: torch.Tensor, drafts: list["Draft"], ctx: torch.Tensor) -> torch.Tensor:
+        """Hidden states [drafts, B, hidden] of each draft's block (`block`: their embeddings, [drafts * B,
+        hidden]) at positions `[start, start + B)`; projections and MLPs over every row, attention per draft
+        over its own context. `ctx` holds each draft's new context rows, for positions `[cache.length,
+        start)`, in order; their K/V are cached, followed by the block's own (which the next draft
+        overwrites), and each cache afterwards holds context up to its block."""
+        B, dev = self.block_size, self.fc.weight.device
+        spans = [(d.cache.length, d.start) for d in drafts]
+        ctx_pos = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
+        blk_pos = torch.cat([torch.arange(d.start, d.start + B, device=dev) for d in drafts])
+        cos_c, sin_c = self.rope(ctx_pos, block.dtype)
+        cos_b, sin_b = self.rope(blk_pos, block.dtype)
         seen = [{rule: self._visible(rule, d.start) for rule in set(self.cfg.attention)} for d in drafts]
-        h = target.embed(block.flatten())
+        h = block
         for i, (layer, rule) in enumerate(zip(self.layers, self.cfg.attention)):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -134,8 +142,7 @@ class Drafter(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         for d in drafts:
             d.cache.length = d.start
-        h = self.norm(h).view(len(drafts), B, -1)[:, 1:]
-        return list(target.logits(h.reshape(-1, h.shape[-1])).view(len(drafts), B - 1, -1).unbind(0))
+        return self.norm(h).view(len(drafts), B, -1)
 
 
 @dataclass
