@@ -65,27 +65,30 @@ def test_cache_equals_fresh_prefill_after_every_round(oracle):
     prompt = prompts(engine.vocab_size, 3, seed=5)[2]
     committed = list(prompt)
     depths = set()
-    for step in engine.stream(prompt, max_new_tokens=120, method="ddtree", budget=16, ignore_eos=True):
+    seq = engine.sequence(prompt, max_new_tokens=120, method="ddtree", budget=16, ignore_eos=True)
+    cache, draft_cache, pool = seq.decoder.cache, seq.decoder.draft_cache, engine.pool
+    for step in engine.follow(seq):
         committed += step.token_ids
         if step.finish_reason:
             break
         if step.round is not None:  # not the prefill's token
             depths.add(step.round.committed)
         n = len(committed) - 1
-        assert engine.cache.length == n
+        assert cache.length == n
+        slots = cache.pages.slots(0, n)
         fresh = engine.target.new_cache(n + 1)
         feats = engine.target(torch.tensor(committed[:-1]), torch.arange(n), fresh,
                               capture=engine.drafter.cfg.target_layer_ids).features
-        torch.testing.assert_close(engine.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(engine.cache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(pool.k[:, :, slots], fresh.k[:, :, :n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(pool.v[:, :, slots], fresh.v[:, :, :n], atol=1e-5, rtol=1e-4)
         # the drafter's context holds the same features, and its K/V (what it has taken in) their projection
-        torch.testing.assert_close(engine.draft_cache.features[:n], feats, atol=1e-5, rtol=1e-4)
-        m = engine.draft_cache.length
+        torch.testing.assert_close(draft_cache.features[:n], feats, atol=1e-5, rtol=1e-4)
+        m = draft_cache.length
         first = 0 if engine.drafter.horizon is None else max(0, m - engine.drafter.horizon)
         g = engine.drafter.cfg.geometry
         with torch.inference_mode():
             ctx = engine.drafter.context(feats[first:m])
             cos, sin = rope(torch.arange(first, m), g.head_dim, g.rope_theta, ctx.dtype)
             k0, _ = engine.drafter.layers[0].self_attn.key_value(ctx, cos, sin)
-        torch.testing.assert_close(engine.draft_cache.k[0, :, first:m], k0, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(pool.dk[0][:, cache.pages.slots(first, m)], k0, atol=1e-5, rtol=1e-4)
     assert len(depths) >= 4, f"compaction exercised at too few depths: {sorted(depths)}"

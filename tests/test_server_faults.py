@@ -57,13 +57,29 @@ def test_a_dead_worker_fails_everything_at_once_and_health_turns_503(tiny_engine
         assert again.status_code == 503 and again.json()["error"]["type"] == "server_error"
 
 
-def test_kv_cache_exhaustion_is_503_with_retry_after_not_the_clients_fault(tiny_pair):
+def test_kv_cache_exhaustion_is_503_with_retry_after_and_the_worker_goes_on(tiny_pair, monkeypatch):
+    """A step that runs out of cache (the pool is sized so that it cannot: this one is made to) fails the
+    requests in it with a 503 the client may retry, not a 500, and the next request is served."""
+    from ddscope.model import KVCacheFull
+
     engine = Engine.load(*tiny_pair)
-    engine.cache = engine.target.new_cache(8)  # smaller than the prompt: the engine's capacity, not the request
+    real = engine.runner.step
+    calls = iter([KVCacheFull("KV cache full: 8 + 20 tokens > capacity 8")])
+
+    def step(batch):
+        error = next(calls, None)
+        if error is not None:
+            raise error
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "step", step)
     with serve_in_background(engine=engine) as url:
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(5, 25)), "max_tokens": 4}, timeout=30)
+        body = {"prompt": list(range(5, 25)), "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 503, r.text
     assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "kv_cache_full"
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])

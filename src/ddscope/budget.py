@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 import json
 import logging
 import math
@@ -69,12 +70,18 @@ class VerifyCost:
         self._rows = [np.where(every_n > self.nodes[-1], row[-1] + s * (every_n - self.nodes[-1]),
                                np.interp(every_n, self.nodes, row)).tolist()
                       for row, s in zip(self.ms, slope)]  # [ctx][n - 1]
+        self._slope = slope.tolist()
 
     def at(self, ctx: int, n: int) -> float:
-        """Cost of one forward of `n` tokens at this context (called every round: plain Python)."""
+        """Cost of one forward of `n` tokens at this context (called every round: plain Python); linear past
+        the grid (a batch's forward)."""
         j, f = self._bracket(ctx)
-        a, b = self._rows[j][n - 1], self._rows[j + 1][n - 1]
+        a, b = self._row(j, n), self._row(j + 1, n)
         return a + f * (b - a)
+
+    def _row(self, j: int, n: int) -> float:
+        row = self._rows[j]
+        return row[n - 1] if n <= len(row) else row[-1] + self._slope[j] * (n - len(row))
 
     def curve(self, ctx: int) -> list[float]:
         """Cost of every n in 1..max(nodes) at this context (called every round: one blend of two rows)."""
@@ -293,6 +300,8 @@ class AutoBudget:
         self.since_draft = 0
         self.last_choice = MAX_AUTO_BUDGET
         self._chosen: list[tuple[int, float, bool]] = []  # per chosen node: parent, drafter log-p, top-1
+        self._prepared: tuple[list[list[float]], DraftTree] | None = None
+        self.size: int | None = None  # this round's size, when a batch's budget chose it
 
     @property
     def acceptance(self) -> Acceptance:
@@ -320,12 +329,21 @@ class AutoBudget:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
         return min(MAX_AUTO_BUDGET, max(16, self.last_choice * 3 // 2 + 4))
 
-    def tree(self, root: int, logprobs: torch.Tensor, ctx: int) -> DraftTree:
-        """Best-first on calibrated acceptance chances; then the prefix with the best expected tok/s."""
+    def prepare(self, root: int, logprobs: torch.Tensor) -> list[float]:
+        """Build the candidate tree (best-first on calibrated acceptance chances) ahead of `tree`; return its
+        nodes' log-chances, in pop order, for a batch's budget to size it (`size` then set)."""
         budget = self.candidates()
         drafted, idx = top_k(logprobs, budget)
-        full = grow(root, idx, budget, self.acceptance.scorer(drafted))
-        n = self._size(full.scores[1:], ctx)
+        self._prepared = drafted, grow(root, idx, budget, self.acceptance.scorer(drafted))
+        return self._prepared[1].scores[1:]
+
+    def tree(self, root: int, logprobs: torch.Tensor, ctx: int) -> DraftTree:
+        """The candidate tree's prefix with the best expected tok/s (or of the size a batch's budget chose)."""
+        if self._prepared is None:
+            self.prepare(root, logprobs)
+        drafted, full = self._prepared
+        n = self.size if self.size is not None else self._size(full.scores[1:], ctx)
+        self._prepared, self.size = None, None
         self._chosen = [(full.parents[i], drafted[full.depths[i] - 1][full.ranks[i]], full.ranks[i] == 0)
                         for i in range(1, n + 1)]
         return full.prefix(n)
@@ -344,6 +362,10 @@ class AutoBudget:
         return best
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
+        if rnd.batch > 1:  # its times are a batch's (BatchBudget's to learn): only the acceptance is news
+            if rnd.drafted:
+                self._observe_acceptance(path)
+            return
         m = self.learned
         m.plain_evidence = 0.95 * m.plain_evidence + (not rnd.drafted)
         if not rnd.drafted:  # its cost is news (a prompt-lookup branch may have been verified)
@@ -357,9 +379,93 @@ class AutoBudget:
         m.drafted_ms = _average(m.drafted_ms, _clipped(rnd.step_ms, m.drafted_ms))
         m.draft_ms = _average(m.draft_ms, rnd.draft_ms)
         m.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self.cost.at(rnd.ctx_len, rnd.nodes + 1))
+        self._observe_acceptance(path)
+
+    def _observe_acceptance(self, path: list[int]) -> None:
         on_path = set(path)  # a token is tested only if its parent was accepted
         self.acceptance.update([(logp, top1, i in on_path) for i, (parent, logp, top1)
                                 in enumerate(self._chosen, start=1) if parent in on_path])
+
+
+class BatchBudget:
+    """The node budget of a step with several sequences: every `auto` tree sized together, so that the
+    batch's expected committed tokens per ms of its one forward is the largest (the nodes with the best
+    acceptance chances anywhere in the batch go first); and whether the batch drafts at all.
+
+    Cost of a step's forward: the calibrated cost of all its rows at no context, plus each sequence's
+    attention over its own context (its rows' cost at its context minus at none), times a learned
+    measured/predicted ratio. Drafting is compared with plain steps by the rates measured at each batch
+    size (committed tokens per ms of the whole step), a plain step probed now and then (after 1, 2, 4 ...
+    `probe_every` drafted steps) so that the comparison stays measured: past some batch size the drafter
+    costs more than it commits (vLLM-CPU's own DFlash falls below its plain decoding at 16).
+    """
+
+    def __init__(self, cost: VerifyCost, probe_every: int = 64, skip_below: float = 0.9, first_gap: int = 4):
+        self.cost, self.probe_every, self.skip_below, self.first_gap = cost, probe_every, skip_below, first_gap
+        self.ratio = 1.0  # measured / predicted verify ms, decayed
+        self.rates: dict[tuple[int, bool], float] = {}  # (batch, drafted) -> committed tokens per step ms
+        self.run: dict[int, int] = {}  # steps in the favoured mode since the last probe, per batch size
+        self.gap: dict[int, int] = {}  # ... before the next probe of the other mode
+
+    def _favoured(self, batch: int) -> bool | None:
+        """Whether drafting pays at this batch size (None before both modes were measured)."""
+        drafted, plain = self.rates.get((batch, True)), self.rates.get((batch, False))
+        if drafted is None or plain is None:
+            return None
+        return drafted >= self.skip_below * plain
+
+    def drafts(self, batch: int) -> bool:
+        favoured = self._favoured(batch)
+        if favoured is None:  # drafting is measured first, then a plain step
+            return (batch, True) not in self.rates or self.run.get(batch, 0) < self.first_gap
+        return favoured != (self.run.get(batch, 0) >= self.gap.get(batch, self.first_gap))
+
+    def sizes(self, chances: list[list[float]], contexts: list[int], fixed: list[tuple[int, int]],
+              draft_ms: float, commits: float) -> list[int]:
+        """Nodes for each `auto` tree (its nodes' log-chances in pop order, its context), beside `fixed`
+        segments (rows, context) that commit `commits` tokens, after a draft of `draft_ms`."""
+        rows = sum(r for r, _ in fixed) + len(chances)  # every tree's root
+        extra = sum(self._attention(c, r) for r, c in fixed) + sum(self._attention(c, 1) for c in contexts)
+        n = [0] * len(chances)
+        accepted = commits + len(chances)
+        best, best_rate = list(n), accepted / (draft_ms + self.ratio * (self.cost.at(0, rows) + extra))
+        heap = [(-lc[0], i) for i, lc in enumerate(chances) if lc]
+        heapq.heapify(heap)
+        while heap:
+            neg, i = heapq.heappop(heap)
+            extra += self._attention(contexts[i], n[i] + 2) - self._attention(contexts[i], n[i] + 1)
+            n[i] += 1
+            rows += 1
+            accepted += math.exp(-neg)
+            rate = accepted / (draft_ms + self.ratio * (self.cost.at(0, rows) + extra))
+            if rate > best_rate:
+                best, best_rate = list(n), rate
+            if n[i] < len(chances[i]):
+                heapq.heappush(heap, (-chances[i][n[i]], i))
+        return best
+
+    def predict(self, segments: list[tuple[int, int]]) -> float:
+        """Verify ms of a forward of these (rows, context) segments, before the learned ratio."""
+        return self.cost.at(0, sum(r for r, _ in segments)) + sum(self._attention(c, r) for r, c in segments)
+
+    def _attention(self, ctx: int, rows: int) -> float:
+        return self.cost.at(ctx, rows) - self.cost.at(0, rows)
+
+    def observe(self, batch: int, drafted: bool, committed: int, step_ms: float, verify_ms: float,
+                predicted_ms: float) -> None:
+        """A step of `batch` decoding sequences: what it committed, took, and what its forward was predicted."""
+        self.ratio = _average(self.ratio, _clipped(verify_ms / predicted_ms, self.ratio), 0.1)
+        before = self._favoured(batch)
+        self.rates[batch, drafted] = _average(self.rates.get((batch, drafted)), committed / step_ms, 0.2)
+        if before is None:  # both modes measured now: the run in the favoured mode starts
+            self.run[batch] = 0 if self._favoured(batch) is not None else self.run.get(batch, 0) + 1
+            return
+        if drafted == before:
+            self.run[batch] = self.run.get(batch, 0) + 1
+            return
+        self.run[batch] = 0  # a probe: the gap doubles while the favoured mode holds, and restarts when it flips
+        gap = self.gap.get(batch, self.first_gap)
+        self.gap[batch] = self.first_gap if self._favoured(batch) != before else min(2 * gap, self.probe_every)
 
 
 def _clipped(ms: float, average: float | None) -> float:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from ddscope.budget import AutoBudget, Learned, VerifyCost
+from ddscope.budget import AutoBudget, BatchBudget, Learned, VerifyCost
 from ddscope.config import CheckpointError, eos_ids
 from ddscope.block_manager import BlockManager
 from ddscope.completion import Completion
@@ -153,6 +153,7 @@ class Engine:
         `auto` request: a server calls this on its load thread, before it serves anything."""
         if self.drafter is not None and self.verify_cost is None:
             self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
+            self.runner.budget = BatchBudget(self.verify_cost)
 
     def proposer(self, method: str, budget: int | str | None, sampling: SamplingParams = SamplingParams(),
                  lookup: bool = True) -> Proposer:
@@ -196,7 +197,7 @@ class Engine:
                             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             ignore_eos=ignore_eos, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
                             logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, lookup=lookup)
-        return self._follow(seq)
+        return self.follow(seq)
 
     def sequence(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
                  budget: int | str | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -262,7 +263,8 @@ class Engine:
                 self.scheduler.register(seq)
         return report
 
-    def _follow(self, seq: Sequence) -> Iterator[Step]:
+    def follow(self, seq: Sequence) -> Iterator[Step]:
+        """Add `seq` (at the first `next`) and yield its Steps as the engine steps; closing stops it."""
         self.add(seq)
         try:
             while True:

@@ -100,12 +100,15 @@ class PagedRows:
     def __init__(self, storage: torch.Tensor, pages: Pages):
         self.storage, self.pages = storage, pages
 
+    def _slots(self, span: slice) -> slice | torch.Tensor:
+        return self.pages.slots(span.start or 0, span.stop)
+
     def __getitem__(self, span: slice) -> torch.Tensor:
-        s = self.pages.slots(span.start, span.stop)
+        s = self._slots(span)
         return self.storage[s] if isinstance(s, slice) else self.storage.index_select(0, s)
 
     def __setitem__(self, span: slice, value: torch.Tensor) -> None:
-        s = self.pages.slots(span.start, span.stop)
+        s = self._slots(span)
         if isinstance(s, slice):
             self.storage[s] = value
         else:
@@ -120,13 +123,15 @@ class KVPool:
         self.blocks, self.block = blocks, block
         slots = blocks * block
 
+        # Uninitialised, so that memory is taken as blocks are first written (a slot is always written before a
+        # forward reads it: every key a query sees is context or this forward's own).
         def kv(g: DecoderGeometry) -> tuple[torch.Tensor, torch.Tensor]:
             shape = (g.num_layers, g.num_kv_heads, slots, g.head_dim)
-            return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+            return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
 
         self.k, self.v = kv(target)
         self.dk, self.dv = kv(drafter) if drafter is not None else (None, None)
-        self.features = torch.zeros(slots, feature_dim, device=device, dtype=dtype) if drafter is not None else None
+        self.features = torch.empty(slots, feature_dim, device=device, dtype=dtype) if drafter is not None else None
 
     @staticmethod
     def block_bytes(target: DecoderGeometry, drafter: DecoderGeometry | None, feature_dim: int,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddscope.budget import AutoBudget, BatchBudget
 from ddscope.decoding import Clock
 from ddscope.drafter import Draft, Drafter
 from ddscope.hf_target import TargetLike
@@ -33,6 +34,7 @@ class StepReport:
 class Runner:
     def __init__(self, target: TargetLike, drafter: Drafter | None, prefill_threads: int | None = None):
         self.target, self.drafter = target, drafter
+        self.budget: BatchBudget | None = None  # sizes `auto` trees together once the verify cost is calibrated
         self.prefill_threads = prefill_threads  # None: the idle CPUs at each prefill (ddscope.threads)
         self.clock = Clock(target.lm_head.weight.device)
 
@@ -44,22 +46,32 @@ class Runner:
 
     def _step(self, batch: Batch, new_tokens: int, threads: int) -> StepReport:
         t0 = self.clock()
-        drafting = [s for s in batch.decodes if s.decoder.proposer.drafts(s.decoder.cache.length)]
+        auto = [s for s in batch.decodes if _policy(s) is not None]
+        shared = self.budget if len(batch.decodes) > 1 and auto and self.budget is not None else None
+        auto_drafts = shared.drafts(len(batch.decodes)) if shared else False
+        drafting = [s for s in batch.decodes
+                    if (auto_drafts if shared and s in auto else s.decoder.proposer.drafts(s.decoder.cache.length))]
         drafts = dict(zip(drafting, self._draft(drafting)))
         t1 = self.clock()
+        if shared and auto_drafts:
+            self._size_trees(shared, batch, [s for s in auto if s in drafts], drafts, t1 - t0)
         plans = [s.decoder.plan(drafts.get(s)) for s in batch.decodes]
         chunks = [s.decoder.prefill_segment(n, s.scored) for s, n in batch.prefills]
         t2 = self.clock()
         segments = chunks + [seg for _, seg in plans]
         capture = self.drafter.cfg.target_layer_ids if any(s.decoder.capture for s in self._all(batch)) else ()
+        shape = [(len(seg.tokens), seg.cache.length) for seg in segments]  # (rows, context) of the forward
         outs = self.target.forward_many(segments, capture) if segments else []
         t3 = self.clock()
         committed = [s.decoder.commit(tree, out) for s, (tree, _), out in zip(batch.decodes, plans, outs[len(chunks):])]
         firsts = [s.decoder.prefilled(seg, out, s.prompt_logprobs)
                   for (s, _), seg, out in zip(batch.prefills, chunks, outs)]
         t4 = self.clock()
+        if shared:
+            shared.observe(len(batch.decodes), auto_drafts, sum(len(new) for new, _ in committed), t4 - t0, t3 - t2,
+                           shared.predict(shape))
         for seq, (tree, _), (new, path) in zip(batch.decodes, plans, committed):
-            self._deliver_round(seq, tree, new, path, seq in drafts, (t0, t1, t2, t3, t4))
+            self._deliver_round(seq, tree, new, path, seq in drafts, (t0, t1, t2, t3, t4), batch.size)
         for (seq, _), first in zip(batch.prefills, firsts):
             seq.stats.prefill_ms += t4 - t0
             seq.stats.prefill_threads = max(seq.stats.prefill_threads, threads)
@@ -75,12 +87,23 @@ class Runner:
         return self.drafter.draft_many(self.target, [
             Draft(s.decoder.tokens[-1], s.decoder.cache.length, s.decoder.draft_cache, s.decoder.cache) for s in seqs])
 
+    def _size_trees(self, shared: BatchBudget, batch: Batch, auto: list[Sequence], drafts: dict, draft_ms: float) -> None:
+        """Every drafting `auto` sequence's tree size for this step, chosen together (BatchBudget)."""
+        chances = [_policy(s).prepare(s.decoder.tokens[-1], s.decoder.sampling.log_probs(drafts[s])) for s in auto]
+        others = [s for s in batch.decodes if s not in auto]
+        fixed = [(n, s.decoder.cache.length) for s, n in batch.prefills]
+        fixed += [(1 + s.decoder.proposer.max_nodes(self.drafter.block_size) * (s in drafts), s.decoder.cache.length)
+                  for s in others]
+        sizes = shared.sizes(chances, [s.decoder.cache.length for s in auto], fixed, draft_ms, len(others))
+        for s, n in zip(auto, sizes):
+            _policy(s).size = n
+
     def _deliver_round(self, seq: Sequence, tree: DraftTree, new: list[int], path: list[int], drafted: bool,
-                       t: tuple[float, ...]) -> None:
+                       t: tuple[float, ...], batch: int) -> None:
         t0, t1, t2, t3, t4 = t
         start = seq.decoder.cache.length - len(path)
         rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t3 - t2),
-                         drafted)
+                         drafted, batch)
         seq.decoder.proposer.observe(rnd, path, new)
         seq.deliver(new, rnd)
 
@@ -88,3 +111,8 @@ class Runner:
     def _all(batch: Batch) -> list[Sequence]:
         return batch.decodes + [s for s, _ in batch.prefills]
 
+
+
+def _policy(seq: Sequence) -> AutoBudget | None:
+    """The sequence's `auto` policy, if it decodes with one."""
+    return getattr(seq.decoder.proposer, "policy", None)

