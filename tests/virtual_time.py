@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from ddscope import decoding
-from ddscope.budget import NODE_GRID, VerifyCost
+from ddscope import runner
+from ddscope.budget import NODE_GRID, BatchBudget, VerifyCost
 from ddscope.drafter import Drafter
 from ddscope.engine import Engine
 from ddscope.hf_target import HFTarget
-from ddscope.model import Target
+from ddscope.model import Segment, Target
 from ddscope.testing import OracleDrafter
 
 
@@ -69,23 +69,25 @@ class VirtualTime:
         self.prices = prices
         self.monkeypatch.setattr(engine, "verify_cost", self.verify_cost(engine.max_model_len))
         self.monkeypatch.setattr(engine, "learned", {})
+        self.monkeypatch.setattr(engine.runner, "clock", self)
+        self.monkeypatch.setattr(engine.runner, "budget", BatchBudget(engine.verify_cost))
         return engine
 
     def install(self) -> None:
-        self.monkeypatch.setattr(decoding, "Clock", lambda device: self)
+        self.monkeypatch.setattr(runner, "Clock", lambda device: self)
         for target in (Target, HFTarget):  # the native target and the transformers one, alike
-            self.monkeypatch.setattr(target, "forward", self._priced_forward(target.forward))
+            self.monkeypatch.setattr(target, "forward_many", self._priced_forward(target.forward_many))
         for drafter in (Drafter, OracleDrafter):
-            self.monkeypatch.setattr(drafter, "draft", self._priced_draft(drafter.draft))
+            self.monkeypatch.setattr(drafter, "draft_many", self._priced_draft(drafter.draft_many))
         # an engine that calibrates while this test runs gets the prices, not a measurement
         self.monkeypatch.setattr(VerifyCost, "cached", classmethod(lambda cls, target, max_ctx, key:
                                                                    self.verify_cost(max_ctx)))
 
     def _priced_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        def priced(target, tokens: torch.Tensor, positions: torch.Tensor, cache, *args, **kwargs) -> Any:
+        def priced(target, segments: list[Segment], *args, **kwargs) -> Any:
             if not self.drafting:  # the oracle's target forwards are its draft's, priced there
-                self.now += self.prices.forward(cache.length, tokens.shape[0])
-            return forward(target, tokens, positions, cache, *args, **kwargs)
+                self.now += sum(self.prices.forward(s.cache.length, s.tokens.shape[0]) for s in segments)
+            return forward(target, segments, *args, **kwargs)
 
         return priced
 

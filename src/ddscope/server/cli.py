@@ -16,8 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default=None,
                    help="default decoding method; requests may override it (default: ddtree with a drafter, else ar)")
-    p.add_argument("--budget", type=budget_arg, default=32,
-                   help="default DDTree node budget; requests may override it (default: %(default)s)")
+    p.add_argument("--budget", type=budget_arg, default="auto",
+                   help="default DDTree node budget, or auto (sized each step for the whole batch from measured "
+                        "costs); requests may override it (default: %(default)s)")
     add_threads_arg(p)
     add_prefill_threads_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
