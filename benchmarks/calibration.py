@@ -12,14 +12,11 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
 
 from ddscope import Engine
 from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
-from ddscope.decoding import Decoder
 from ddscope.proposers import DDTree
-from ddscope.sampling import SamplingParams
 from ddscope.stats import RoundStats
 from ddscope.tree import DraftTree
 
@@ -48,12 +45,11 @@ class Recording(DDTree):
 
 
 def record(engine: Engine, ids: list[int], budget: int, temperature: float, max_tokens: int, seed: int) -> list:
-    proposer = Recording(budget)
-    decoder = Decoder(engine.target, engine.drafter, proposer, engine.cache, engine.draft_cache,
-                      SamplingParams(temperature), torch.Generator().manual_seed(seed))
-    decoder.prefill(ids)
-    while len(decoder.tokens) - len(ids) < max_tokens:
-        decoder.step()
+    seq = engine.sequence(ids, max_new_tokens=max_tokens, method="ddtree", budget=budget, temperature=temperature,
+                          seed=seed, ignore_eos=True)
+    seq.decoder.proposer = proposer = Recording(budget)
+    for _ in engine.follow(seq):
+        pass
     return proposer.rows
 
 

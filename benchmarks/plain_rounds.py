@@ -18,14 +18,15 @@ import torch
 
 from engine_args import parser
 from ddscope import Engine
+from ddscope.model import KVCache
 from ddscope.bench.sweep import cpu_model
 from ddscope.bench.workloads import fit_ids, load_workload
 
 ARMS = {"ar": {"method": "ar"}, "auto": {"method": "ddtree", "budget": "auto"}}
 
 
-def forward_ms(engine: Engine, context: int, n: int) -> float:
-    target, cache = engine.target, engine.cache
+def forward_ms(engine: Engine, cache: KVCache, context: int, n: int) -> float:
+    target = engine.target
     cache.length = context
     tokens = torch.zeros(n, dtype=torch.long)
     mask = torch.ones(n, context + n, dtype=torch.bool) if n > 1 else None
@@ -43,16 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forwards", type=int, default=150)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = Engine.load(args.target, args.drafter, prefix_cache_mb=0)
+    engine = Engine.load(args.target, args.drafter, prefix_cache=False)
     workload = load_workload("code")
     print(f"{cpu_model()}, {args.threads} thread(s), context {args.context}, T={args.temperature:g}")
 
     warm = fit_ids(workload, 0, args.context, engine.tokenizer)
-    engine.generate(warm, max_new_tokens=8, method="ar", ignore_eos=True)  # the cache now holds a real prefix
+    cache = engine.target.new_cache(args.context + 2)
+    engine.target(torch.tensor(warm), torch.arange(len(warm)), cache)  # the cache holds a real prefix
     ms: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(args.forwards):
         for n in ms:
-            ms[n].append(forward_ms(engine, args.context, n))
+            ms[n].append(forward_ms(engine, cache, args.context, n))
     one, two = (statistics.median(ms[n]) for n in ms)
     print(f"forward of 1 token {one:.2f} ms, of 2 tokens {two:.2f} ms ({two / one:.2f}x), medians of {args.forwards}")
 

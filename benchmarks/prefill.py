@@ -21,10 +21,6 @@ import torch
 
 from ddscope import Engine
 from ddscope.bench.sweep import cpu_model
-from ddscope.decoding import Decoder
-from ddscope.proposers import DDTree
-from ddscope.sampling import SamplingParams
-from ddscope.threads import torch_threads
 from engine_args import load_engine, parser
 
 
@@ -44,14 +40,16 @@ def busy_core(on: bool) -> Iterator[None]:
 
 def prefill_ms(engine: Engine, prompt: list[int], threads: int, trimmed: bool) -> float:
     """Wall ms of the engine's prefill of `prompt`; not trimmed: as if the drafter saw the whole context."""
-    decoder = Decoder(engine.target, engine.drafter, DDTree(8), engine.cache, engine.draft_cache, SamplingParams(), None)
+    seq = engine.sequence(prompt, max_new_tokens=1, method="ddtree", budget=8)
     if not trimmed:
-        decoder.first_draft_reach = lambda prompt_len: 0
-    engine.cache.length = engine.draft_cache.length = 0
-    with torch_threads(threads):
-        t0 = time.perf_counter()
-        decoder.prefill(prompt)
-        return 1000 * (time.perf_counter() - t0)
+        seq.decoder.first_draft_reach = lambda prompt_len: 0
+    engine.runner.prefill_threads = threads
+    t0 = time.perf_counter()
+    engine.add(seq)
+    engine.step()  # the whole prompt in one chunk (load_engine's max_prefill_tokens), no prefix cache
+    ms = 1000 * (time.perf_counter() - t0)
+    engine.abort(seq)
+    return ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.contexts) < 1 or args.repeats < 1:
         p.error("--contexts and --repeats must be positive")
     engine = load_engine(args)
-    if max(args.contexts) >= engine.cache.capacity:
-        p.error(f"--contexts must be below the engine's context capacity ({engine.cache.capacity})")
+    if max(args.contexts) >= engine.max_model_len:
+        p.error(f"--contexts must be below the engine's max_model_len ({engine.max_model_len})")
+    engine.scheduler.max_prefill_tokens = engine.max_model_len  # one forward a prompt
+    engine.scheduler.blocks.prefix_cache = False  # every arm prefills the whole prompt
     print(f"{cpu_model()}, {len(os.sched_getaffinity(0))} CPUs usable; ms, median of {args.repeats}\n")
     arms = [(threads, trimmed) for threads in (1, 2) for trimmed in (False, True)]
     header = " | ".join(f"{t} thread{'s' * (t > 1)}, {'trimmed' if tr else 'all rows'}" for t, tr in arms)

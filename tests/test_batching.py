@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddscope.engine import Engine
-from ddscope.kv_pool import BLOCK, KVPool, Pages
+from ddscope.kv_pool import KVPool, Pages
 from ddscope.model import KVCache, Segment
 from ddscope.testing import oracle_engine
 

@@ -1,10 +1,13 @@
 """The adaptive budget trades expected accepted tokens against calibrated verify cost."""
+import math
+
 import numpy as np
 import pytest
 
 import torch
 
-from ddscope.budget import MAX_AUTO_BUDGET, Acceptance, AutoBudget, Learned, SizeRatio, VerifyCost
+from ddscope.budget import (MAX_AUTO_BUDGET, NODE_GRID, Acceptance, AutoBudget, BatchBudget, Learned, SizeRatio,
+                            VerifyCost)
 from ddscope.lookup import LOOKUP_MAX
 from ddscope.proposers import DDTree
 from ddscope.sampling import SamplingParams
@@ -243,3 +246,43 @@ def test_plain_rounds_are_measured_now_and_then():
     decisions = run_plain_or_drafted(policy, 200, committed=12)
     plain = [i for i, d in enumerate(decisions) if not d]
     assert 2 <= len(plain) <= 5 and all(b - a > 40 for a, b in zip(plain, plain[1:]))
+
+
+def _linear_cost(base: float = 4.0, per_token: float = 0.1, per_ctx_token: float = 0.0) -> VerifyCost:
+    ctx = [0, 4096]
+    return VerifyCost(ctx, list(NODE_GRID), [[base + n * (per_token + c * per_ctx_token) for n in NODE_GRID]
+                                            for c in ctx])
+
+
+def test_the_batchs_trees_shrink_as_the_batch_grows():
+    """The same candidates (chances 0.9, 0.8, ... along a chain) for every sequence: alone a sequence gets a
+    deep tree; among 16 the step's rows cost more than most of those nodes commit, so each gets fewer."""
+    chances = [math.log(max(0.9 - 0.05 * i, 0.01)) for i in range(40)]
+    budget = BatchBudget(_linear_cost())
+    alone = budget.sizes([chances], [100], [], draft_ms=2.0, commits=0)[0]
+    together = budget.sizes([chances] * 16, [100] * 16, [], draft_ms=6.0, commits=0)
+    assert alone >= 10 and len(set(together)) == 1 and 0 < together[0] < alone
+    # the best chances anywhere in the batch go first: a sequence whose drafts are poor gets fewer nodes
+    poor = [c - 2.0 for c in chances]
+    mixed = budget.sizes([chances, poor], [100, 100], [], draft_ms=2.0, commits=0)
+    assert mixed[0] > mixed[1]
+
+
+def test_the_batch_stops_drafting_where_plain_steps_commit_faster_and_probes_now_and_then():
+    budget = BatchBudget(_linear_cost(), probe_every=8)
+    decisions = []
+    for _ in range(60):
+        drafted = budget.drafts(16)
+        decisions.append(drafted)
+        rate = 0.5 if drafted else 1.0  # tokens per ms: plain wins at this size
+        budget.observe(16, drafted, committed=int(rate * 20), step_ms=20.0, verify_ms=10.0, predicted_ms=10.0)
+    assert decisions[0] is True  # drafting is measured first
+    tail = decisions[20:]
+    assert 0 < sum(tail) <= len(tail) // 4  # mostly plain, with drafted probes
+    other = BatchBudget(_linear_cost(), probe_every=8)  # drafting wins: mostly drafted, plain probes
+    decisions = []
+    for _ in range(60):
+        drafted = other.drafts(4)
+        decisions.append(drafted)
+        other.observe(4, drafted, committed=40 if drafted else 8, step_ms=20.0, verify_ms=10.0, predicted_ms=10.0)
+    assert len(decisions[20:]) - 8 <= sum(decisions[20:]) < len(decisions[20:])

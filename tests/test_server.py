@@ -53,7 +53,7 @@ def model(server):
 
 
 class PacedEngine:
-    """The real engine, slowed to `delay` seconds per verify step, counting the steps it ran."""
+    """The real engine, slowed to `delay` seconds per engine step, counting the steps it ran."""
 
     def __init__(self, engine: Engine, delay: float):
         self.engine, self.delay, self.steps = engine, delay, 0
@@ -61,23 +61,16 @@ class PacedEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def stream(self, prompt, **kw):
-        return self._paced(self.engine.stream(prompt, **kw))  # the engine validates eagerly
-
-    def _paced(self, steps):
-        try:
-            for step in steps:
-                time.sleep(self.delay)
-                self.steps += 1
-                yield step
-        finally:
-            steps.close()
+    def step(self):
+        time.sleep(self.delay)
+        self.steps += 1
+        return self.engine.step()
 
 
 @pytest.fixture(scope="module")
 def paced(tiny_pair):
     """A paced engine behind a server with a 2-slot queue and a 3 s request timeout."""
-    engine = PacedEngine(Engine.load(*tiny_pair), delay=0.02)
+    engine = PacedEngine(Engine.load(*tiny_pair, max_num_seqs=1), delay=0.02)  # one at a time: the others wait
     with serve_in_background(engine=engine, max_queue=2, request_timeout=3.0, shutdown_timeout=0.5) as url:
         yield engine, url
 
@@ -270,7 +263,8 @@ def test_metrics_move_by_exactly_one_request(server, model):
     expected = {f"ddscope:{c}" for c in COUNTERS} | {
         "ddscope:requests", "ddscope:commit_length", "ddscope:step_phase_seconds",
         "ddscope:time_to_first_token_seconds", "ddscope:e2e_request_latency_seconds",
-        "ddscope:num_requests_running", "ddscope:num_requests_waiting"}
+        "ddscope:num_requests_running", "ddscope:num_requests_waiting", "ddscope:batch_size",
+        "ddscope:kv_cache_usage_perc", "ddscope:engine_steps"}
     assert expected <= families
     assert f'ddscope:verify_steps_total{{model_name="{model}"}}' in metrics.text
     assert "_created" not in metrics.text
@@ -297,6 +291,9 @@ def test_metrics_move_by_exactly_one_request(server, model):
         assert moved(before, after, "ddscope:step_phase_seconds_sum", phase=phase) == pytest.approx(ms / 1000)
     assert moved(before, after, "ddscope:time_to_first_token_seconds_count") == 1
     assert moved(before, after, "ddscope:e2e_request_latency_seconds_count") == 1
+    # alone on the server: one step for its prefill, one for each verify round, each a batch of one
+    assert moved(before, after, "ddscope:engine_steps_total") == ext["verify_steps"] + 1
+    assert moved(before, after, "ddscope:batch_size_sum") == moved(before, after, "ddscope:batch_size_count")
     assert after[("ddscope:num_requests_running", ())] == 0
     assert after[("ddscope:num_requests_waiting", ())] == 0
 
@@ -333,6 +330,9 @@ def test_load_64_requests_at_concurrency_8(server):
         r["usage"]["completion_tokens"] for r in results)
     assert moved(before, after, "ddscope:e2e_request_latency_seconds_count") == 64
     assert after[("ddscope:num_requests_waiting", ())] == 0
+    steps = moved(before, after, "ddscope:batch_size_count")
+    assert moved(before, after, "ddscope:batch_size_sum") / steps > 2  # they were decoded together
+    assert moved(before, after, "ddscope:engine_steps_total") == steps < total("verify_steps")
 
 
 def mixed_requests(server: str) -> list[dict]:
@@ -593,7 +593,7 @@ def test_cli_serves_then_stops_on_sigint(tiny_pair):
                 return False
         assert wait_for(healthy, timeout=60)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30)
-        assert r.status_code == 200 and r.json()["ddscope"]["budget"] == 32
+        assert r.status_code == 200 and r.json()["ddscope"]["budget"] == "auto"  # serve's default
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)

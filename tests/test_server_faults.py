@@ -42,10 +42,10 @@ def test_auto_is_calibrated_at_load_never_on_the_event_loop(tiny_pair, tmp_path,
 
 
 def test_a_dead_worker_fails_everything_at_once_and_health_turns_503(tiny_engine, monkeypatch):
-    def broken(self, job):
+    def broken(self):
         raise RuntimeError("a bug outside any generation")
 
-    monkeypatch.setattr(EngineWorker, "_run", broken)
+    monkeypatch.setattr(EngineWorker, "_step", broken)
     with serve_in_background(engine=tiny_engine, request_timeout=60) as url, httpx.Client(timeout=10) as client:
         t0 = time.monotonic()
         r = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
@@ -98,7 +98,7 @@ def test_prompt_over_the_character_cap_is_refused_before_tokenizing(tiny_engine)
 
 
 def test_a_queued_request_whose_client_left_frees_its_slot_at_once(tiny_pair):
-    engine = PacedEngine(Engine.load(*tiny_pair), delay=0.02)
+    engine = PacedEngine(Engine.load(*tiny_pair, max_num_seqs=1), delay=0.02)  # a second request waits
     with serve_in_background(engine=engine, max_queue=1) as url:
         async def run() -> int:
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
@@ -191,10 +191,10 @@ def test_requests_finishing_within_the_grace_period_still_render_their_answers(t
 
 
 def test_a_dead_worker_does_not_hold_shutdown_for_its_grace_period(tiny_engine, monkeypatch):
-    def broken(self, job):
+    def broken(self):
         raise RuntimeError("a bug outside any generation")
 
-    monkeypatch.setattr(EngineWorker, "_run", broken)
+    monkeypatch.setattr(EngineWorker, "_step", broken)
     with serve_in_background(engine=tiny_engine, shutdown_timeout=120.0) as url:
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code == 500
         t0 = time.monotonic()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,26 +20,33 @@ WAIT_S = 60  # generous: only a hang reaches it
 
 
 class SteppingEngine:
-    """Yields one-token steps without end, counting them, and runs `hook` while it makes step `hook_at`."""
+    """The engine's batch interface over one endless sequence of one-token steps, counting the steps and
+    running `hook` while it makes step `hook_at`."""
+
+    waiting, kv_usage = 0, 0.0
 
     def __init__(self, hook_at: int):
         self.hook_at, self.hook, self.steps, self.closed = hook_at, lambda: None, 0, False
+        self.seq: SimpleNamespace | None = None
 
-    def stream(self, prompt: list[int], **params: object) -> Iterator[Step]:
-        return self._steps()
+    def sequence(self, prompt: list[int], **params: object) -> SimpleNamespace:
+        return SimpleNamespace(outbox=deque(), started=False, preemptions=0,
+                               stats=GenerationStats(method="ar", budget=None, prompt_tokens=1))
 
-    def _steps(self) -> Iterator[Step]:
-        stats = GenerationStats(method="ar", budget=None, prompt_tokens=1)
-        try:
-            while True:
-                self.steps += 1
-                if self.steps == self.hook_at:
-                    self.hook()
-                # the first token is the prefill's, without a verify step
-                rnd = None if self.steps == 1 else RoundStats(ctx_len=self.steps, nodes=0, committed=1)
-                yield Step([0], "x", rnd, stats)
-        finally:
-            self.closed = True
+    def add(self, seq: SimpleNamespace) -> None:
+        self.seq = seq
+
+    def abort(self, seq: SimpleNamespace) -> None:
+        self.closed = True
+
+    def step(self) -> SimpleNamespace:
+        self.steps += 1
+        if self.steps == self.hook_at:
+            self.hook()
+        # the first token is the prefill's, without a verify step
+        rnd = None if self.steps == 1 else RoundStats(ctx_len=self.steps, nodes=0, committed=1)
+        self.seq.outbox.append(Step([0], "x", rnd, self.seq.stats))
+        return SimpleNamespace(sequences=1, decodes=1, draft_ms=0.0, tree_ms=0.0, verify_ms=0.0, commit_ms=0.0)
 
 
 @dataclass

@@ -47,15 +47,12 @@ def test_a_busy_process_takes_its_cpu_out_of_the_idle_ones():
 
 
 def test_outputs_and_stats_do_not_depend_on_the_prefill_threads(tiny_engine, monkeypatch):
-    monkeypatch.setattr(tiny_engine, "prefix_cache", None)  # both runs prefill the whole prompt
+    monkeypatch.setattr(tiny_engine.scheduler.blocks, "prefix_cache", False)  # both runs prefill the whole prompt
     prompt = [(7 * i) % 300 + 5 for i in range(PARALLEL_PREFILL_MIN + 40)]
     runs = []
     for setting in (1, 2):
-        tiny_engine.prefill_threads = setting
-        try:
-            out = tiny_engine.generate(prompt, max_new_tokens=12, method="ddtree", ignore_eos=True)
-        finally:
-            tiny_engine.prefill_threads = None
+        monkeypatch.setattr(tiny_engine.runner, "prefill_threads", setting)
+        out = tiny_engine.generate(prompt, max_new_tokens=12, method="ddtree", ignore_eos=True)
         assert out.stats.prefill_threads == setting and out.stats.cached_tokens == 0
         assert torch.get_num_threads() == 1  # the decode's threads again
         runs.append(out.token_ids)

@@ -159,11 +159,10 @@ class Decoder:
         return tree, Segment(tokens, positions, self.cache, mask)
 
     def commit(self, tree: DraftTree, out: ForwardOut) -> tuple[list[int], list[int]]:
-        """Lossless acceptance: draw the target's own choice at every node, walk the tree, keep the accepted
-        path's K/V and features. Returns (the committed tokens, the accepted node indices)."""
+        """Accept, then keep the accepted path's K/V and features. Returns (the committed tokens, the accepted
+        node indices)."""
         start = self.cache.length - len(tree.tokens)
-        choices = self.choose(out.logits, tree.depths)
-        path = tree.walk(choices)
+        path, choices = self.accept(tree, out.logits)
         slots = torch.tensor(path, device=self.device)
         self.cache.keep(start, slots)
         if self.capture:
@@ -172,6 +171,11 @@ class Decoder:
         self._record_logprobs(out.logits.index_select(0, slots), new)  # node path[k] chose new[k]
         self.tokens += new
         return new, path
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""
+        choices = self.choose(logits, tree.depths)
+        return tree.walk(choices), choices
 
     def choose(self, logits: torch.Tensor, depths: list[int]) -> list[int]:
         """The target's choice at each node; the node at depth d chooses generated index `generated + d`."""

@@ -79,7 +79,7 @@ class Runner:
                 seq.stats.from_prefill = 1
                 seq.deliver([first], None)
         return StepReport(batch.size, len(batch.decodes), new_tokens, sum(len(s.tokens) for s in segments),
-                          t1 - t0, t2 - t1, t3 - t2, self.clock() - t3)
+                          t1 - t0, t2 - t1, t3 - t2, t4 - t3)
 
     def _draft(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         if not seqs:

@@ -272,7 +272,12 @@ class EngineWorker:
             self._set_gauges()
         now = time.monotonic()
         for a in list(self._active):
-            outcome = self._drain(a, now)
+            try:
+                outcome = self._drain(a, now)
+            except Exception as e:  # a bug in the bookkeeping around the engine: this request fails, not the worker
+                log.exception("request %s failed outside the engine", a.job.request_id)
+                self.engine.abort(a.seq)
+                outcome = Failed("error", e)
             if outcome is None:
                 if now > a.job.deadline:
                     a.job.cancel("timeout")
