@@ -32,6 +32,7 @@ class BlockManager:
         self.index: dict[bytes, int] = {}  # key -> block
         self.key_of: dict[int, bytes] = {}
         self.featured: set[int] = set()  # registered blocks whose drafter features are valid
+        self.soft: dict[int, int] = {}  # empty block -> the pages (id) it is kept for, to grow into in a row
 
     @property
     def free(self) -> int:
@@ -45,27 +46,49 @@ class BlockManager:
         """Blocks `pages` lacks to hold `slots` positions."""
         return max(0, -(-slots // self.block) - len(pages.table))
 
-    def grow(self, pages: Pages, slots: int) -> None:
-        """Give `pages` room for `slots` positions; OutOfBlocks (and nothing given) when the pool lacks it."""
+    def grow(self, pages: Pages, slots: int, expect: int = 0) -> None:
+        """Give `pages` room for `slots` positions; OutOfBlocks (and nothing given) when the pool lacks it.
+        `expect`: the positions it may grow to, kept free after its blocks while the pool has others, so
+        that its table stays a run of blocks (read as a view, not gathered)."""
         n = self.needed(pages, slots)
         if n > self.free:
             raise OutOfBlocks(f"{n} blocks needed, {self.free} free")
+        if n and expect and not pages.table:
+            self._keep_run(pages, -(-expect // self.block))
         new: list[int] = []
         for _ in range(n):
-            new.append(self._take((new or pages.table or [-1])[-1] + 1))
+            new.append(self._take((new or pages.table or [self._run_start(pages) - 1])[-1] + 1, id(pages)))
         pages.extend(new)
 
-    def _take(self, wanted: int) -> int:
-        """A free block: `wanted` if it is empty (a table in a row reads as a view), else the lowest empty,
-        else the least recently freed registered one, unregistered."""
-        if wanted in self.empty:
+    def _keep_run(self, pages: Pages, length: int) -> None:
+        """Mark the lowest run of `length` empty blocks nobody else keeps as `pages`' to grow into."""
+        start, count, last = 0, 0, -2
+        for b in sorted(self.empty):
+            if b in self.soft:
+                count = 0
+                continue
+            start, count = (start, count + 1) if count and b == last + 1 else (b, 1)
+            last = b
+            if count == length:
+                self.soft.update(dict.fromkeys(range(start, start + length), id(pages)))
+                return
+
+    def _run_start(self, pages: Pages) -> int:
+        return min((b for b, owner in self.soft.items() if owner == id(pages)), default=0)
+
+    def _take(self, wanted: int, owner: int) -> int:
+        """A free block: `wanted` if it is empty and nobody else keeps it, else the lowest such empty block,
+        else any empty one, else the least recently freed registered one, unregistered."""
+        if wanted in self.empty and self.soft.get(wanted, owner) == owner:
             b = wanted
         elif self.empty:
-            b = min(self.empty)
+            b = min((b for b in self.empty if b not in self.soft), default=None)
+            b = min(self.empty) if b is None else b
         else:
             b, _ = self.cached.popitem(last=False)
             self._forget(b)
         self.empty.discard(b)
+        self.soft.pop(b, None)
         self.refs[b] = 1
         return b
 
@@ -120,6 +143,8 @@ class BlockManager:
 
     def release(self, pages: Pages) -> None:
         """Drop `pages`' hold on its blocks: registered ones stay reusable, the rest become empty."""
+        for b in [b for b, owner in self.soft.items() if owner == id(pages)]:
+            del self.soft[b]
         for b in pages.table:
             self.refs[b] -= 1
             if self.refs[b] == 0:

@@ -425,24 +425,35 @@ class BatchBudget:
         """Nodes for each `auto` tree (its nodes' log-chances in pop order, its context), beside `fixed`
         segments (rows, context) that commit `commits` tokens, after a draft of `draft_ms`."""
         rows = sum(r for r, _ in fixed) + len(chances)  # every tree's root
-        extra = sum(self._attention(c, r) for r, c in fixed) + sum(self._attention(c, 1) for c in contexts)
+        base = self._line(0, rows + sum(map(len, chances)))  # ms of all rows at no context
+        # each tree's attention over its context, by its rows (plain Python lists: this runs every step)
+        attention = [[a - b for a, b in zip(self._line(c, len(lc) + 1), base)] for c, lc in zip(contexts, chances)]
+        extra = sum(self._attention(c, r) for r, c in fixed) + sum(a[0] for a in attention)
         n = [0] * len(chances)
         accepted = commits + len(chances)
-        best, best_rate = list(n), accepted / (draft_ms + self.ratio * (self.cost.at(0, rows) + extra))
+        best, best_rate = list(n), accepted / (draft_ms + self.ratio * (base[rows - 1] + extra))
         heap = [(-lc[0], i) for i, lc in enumerate(chances) if lc]
         heapq.heapify(heap)
         while heap:
             neg, i = heapq.heappop(heap)
-            extra += self._attention(contexts[i], n[i] + 2) - self._attention(contexts[i], n[i] + 1)
+            extra += attention[i][n[i] + 1] - attention[i][n[i]]
             n[i] += 1
             rows += 1
             accepted += math.exp(-neg)
-            rate = accepted / (draft_ms + self.ratio * (self.cost.at(0, rows) + extra))
+            rate = accepted / (draft_ms + self.ratio * (base[rows - 1] + extra))
             if rate > best_rate:
                 best, best_rate = list(n), rate
             if n[i] < len(chances[i]):
                 heapq.heappush(heap, (-chances[i][n[i]], i))
         return best
+
+    def _line(self, ctx: int, n: int) -> list[float]:
+        """Cost of 1 .. n rows at this context: the calibrated curve, linear past it."""
+        curve = self.cost.curve(ctx)
+        if n <= len(curve):
+            return curve[:n]
+        slope = self.cost.at(ctx, len(curve) + 1) - curve[-1]
+        return curve + [curve[-1] + slope * k for k in range(1, n - len(curve) + 1)]
 
     def predict(self, segments: list[tuple[int, int]]) -> float:
         """Verify ms of a forward of these (rows, context) segments, before the learned ratio."""

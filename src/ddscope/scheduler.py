@@ -89,7 +89,7 @@ class Scheduler:
             if not seq.scored:
                 cached = self.blocks.match(seq.pages, d.tokens[:d.prefill_end], d.features_from if d.capture else None)
             try:
-                self.blocks.grow(seq.pages, d.prefill_end + seq.lookahead())
+                self.blocks.grow(seq.pages, d.prefill_end + seq.lookahead(), seq.max_length + seq.lookahead())
             except OutOfBlocks:
                 self.blocks.release(seq.pages)
                 return False

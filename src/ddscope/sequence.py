@@ -61,6 +61,11 @@ class Sequence:
         """Whether it has generated a token (a preempted one resumes rather than restarts)."""
         return len(self.decoder.tokens) > len(self.prompt)
 
+    @property
+    def max_length(self) -> int:
+        """The most positions it can reach: its prompt and every token it may generate."""
+        return len(self.prompt) + self.completion.max_new
+
     def lookahead(self) -> int:
         """Slots past the committed context a round may write: the tree, and the drafter's block."""
         d = self.decoder
