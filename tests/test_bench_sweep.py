@@ -186,3 +186,41 @@ def test_warmup_prompts_stay_clear_of_timed_ones_until_the_set_is_used_up():
             timed |= {cfg.timed_prompt(ci, r) % 164 for ci in range(len(contexts)) for r in range(repeats)}
         assert not timed & warm and len(timed) == sweeps * repeats * len(contexts)
         assert len(warm) == sweeps * len(contexts)  # and every warm-up a prompt of its own
+
+
+def test_concurrency_levels_are_sent_together_and_read_per_request(tiny_pair, tmp_path, capsys):
+    target, drafter = tiny_pair
+    out = tmp_path / "out"
+    code = bench("sweep", "--target", str(target), "--drafter", str(drafter), "--contexts", "16", "--max-tokens",
+                 "12", "--repeats", "2", "--warmup", "0", "--concurrency", "1,3", "--stream", "--out", str(out))
+    assert code == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert [r["concurrency"] for r in records] == [1, 1, 3, 3, 3]  # a level sends max(repeats, N)
+    group = [r for r in records if r["concurrency"] == 3]
+    starts, ends = [r["started_at"] for r in group], [r["ended_at"] for r in group]
+    assert max(starts) < min(ends)  # all three were in flight at once
+    for r in group:  # ddscope's response is per request: exact whatever else is in the batch
+        assert r["completion_tokens"] == 12 and r["avg_commit"] * r["verify_steps"] == pytest.approx(11)
+        assert r["ttft_s"] is not None and r["ttft_s"] < r["latency_s"]
+        assert r["aggregate_tok_per_s"] * r["group_wall_s"] == pytest.approx(36, rel=1e-4)
+    report = (out / "report.md").read_text()
+    assert "## By concurrency" in report and "| padding | 16 | 3 | 3 |" in report
+    capsys.readouterr()
+    assert bench("analyze", str(out / "results.json"), "--json") == 0
+    table = json.loads(capsys.readouterr().out)["by_concurrency"]
+    assert [(r["concurrency"], r["n"]) for r in table] == [(1, 2), (3, 3)]
+
+
+def test_a_counter_source_is_not_read_under_concurrency(tmp_path):
+    """vLLM's counters differenced around a request take in the other requests in flight: no value, and why."""
+    from bench_fakes import serve, vllm_app
+
+    with serve(vllm_app()) as url:
+        code = bench("sweep", "--url", url, "--contexts", "16", "--max-tokens", "8", "--repeats", "1",
+                     "--warmup", "0", "--concurrency", "1,2", "--out", str(tmp_path / "out"))
+    assert code == 0
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["records"]
+    alone, together = records[0], records[1:]
+    assert alone["avg_commit"] is not None and len(together) == 2
+    for r in together:
+        assert r["avg_commit"] is None and "cannot separate concurrent requests" in r["acceptance_note"]

@@ -147,8 +147,10 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
     if raw.get("error"):
         return None
     row = {"label": str(raw.get("label") or default_label), "context": raw.get("context")}
-    for key in ("prompt_tokens", "tok_per_s", "avg_commit", "server_avg_commit", "engine_step_ms", "log_lines"):
+    for key in ("prompt_tokens", "tok_per_s", "avg_commit", "server_avg_commit", "engine_step_ms", "log_lines",
+                "e2e_tok_per_s", "aggregate_tok_per_s", "ttft_s"):
         row[key] = _num(raw.get(key), key, where)
+    row["concurrency"] = int(_num(raw.get("concurrency"), "concurrency", where) or 1)
     if not row["prompt_tokens"] or not row["tok_per_s"]:
         raise AnalysisError(f"{where}: prompt_tokens and tok_per_s must both be > 0")
     if row["context"] in (None, ""):
@@ -381,6 +383,7 @@ class Analysis:
     attributions: list[Attribution]
     acceptance_by_position: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    by_concurrency: list[dict[str, Any]] = field(default_factory=list)  # concurrency_table's rows
 
     def attribution_of(self, p: Point) -> Attribution | None:
         return next((a for a in self.attributions if a.label == p.label and a.prompt_tokens == p.prompt_tokens),
@@ -411,6 +414,7 @@ class Analysis:
             "points": [point(p) for p in self.points],
             "predictions": list(predictions),
             "acceptance_by_position": self.acceptance_by_position,
+            "by_concurrency": self.by_concurrency,
             "notes": self.notes,
         }
 
@@ -453,10 +457,41 @@ def _length_notes(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+def concurrency_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (label, context, concurrency) with a level above 1 measured: the medians of aggregate tok/s (all
+    requests' tokens over the group's wall time; one after another: each request's end-to-end tok/s),
+    per-request tok/s, avg_commit and step time, and TTFT (streamed). Batching shows as the per-request
+    step time growing with the level; acceptance as avg_commit falling."""
+    if all(r.get("concurrency", 1) == 1 for r in rows):
+        return []
+    groups: dict[tuple[str, Any, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["context"], r.get("concurrency", 1)), []).append(r)
+
+    def med(grp: list[dict[str, Any]], key: str) -> float | None:
+        values = [r[key] for r in grp if r.get(key) is not None]
+        return median(values) if values else None
+
+    table = []
+    for (label, context, c), grp in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        steps = [1000.0 * r["avg_commit"] / r["tok_per_s"] for r in grp if r.get("avg_commit")]
+        table.append({"label": label, "context": context, "concurrency": c, "n": len(grp),
+                      "aggregate_tok_per_s": med(grp, "aggregate_tok_per_s" if c > 1 else "e2e_tok_per_s"),
+                      "tok_per_s": med(grp, "tok_per_s"), "avg_commit": med(grp, "avg_commit"),
+                      "step_ms": median(steps) if steps else None, "ttft_s": med(grp, "ttft_s")})
+    return table
+
+
 def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int = 32) -> Analysis:
-    """Fit the baseline's step curve and attribute every other point's gap to it."""
+    """Fit the baseline's step curve and attribute every other point's gap to it (requests sent one after
+    another); tabulate the concurrency levels beside it."""
     if not rows:
         raise NothingMeasured("no measured points (every request failed or the file is empty)")
+    by_concurrency = concurrency_table(rows)
+    rows = [r for r in rows if r.get("concurrency", 1) == 1]
+    if not rows:
+        return Analysis("", None, [], [], [], ["no requests were sent one after another: the context sweep is "
+                                               "empty, the concurrency table stands alone"], by_concurrency)
     points = _aggregate(rows)
     labels = sorted({p.label for p in points})
     if baseline is None:
@@ -467,7 +502,7 @@ def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int
     base = sorted((p for p in points if p.label == baseline and p.avg_commit), key=lambda p: p.prompt_tokens)
     if not base:
         notes.append(f"baseline {baseline!r} has no acceptance data: tok/s only, no decomposition")
-        return Analysis(baseline, None, points, [], _position_report(rows, window), notes)
+        return Analysis(baseline, None, points, [], _position_report(rows, window), notes, by_concurrency)
     fit = robust_fit([p.prompt_tokens for p in base], [p.step_ms for p in base])
     if fit.poor:
         notes.append(f"the step-time fit is poor (R^2 = {fit.r2:.2f} < {R2_MIN:g}): attribution shares are "
@@ -492,4 +527,4 @@ def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int
                              f"contexts ({lo:.0f}-{hi:.0f}): the curve is extrapolated")
             attributions.append(attribute(p, fit, p.prompt_tokens, _interp_commit(base, p.prompt_tokens),
                                           fit.step_ms(p.prompt_tokens), f"the {baseline} curve"))
-    return Analysis(baseline, fit, points, attributions, _position_report(rows, window), notes)
+    return Analysis(baseline, fit, points, attributions, _position_report(rows, window), notes, by_concurrency)

@@ -40,6 +40,17 @@ def _contexts(text: str) -> list[int]:
     return values
 
 
+MAX_CONCURRENCY = 256
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    """Concurrency levels: distinct integers in [1, MAX_CONCURRENCY], ascending."""
+    values = _contexts(text)
+    if max(values) > MAX_CONCURRENCY:
+        raise argparse.ArgumentTypeError(f"concurrency above {MAX_CONCURRENCY}: {text!r}")
+    return tuple(sorted(set(values)))
+
+
 def _number(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
     """A float in [low, high], or (low, high] with low_open."""
     def parse(text: str) -> float:
@@ -75,6 +86,10 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
                    help=f"fixed output length, ignore_eos (default {URL_MAX_TOKENS} with --url; "
                         f"{EMBEDDED_MAX_TOKENS} on the embedded server, so the sweep ends in minutes on a 2-core CPU)")
     s.add_argument("--repeats", type=at_least(1), default=3, help="timed requests per context (default: %(default)s)")
+    s.add_argument("--concurrency", type=_levels, default=(1,), metavar="N[,N...]",
+                   help="requests in flight at a time, e.g. 1,4,8,16: each level above 1 sends max(repeats, N) "
+                        "new prompts per context, N at a time, and records their aggregate tok/s and TTFT "
+                        "(default: 1, one after another)")
     s.add_argument("--warmup", type=at_least(0), default=1, help="untimed requests per context (default: %(default)s)")
     s.add_argument("--first-prompt", type=at_least(0), default=0,
                    help="the workload's prompt index of the first timed request; later ones follow it, one per "
@@ -289,9 +304,10 @@ def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
                           warmup=args.warmup, first_prompt=args.first_prompt, workload=workload, api=args.api,
                           temperature=args.temperature, stream=args.stream, model=args.model, backend=args.backend,
                           timeout_s=args.timeout,
-                          clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap)
+                          clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap, concurrency=args.concurrency)
         sweep = Sweep(cfg, base_url, client, tokenizer, log, origin)
-        total = len(cfg.contexts) * (cfg.repeats + cfg.warmup)
+        total = len(cfg.contexts) * (cfg.repeats * (1 in cfg.concurrency) + cfg.warmup
+                                     + sum(cfg.group_size(c) for c in cfg.levels))
         try:
             with _Progress(total, f"{sweep.workload.label} on {sweep.backend}") as bar:
                 status = sweep.run(out, bar.advance)

@@ -107,6 +107,25 @@ def fit_line(a: Analysis) -> str:
             f"{a.fit.n_points} points, R^2 = {r2})")
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def concurrency_lines(a: Analysis) -> list[str]:
+    """The concurrency axis as a markdown table: did throughput fall because of batching (per-request step
+    time up), acceptance (avg_commit down), or neither (aggregate up)?"""
+    if not a.by_concurrency:
+        return []
+    lines = ["| workload | context | concurrency | n | aggregate tok/s | per-request tok/s | avg_commit | step_ms "
+             "| TTFT ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in a.by_concurrency:
+        ttft = None if r["ttft_s"] is None else 1000 * r["ttft_s"]
+        lines.append(f"| {r['label']} | {r['context']} | {r['concurrency']} | {r['n']} | "
+                     f"{_fmt(r['aggregate_tok_per_s'], '.1f')} | {_fmt(r['tok_per_s'], '.1f')} | "
+                     f"{_fmt(r['avg_commit'], '.2f')} | {_fmt(r['step_ms'], '.2f')} | {_fmt(ttft, '.0f')} |")
+    return lines
+
+
 def print_report(a: Analysis, console: Console, meta: dict[str, Any],
                  predictions: list[dict[str, float]] = ()) -> None:
     """The terminal table (median ±sd over repeats), the setup, the fit, verdicts and notes."""
@@ -143,6 +162,11 @@ def print_report(a: Analysis, console: Console, meta: dict[str, Any],
             f"{wins[-1]['avg_commit']:.2f} (tokens {wins[-1]['start']}-{wins[-1]['end']})")
     if _decay_rows(a) and not moved:
         say(f"- acceptance holds over the generation (last window within {DECAY_NOTE:.0%} of the first)")
+    if a.by_concurrency:
+        say("")
+        say("by concurrency (aggregate tok/s over each group's wall time; TTFT when streamed):")
+        for line in concurrency_lines(a):
+            say(line)
     for note in a.notes:
         say(f"note: {note}")
     for message, count in (meta.get("errors") or {}).items():
@@ -150,13 +174,45 @@ def print_report(a: Analysis, console: Console, meta: dict[str, Any],
 
 
 def plot(a: Analysis, path: Path) -> None:
-    """tok/s and avg_commit against context on twin axes; step_ms against context with the fit."""
+    """tok/s and avg_commit against context on twin axes and step_ms against context with the fit (requests
+    one after another); aggregate tok/s against concurrency, when levels above 1 were measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = 2 * bool(a.points) + bool(a.by_concurrency)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    if a.by_concurrency:
+        _concurrency_panel(axes[0][-1], a)
+    if a.points:
+        _context_panels(*axes[0][:2], a)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)  # the temp name ends in .tmp, not .png
+    plt.close(fig)
+
+
+def _concurrency_panel(ax, a: Analysis) -> None:
+    """Aggregate tok/s against concurrency, a line per workload and context."""
+    lines: dict[tuple[str, Any], list[tuple[int, float]]] = {}
+    for r in a.by_concurrency:
+        if r["aggregate_tok_per_s"] is not None:
+            lines.setdefault((r["label"], r["context"]), []).append((r["concurrency"], r["aggregate_tok_per_s"]))
+    for (label, context), pts in lines.items():
+        ax.plot(*zip(*pts), marker="o", label=f"{label} @ {context}")
+    levels = sorted({r["concurrency"] for r in a.by_concurrency})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate tok/s")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title("throughput vs concurrency")
+
+
+def _context_panels(left, right, a: Analysis) -> None:
+    """tok/s and avg_commit against context (left), step time and its fit (right)."""
     twin = left.twinx()
     labels = sorted({p.label for p in a.points}, key=lambda lbl: (lbl != a.baseline, lbl))
     for i, label in enumerate(labels):
@@ -196,10 +252,6 @@ def plot(a: Analysis, path: Path) -> None:
     if right.get_legend_handles_labels()[0]:
         right.legend(fontsize=8)
     right.set_title("verify step time vs context")
-    fig.tight_layout()
-    with replacing(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)  # the temp name ends in .tmp, not .png
-    plt.close(fig)
 
 
 def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
@@ -218,6 +270,8 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
     lines += ["", "Values are medians over repeats, ± the standard deviation."]
     if SERVER_HEADER in headers:
         lines += ["", SERVER_NOTE]
+    if a.by_concurrency:
+        lines += ["", "## By concurrency", "", *concurrency_lines(a)]
     if plot_name:
         lines += ["", f"![sweep]({plot_name})"]
     lines += ["", "## Fit", "", fit_line(a), "", "## Verdict", ""]
@@ -241,7 +295,7 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
 
 def write_outputs(a: Analysis, meta: dict[str, Any], out_dir: Path) -> None:
     """sweep.png and report.md next to results.json."""
-    has_points = bool(a.points)
+    has_points = bool(a.points or a.by_concurrency)
     if has_points:
         plot(a, out_dir / "sweep.png")
     atomic_write_text(out_dir / "report.md", markdown(a, meta, "sweep.png" if has_points else None))

@@ -13,6 +13,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -42,10 +43,10 @@ from ddscope.bench.tokens import TokenizerError
 from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
 
 SCHEMA = "ddscope.bench.results/1"
-CSV_FIELDS = ("label", "context", "repeat", "prompt_tokens", "cached_tokens", "completion_tokens", "latency_s", "prefill_s",
+CSV_FIELDS = ("label", "context", "concurrency", "repeat", "prompt_tokens", "cached_tokens", "completion_tokens", "latency_s", "prefill_s",
               "tok_per_s", "tok_per_s_basis", "e2e_tok_per_s", "avg_commit", "server_avg_commit",
               "avg_commit_basis", "verify_steps", "step_ms",
-              "engine_step_ms", "log_lines", "log_straddling", "error")
+              "engine_step_ms", "ttft_s", "aggregate_tok_per_s", "log_lines", "log_straddling", "error")
 PROBE_TOKENS = 8
 
 # Request fields that switch per-request telemetry on. Servers that ignore unknown fields (SGLang,
@@ -94,10 +95,26 @@ class SweepConfig:
     timeout_s: float = 600.0
     clamp_contexts: bool = False  # default contexts: shrink those that do not fit max_model_len
     log_gap_s: float = 2.0        # idle time after each request when a server log is followed
+    concurrency: tuple[int, ...] = (1,)  # requests in flight at a time; 1: one after another
+
+    @property
+    def levels(self) -> list[int]:
+        return [c for c in self.concurrency if c > 1]
+
+    def group_size(self, c: int) -> int:
+        """Timed requests at concurrency `c`: at least `c`, so that `c` are in flight together."""
+        return max(self.repeats, c)
 
     def timed_prompt(self, ci: int, r: int) -> int:
         """The workload's prompt index of repeat `r` at context `ci`: the set's start, from `first_prompt`."""
         return self.first_prompt + ci * self.repeats + r
+
+    def concurrent_prompt(self, ci: int, level: int, r: int) -> int:
+        """The prompt index of request `r` at concurrency level `level` (an index into `levels`) of context
+        `ci`: after every sequential repeat, none shared, so no prefix cache serves one from another."""
+        per_context = sum(self.group_size(c) for c in self.levels)
+        ahead = sum(self.group_size(c) for c in self.levels[:level])
+        return self.first_prompt + len(self.contexts) * self.repeats + ci * per_context + ahead + r
 
     def warmup_prompt(self, ci: int, w: int) -> int:
         """A warm-up's prompt index, counted back from the set's end (negative). It moves back `warmup` per
@@ -397,10 +414,13 @@ class Sweep:
             if self.tokenizer is not None and self.cfg.api == "chat":
                 self.template_tokens = max(0, prompt_tokens - size)
 
-    def measure(self, context: int, repeat: int, index: int) -> dict[str, Any]:
-        """One timed request -> one record (with `error` set when it failed)."""
+    def measure(self, context: int, repeat: int, index: int, concurrency: int = 1) -> dict[str, Any]:
+        """One timed request -> one record (with `error` set when it failed). Under `concurrency` > 1 other
+        requests are in flight: counters differenced around it and log windows hold theirs too, so only a
+        per-request acceptance source is read."""
         record: dict[str, Any] = {"label": self.workload.label, "context": context, "repeat": repeat,
-                                  "error": None}
+                                  "concurrency": concurrency, "error": None}
+        alone = concurrency == 1
         if self.max_model_len and context + self.cfg.max_tokens > self.max_model_len:
             record["error"] = f"context + max_tokens exceeds the server's context limit {self.max_model_len}"
             return record
@@ -411,7 +431,7 @@ class Sweep:
             record["error"] = str(e)
             self.lost = self.lost or f"the server stopped answering: {e}"
             return record
-        before, started = self.reader.snapshot(), time.time()
+        before, started = self.reader.snapshot() if alone else None, time.time()
         record["started_at"] = started  # wall clock, to match server log lines against
         try:
             body, latency, ttft = self._send(route, prompt, self.cfg.max_tokens)
@@ -421,13 +441,18 @@ class Sweep:
             return record
         finally:
             record["ended_at"] = time.time()
-            logged = self._close_window(started, untimed=repeat < 0)
+            logged = self._close_window(started, untimed=repeat < 0) if alone else None
         prompt_tokens, completion = usage_of(body)
         if not completion:
             record["error"] = "the response has no usage.completion_tokens"
             return record
         tps, basis, prefill = decode_rate(self.backend, body, completion, latency, ttft)
-        acc = self.reader.read(body, completion, before, logged)
+        if alone or self.reader.source.kind == "per_request":
+            acc = self.reader.read(body, completion, before, logged)
+        else:
+            acc = (f"{self.reader.source.name} cannot separate concurrent requests (its counters or log windows "
+                   "take in the others'); only a per-request source can")
+        record.update(ttft_s=None if ttft is None else round(ttft, 6))
         record.update(
             prompt_tokens=prompt_tokens or context, cached_tokens=cached_of(body), completion_tokens=completion,
             response_id=body.get("id"), text_sha1=text_digest(body),
@@ -438,6 +463,18 @@ class Sweep:
             record.update(log_avg_commit=logged.avg_commit, log_lines=logged.lines,
                           log_straddling=logged.straddling, log_formats=logged.formats)
         return record
+
+    def measure_together(self, context: int, concurrency: int, indices: list[int]) -> list[dict[str, Any]]:
+        """Requests for `indices`, `concurrency` in flight at a time; each record also carries the group's
+        aggregate tok/s (its completion tokens over the group's wall time)."""
+        t0 = time.time()
+        with ThreadPoolExecutor(concurrency) as pool:
+            records = list(pool.map(lambda ri: self.measure(context, ri[0], ri[1], concurrency), enumerate(indices)))
+        wall = time.time() - t0
+        tokens = sum(r.get("completion_tokens") or 0 for r in records if not r["error"])
+        for r in records:
+            r.update(group_wall_s=round(wall, 6), aggregate_tok_per_s=tokens / wall)
+        return records
 
     def header(self) -> dict[str, Any]:
         return {
@@ -480,7 +517,7 @@ class Sweep:
                     if self.lost:
                         raise ServerLost
                 opened, timed = time.time(), []
-                for r in range(self.cfg.repeats):
+                for r in range(self.cfg.repeats if 1 in self.cfg.concurrency else 0):
                     record = self.measure(context, r, self.cfg.timed_prompt(ci, r))
                     writer.add(record)
                     timed.append(record)
@@ -488,6 +525,13 @@ class Sweep:
                     if self.lost:
                         raise ServerLost
                 self._read_context(opened, timed)
+                for li, c in enumerate(self.cfg.levels):
+                    for record in self.measure_together(context, c, [self.cfg.concurrent_prompt(ci, li, r) for r
+                                                                     in range(self.cfg.group_size(c))]):
+                        writer.add(record)
+                        on_request(_note(record))
+                    if self.lost:
+                        raise ServerLost
                 writer.flush()
         except KeyboardInterrupt:
             status = "interrupted"

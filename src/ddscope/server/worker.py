@@ -109,7 +109,7 @@ class DecodeWindow:
             self.steps += 1
             self.committed += tokens
 
-    def maybe_log(self, running: bool, waiting: int) -> None:
+    def maybe_log(self, running: int, waiting: int) -> None:
         now = time.monotonic()
         elapsed = now - self.start
         if elapsed < self.interval:
