@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ddscope.config import CheckpointError, DecoderGeometry, DrafterConfig, LayerAttention
-from ddscope.model import DecoderLayer, KVCache, RMSNorm, RopeTable, Target, grouped_bias
+from ddscope.model import DecoderLayer, KVCache, RMSNorm, RopeTable, Target, grouped_bias, joined
 from ddscope.weights import load_into, read_state_dict
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Drafter(nn.Module):
         for d in drafts:
             if self.horizon is not None:  # older positions are out of every layer's reach, now and later
                 d.cache.length = max(d.cache.length, d.start - self.horizon)
-        ctx = self.context(torch.cat([d.cache.features[d.cache.length:d.start] for d in drafts]))
+        ctx = self.context(joined([d.cache.features[d.cache.length:d.start] for d in drafts]))
         block = torch.full((len(drafts), B), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = torch.tensor([d.root for d in drafts], device=dev)
         h = self.forward_blocks(target.embed(block.flatten()), drafts, ctx)[:, 1:]
@@ -117,8 +117,8 @@ class Drafter(nn.Module):
         overwrites), and each cache afterwards holds context up to its block."""
         B, dev = self.block_size, self.fc.weight.device
         spans = [(d.cache.length, d.start) for d in drafts]
-        ctx_pos = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
-        blk_pos = torch.cat([torch.arange(d.start, d.start + B, device=dev) for d in drafts])
+        ctx_pos = joined([torch.arange(a, b, device=dev) for a, b in spans])
+        blk_pos = joined([torch.arange(d.start, d.start + B, device=dev) for d in drafts])
         cos_c, sin_c = self.rope(ctx_pos, block.dtype)
         cos_b, sin_b = self.rope(blk_pos, block.dtype)
         seen = [{rule: self._visible(rule, d.start) for rule in set(self.cfg.attention)} for d in drafts]
@@ -138,7 +138,7 @@ class Drafter(nn.Module):
                 first, mask = seen[j][rule]
                 mixed.append(attn.mix(q[:, rows], k[:, first:], v[:, first:], mask))
                 c += b - a
-            h = h + attn.o_proj(torch.cat(mixed))
+            h = h + attn.o_proj(joined(mixed))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         for d in drafts:
             d.cache.length = d.start

@@ -27,8 +27,9 @@ class Pages:
         return len(self.table) * self.block
 
     def extend(self, blocks: list[int]) -> None:
-        self.table += blocks
-        self._map = None
+        if blocks:
+            self.table += blocks
+            self._map = None
 
     def clear(self) -> None:
         self.table, self.keys, self._map = [], [], None

@@ -267,8 +267,8 @@ class Target(nn.Module):
         dtype = self.lm_head.weight.dtype
         sizes = [seg.tokens.shape[0] for seg in segments]
         plans = [self._plan(seg) for seg in segments]
-        cos, sin = self.rope(torch.cat([seg.positions for seg in segments]), dtype)
-        h = self.embed(torch.cat([seg.tokens for seg in segments]))
+        cos, sin = self.rope(joined([seg.positions for seg in segments]), dtype)
+        h = self.embed(joined([seg.tokens for seg in segments]))
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
@@ -289,7 +289,7 @@ class Target(nn.Module):
                     mixed.append(attn.mix(q[:, qa:qa + rows], keys, values, mask, causal))
                 a, qa = a + n, qa + rows
             if mixed:
-                h = h + attn.o_proj(torch.cat(mixed))
+                h = h + attn.o_proj(joined(mixed))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in capture and i != last:
                 captured[i] = h
@@ -345,6 +345,11 @@ class Target(nn.Module):
 class _Masks:
     body: tuple[torch.Tensor | None, bool]  # (mask or grouped bias, causal) of every layer but the last
     last: tuple[torch.Tensor | None, bool]  # ... of the last, for its rows
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of every segment in order; one segment's as they are (a batch of one copies nothing)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _starts(sizes: list[int]) -> list[int]:
