@@ -177,27 +177,12 @@ class Engine:
             del self.learned[next(iter(self.learned))]
         return self.learned.setdefault(key, Learned())
 
-    def stream(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
-               budget: int | str | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               min_p: float = 0.0, seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
-               stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
-               logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
-               prompt_logprobs: int | None = None, lookup: bool = True) -> Iterator[Step]:
-        """Validate now, then yield the prefill's token as the first Step (the sequence joins the batch at the
-        first `next`) and one Step per verify round after it.
-
-        `stop_token_ids` end a generation as EOS does (kept, and their text with them, as vLLM), also under
-        `ignore_eos`; `logit_bias` is added to the target's logits at every node; `logprobs` (top N >= 0)
-        puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
-        (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
-        out of `ddtree` trees (the drafter alone). Closing the iterator cancels generation at the next round.
-        Other sequences in the engine (other streams, `add`ed ones) advance in the same steps.
-        """
-        seq = self.sequence(prompt, max_new_tokens=max_new_tokens, method=method, budget=budget,
-                            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                            ignore_eos=ignore_eos, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
-                            logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, lookup=lookup)
-        return self.follow(seq)
+    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[Step]:
+        """`follow(sequence(prompt, **kwargs))`: validate now (ValueError), then yield the prefill's token as
+        the first Step (the sequence joins the batch at the first `next`) and one Step per verify round after
+        it. Other sequences in the engine (other streams, `add`ed ones) advance in the same steps. Closing the
+        iterator cancels generation at the next step."""
+        return self.follow(self.sequence(prompt, **kwargs))
 
     def sequence(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
                  budget: int | str | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -205,7 +190,14 @@ class Engine:
                  stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                  logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
                  prompt_logprobs: int | None = None, lookup: bool = True) -> Sequence:
-        """A validated request, not yet added (`stream`'s arguments); raises ValueError on bad input."""
+        """A validated request, not yet added; raises ValueError on bad input.
+
+        `stop_token_ids` end a generation as EOS does (kept, and their text with them, as vLLM), also under
+        `ignore_eos`; `logit_bias` is added to the target's logits at every node; `logprobs` (top N >= 0)
+        puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
+        (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
+        out of `ddtree` trees (the drafter alone).
+        """
         ids = self.encode(prompt)
         self._validate(len(ids), max_new_tokens, min_tokens, stop, stop_token_ids, logit_bias, logprobs,
                        prompt_logprobs)

@@ -94,7 +94,8 @@ class Scheduler:
                 self.blocks.release(seq.pages)
                 return False
         d.cache.length = cached
-        seq.stats.cached_tokens = cached if not seq.started else seq.stats.cached_tokens
+        if not seq.started:  # a resumed sequence's usage counts what its first prefill found cached
+            seq.stats.cached_tokens = cached
         seq.status = Status.RUNNING
         return True
 
@@ -114,8 +115,7 @@ class Scheduler:
             self.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.status is not Status.FINISHED:
-            seq.status = Status.FINISHED
+        seq.status = Status.FINISHED
 
     def release(self, seq: Sequence) -> None:
         if self.blocks is not None:
