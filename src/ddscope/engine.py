@@ -65,12 +65,13 @@ class Engine:
         self.device = target.lm_head.weight.device
         self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
         self.kv_cache_mb, self.prefill_threads = kv_cache_mb, prefill_threads
-        self.pool, blocks = self._pool(kv_cache_mb, prefix_cache) if isinstance(target, Target) else (None, None)
+        self.pool, blocks = self._pool(kv_cache_mb, prefix_cache, max_num_seqs) if isinstance(target, Target) else (None, None)
         self.scheduler = Scheduler(blocks, max_num_seqs, max_prefill_tokens)
         self.runner = Runner(target, drafter, prefill_threads)
 
-    def _pool(self, kv_cache_mb: int, prefix_cache: bool) -> tuple[KVPool, BlockManager]:
-        """The pool of `kv_cache_mb`; it must hold at least one sequence of max_model_len and its round."""
+    def _pool(self, kv_cache_mb: int, prefix_cache: bool, max_num_seqs: int) -> tuple[KVPool, BlockManager]:
+        """The pool of `kv_cache_mb`, allocated now; it must hold at least one sequence of max_model_len and
+        its round, and is cut to what `max_num_seqs` such sequences can fill (a tiny model's pool is small)."""
         d = self.drafter
         dg, fdim = (d.cfg.geometry, d.fc.in_features) if d is not None else (None, 0)
         p = self.target.lm_head.weight
@@ -80,6 +81,7 @@ class Engine:
         if blocks < need:
             raise ValueError(f"kv_cache_mb={kv_cache_mb} holds {blocks} blocks of {BLOCK} tokens; one sequence of "
                              f"max_model_len {self.max_model_len} needs {need} ({-(-need * per_block >> 20)} MB)")
+        blocks = min(blocks, max_num_seqs * need)
         return KVPool(self.target.cfg.geometry, dg, fdim, blocks, p.device, p.dtype), BlockManager(blocks, BLOCK,
                                                                                                    prefix_cache)
 
