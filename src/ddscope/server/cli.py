@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, help="cap on prompt + generated tokens (default: the model's)")
     p.add_argument("--kv-cache-mb", type=int, default=KV_CACHE_MB, metavar="MB",
-                   help="memory for the paged KV cache that every running request shares; its free blocks are the "
+                   help="memory for the paged KV cache that every running request shares, allocated at start-up "
+                        "(at most what --max-num-seqs sequences of --max-model-len fill); its free blocks are the "
                         "prefix cache (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse a repeated prompt head's blocks (every prompt is prefilled whole)")
