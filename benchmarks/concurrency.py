@@ -42,20 +42,27 @@ from ddscope.vllm_peer import VLLM_CPU, vllm_server
 Server = Callable[[Path], AbstractContextManager[str]]
 VLLM_EXTRA = ("--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")
 GENERATED = ("ddscope:generation_tokens_total", "vllm:generation_tokens_total")
+WORK = Path("/tmp") / "ddscope-concurrency"  # the baseline's worktree
 PAIRED = 32  # requests of the paired c=1 pass against the batch-1 server
 SMALL_POOL = ["--kv-cache-mb", "24", "--max-model-len", "1536"]  # 48 blocks of 64 tokens, for 16 requests
 
 
-def baseline_server(commit: str, work: Path) -> Server:
-    """`ddscope serve` of an earlier commit (a git worktree), with its default settings and `--budget auto`."""
+def baseline_tree(commit: str, work: Path) -> Path:
+    """The source folder of an earlier commit, checked out as a git worktree under `work` (once)."""
     tree = work / f"ddscope-{commit}"
     if not tree.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], check=True, capture_output=True)
+    return tree / "src"
+
+
+def baseline_server(commit: str, work: Path) -> Server:
+    """`ddscope serve` of an earlier commit (a git worktree), with its default settings and `--budget auto`."""
+    src = baseline_tree(commit, work)
 
     def start(log: Path) -> AbstractContextManager[str]:
         port = free_port()
         cmd = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); from ddscope.cli import main; "
-               "sys.exit(main())", str(tree / "src"), "serve", "--port", str(port), "--budget", "auto"]
+               "sys.exit(main())", str(src), "serve", "--port", str(port), "--budget", "auto"]
         return _url(server_process(cmd, f"http://127.0.0.1:{port}", log), port)
 
     return start
@@ -177,9 +184,8 @@ def main() -> int:
     levels = [int(x) for x in args.levels.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     engine = Engine.load()
-    work = Path("/tmp") / "ddscope-concurrency"
-    work.mkdir(exist_ok=True)
-    found = arms(args.baseline or None, work)
+    WORK.mkdir(exist_ok=True)
+    found = arms(args.baseline or None, WORK)
     cells: dict[str, dict[int, list[dict]]] = {a: {c: [] for c in levels} for a in found}
     sent: dict[tuple[int, int], list[str]] = {}
     with ExitStack() as stack:

@@ -15,10 +15,10 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from statistics import median
 
+from concurrency import WORK, baseline_tree
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine
 
@@ -67,13 +67,6 @@ class Arm:
         self.proc.wait(timeout=60)
 
 
-def baseline_tree(commit: str, work: Path) -> Path:
-    tree = work / f"ddscope-{commit}"
-    if not tree.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], check=True, capture_output=True)
-    return tree / "src"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", default="ff55f21", help="commit of the engine to compare against")
@@ -81,14 +74,13 @@ def main() -> None:
     p.add_argument("--budget", default="auto", help="node budget, N or auto (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=192, help="tokens out per request (default: %(default)s)")
     args = p.parse_args()
-    work = Path(tempfile.gettempdir()) / "ddscope-concurrency"
-    work.mkdir(exist_ok=True)
-    table = work / "verify-cost.json"
+    WORK.mkdir(exist_ok=True)
+    table = WORK / "verify-cost.json"
     engine = Engine.load()
     engine.calibrate()
     table.write_text(json.dumps(engine.verify_cost.to_dict()))
     del engine
-    arms = {"baseline": Arm(baseline_tree(args.baseline, work), table), "this tree": Arm(ROOT / "src", table)}
+    arms = {"baseline": Arm(baseline_tree(args.baseline, WORK), table), "this tree": Arm(ROOT / "src", table)}
     ratios, phases = [], {k: {} for k in arms}
     steps = dict.fromkeys(arms, 0)
     for i in range(args.requests):

@@ -65,7 +65,8 @@ class Engine:
         self.device = target.lm_head.weight.device
         self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
         self.kv_cache_mb, self.prefill_threads = kv_cache_mb, prefill_threads
-        self.pool, blocks = self._pool(kv_cache_mb, prefix_cache, max_num_seqs) if isinstance(target, Target) else (None, None)
+        self.pool, blocks = (self._pool(kv_cache_mb, prefix_cache, max_num_seqs) if isinstance(target, Target)
+                             else (None, None))
         self.scheduler = Scheduler(blocks, max_num_seqs, max_prefill_tokens)
         self.runner = Runner(target, drafter, prefill_threads)
 
