@@ -25,8 +25,8 @@ REQUESTS = [  # (prompt, kwargs): different lengths, methods, samplers and stops
 ]
 
 
-def _alone(engine: Engine) -> list[dict]:
-    return [_summary(engine.generate(p, **kw)) for p, kw in REQUESTS]
+def _alone(engine: Engine, requests: list[tuple[str, dict]] = REQUESTS) -> list[dict]:
+    return [_summary(engine.generate(p, **kw)) for p, kw in requests]
 
 
 def _summary(g) -> dict:
@@ -39,10 +39,11 @@ def _rounded(logprobs: list | None) -> list | None:
     return [(round(lp, 4), [(t, round(x, 4)) for t, x in top]) for lp, top in logprobs] if logprobs else None
 
 
-def _together(engine: Engine, join_every: int = 2) -> tuple[list[dict], list]:
-    """All of REQUESTS through one engine, one joining every `join_every` steps while the others decode;
+def _together(engine: Engine, join_every: int = 2, requests: list[tuple[str, dict]] = REQUESTS
+              ) -> tuple[list[dict], list]:
+    """All of `requests` through one engine, one joining every `join_every` steps while the others decode;
     returns their summaries and the steps' reports."""
-    seqs = [engine.sequence(p, **kw) for p, kw in REQUESTS]
+    seqs = [engine.sequence(p, **kw) for p, kw in requests]
     steps: dict[int, list] = {s.id: [] for s in seqs}
     reports, pending = [], list(seqs)
     for n in range(10_000):
@@ -118,6 +119,29 @@ def test_oracle_drafters_in_a_batch_are_accepted_and_lossless(demo):
     got, _ = _together(oracle, join_every=1)
     _assert_equal(got, want)
     assert sum(g["avg_commit"] for g in got) / len(got) > 3
+
+
+def test_lookup_branches_win_rows_in_the_batchs_budget_and_change_nothing(demo, monkeypatch):
+    """`auto` requests on text that repeats, together: the batch's budget gives prompt-lookup branches rows
+    (a length above 0 chosen for some), and every output still equals its isolated run."""
+    loops = [(text * reps, dict(method="ddtree", budget="auto", max_new_tokens=n, ignore_eos=True))
+             for text, reps, n in (("print('hi')\n", 30, 48), ("x = 1\n", 40, 40),
+                                   ("def f():\n    return 1\n", 20, 56), ("# sort a list\n", 60, 32))]
+    want = _alone(demo, loops)
+    chosen: list[list[int]] = []
+    sizes = demo.runner.budget.sizes
+
+    def spy(*args):
+        out = sizes(*args)
+        chosen.append(out[1])
+        return out
+
+    monkeypatch.setattr(demo.runner.budget, "sizes", spy)
+    got, reports = _together(demo, join_every=1, requests=loops)
+    _assert_equal(got, want)
+    assert max(r.sequences for r in reports) == len(loops) and chosen
+    assert any(n > 0 for lengths in chosen for n in lengths)
+    assert min(g["avg_commit"] for g in got) > 1.5
 
 
 def test_chunked_prefill_runs_beside_decoding_and_changes_nothing(demo):

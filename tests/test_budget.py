@@ -259,13 +259,41 @@ def test_the_batchs_trees_shrink_as_the_batch_grows():
     deep tree; among 16 the step's rows cost more than most of those nodes commit, so each gets fewer."""
     chances = [math.log(max(0.9 - 0.05 * i, 0.01)) for i in range(40)]
     budget = BatchBudget(_linear_cost())
-    alone = budget.sizes([chances], [100], [], draft_ms=2.0, commits=0)[0]
-    together = budget.sizes([chances] * 16, [100] * 16, [], draft_ms=6.0, commits=0)
+    alone = budget.sizes([chances], [[]], [100], [], draft_ms=2.0, commits=0)[0][0]
+    together = budget.sizes([chances] * 16, [[]] * 16, [100] * 16, [], draft_ms=6.0, commits=0)[0]
     assert alone >= 10 and len(set(together)) == 1 and 0 < together[0] < alone
     # the best chances anywhere in the batch go first: a sequence whose drafts are poor gets fewer nodes
     poor = [c - 2.0 for c in chances]
-    mixed = budget.sizes([chances, poor], [100, 100], [], draft_ms=2.0, commits=0)
+    mixed = budget.sizes([chances, poor], [[], []], [100, 100], [], draft_ms=2.0, commits=0)[0]
     assert mixed[0] > mixed[1]
+
+
+def test_lookup_branches_compete_with_the_trees_for_the_batchs_rows():
+    """A branch whose tokens are likelier than a tree's nodes takes rows from the trees (its own sequence's
+    and the others'); a branch that rarely hits gets none; in a plain step (no trees) a good branch is still
+    verified, and among 16 sequences the rows' cost cuts every branch short."""
+    budget = BatchBudget(_linear_cost())
+    tree = [math.log(max(0.6 - 0.05 * i, 0.01)) for i in range(40)]
+    loop = DDTree(8)
+    loop.lookup_gain = 6.0  # a loop: about six hits a round
+    history = [1, 2, 3, 4, 5, 6, 7] * 4
+    good = loop.branch_chances(history)
+    assert len(good) == 13 and good == sorted(good, reverse=True)  # what it earned: 2 x 6 + 1
+    assert math.isclose(sum(math.exp(c) for c in good), 6.0 * (1 - (6 / 7) ** 13), rel_tol=1e-6)
+    poor = [k * math.log(0.05) for k in range(1, 4)]
+    sizes, lengths = budget.sizes([tree, tree], [good, poor], [100, 100], [], draft_ms=2.0, commits=0)
+    alone, _ = budget.sizes([tree, tree], [[], []], [100, 100], [], draft_ms=2.0, commits=0)
+    assert lengths[0] >= 8 and lengths[1] == 0
+    assert sizes[0] <= alone[0] and sum(sizes) < sum(alone)  # the branch's rows came out of the trees
+    _, plain = budget.sizes([[], []], [good, poor], [100, 100], [], draft_ms=0.0, commits=0)
+    assert plain[0] >= 8 and plain[1] == 0
+    _, crowded = budget.sizes([[]] * 16, [good] * 16, [100] * 16, [], draft_ms=0.0, commits=0)
+    assert all(0 < n < plain[0] for n in crowded)
+    # the length chosen is grafted, at most what the branch earned
+    loop.branch = 3
+    grafted = loop.tree(7, None, SamplingParams(), 27, history)
+    assert grafted.tokens == [7, 1, 2, 3]
+    assert len(loop.tree(7, None, SamplingParams(), 28, history + [1]).tokens) == 1 + loop._branch_length()
 
 
 def test_the_batch_stops_drafting_where_plain_steps_commit_faster_and_probes_now_and_then():

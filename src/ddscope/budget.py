@@ -388,9 +388,10 @@ class AutoBudget:
 
 
 class BatchBudget:
-    """The node budget of a step with several sequences: every `auto` tree sized together, so that the
-    batch's expected committed tokens per ms of its one forward is the largest (the nodes with the best
-    acceptance chances anywhere in the batch go first); and whether the batch drafts at all.
+    """The node budget of a step with several sequences: every `auto` tree and prompt-lookup branch sized
+    together, so that the batch's expected committed tokens per ms of its one forward is the largest (the
+    nodes and branch tokens with the best chances anywhere in the batch go first); and whether the batch
+    drafts at all.
 
     Cost of a step's forward: the calibrated cost of all its rows at no context, plus each sequence's
     attention over its own context (its rows' cost at its context minus at none), times a learned
@@ -420,19 +421,27 @@ class BatchBudget:
             return (batch, True) not in self.rates or self.run.get(batch, 0) < self.first_gap
         return favoured != (self.run.get(batch, 0) >= self.gap.get(batch, self.first_gap))
 
-    def sizes(self, chances: list[list[float]], contexts: list[int], fixed: list[tuple[int, int]],
-              draft_ms: float, commits: float) -> list[int]:
-        """Nodes for each `auto` tree (its nodes' log-chances in pop order, its context), beside `fixed`
-        segments (rows, context) that commit `commits` tokens, after a draft of `draft_ms`."""
-        rows = sum(r for r, _ in fixed) + len(chances)  # every tree's root
-        base = self._line(0, rows + sum(map(len, chances)))  # ms of all rows at no context
-        # each tree's attention over its context, by its rows (plain Python lists: this runs every step)
-        attention = [[a - b for a, b in zip(self._line(c, len(lc) + 1), base)] for c, lc in zip(contexts, chances)]
-        extra = sum(self._attention(c, r) for r, c in fixed) + sum(a[0] for a in attention)
-        n = [0] * len(chances)
-        accepted = commits + len(chances)
+    def sizes(self, trees: list[list[float]], branches: list[list[float]], contexts: list[int],
+              fixed: list[tuple[int, int]], draft_ms: float, commits: float) -> tuple[list[int], list[int]]:
+        """Nodes for each `auto` sequence's tree and tokens for its prompt-lookup branch, chosen together.
+
+        Each sequence brings its tree's candidate nodes and its branch's tokens (log-chances, best first;
+        either may be empty) and its context; `fixed` segments (rows, context) beside them commit `commits`
+        tokens, after a draft of `draft_ms`. Trees and branches are chains drawn from by chance, so the
+        best-placed node or branch token anywhere in the batch takes the next row; a branch shares its
+        sequence's root (counted once).
+        """
+        chains, roots = trees + branches, len(trees)
+        rows = sum(r for r, _ in fixed) + roots
+        base = self._line(0, rows + sum(map(len, chains)))  # ms of all rows at no context
+        # each chain's attention over its context, by its rows (plain Python lists: this runs every step)
+        attention = [[a - b for a, b in zip(self._line(c, len(lc) + 1), base)]
+                     for c, lc in zip(contexts + contexts, chains)]
+        extra = sum(self._attention(c, r) for r, c in fixed) + sum(a[0] for a in attention[:roots])
+        n = [0] * len(chains)
+        accepted = commits + roots
         best, best_rate = list(n), accepted / (draft_ms + self.ratio * (base[rows - 1] + extra))
-        heap = [(-lc[0], i) for i, lc in enumerate(chances) if lc]
+        heap = [(-lc[0], i) for i, lc in enumerate(chains) if lc]
         heapq.heapify(heap)
         while heap:
             neg, i = heapq.heappop(heap)
@@ -443,9 +452,9 @@ class BatchBudget:
             rate = accepted / (draft_ms + self.ratio * (base[rows - 1] + extra))
             if rate > best_rate:
                 best, best_rate = list(n), rate
-            if n[i] < len(chances[i]):
-                heapq.heappush(heap, (-chances[i][n[i]], i))
-        return best
+            if n[i] < len(chains[i]):
+                heapq.heappush(heap, (-chains[i][n[i]], i))
+        return best[:roots], best[roots:]
 
     def _line(self, ctx: int, n: int) -> list[float]:
         """Cost of 1 .. n rows at this context: the calibrated curve, linear past it."""

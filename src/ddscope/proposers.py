@@ -5,6 +5,7 @@ The engine loop (verify, walk, commit) is the same for all three.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -65,7 +66,8 @@ class DDTree(Proposer):
     rounds a branch takes to grow. (A verified 1-token probe doubles what a plain round of `auto`
     verifies: a 2-token forward over 3.3k cached tokens took 1.35x a 1-token one on the 2-core AMD EPYC
     here.) `auto` weighs the branch as what a round without the drafter would commit, once
-    `TRUSTED_AFTER` rounds have measured it.
+    `TRUSTED_AFTER` rounds have measured it. In a batch, the branch competes with every tree's nodes for
+    the step's rows (BatchBudget), and gets the length it wins there, at most what it earned.
     """
 
     TRUSTED_AFTER = 4
@@ -77,6 +79,8 @@ class DDTree(Proposer):
         self.lookup_gain = 1.0  # decayed mean of lookup's score a round
         self.rounds = 0
         self._proposal: list[int] = []  # lookup's continuation this round, grafted or not
+        self._proposed_at = -1  # the history length `_proposal` continues
+        self.branch: int | None = None  # this round's branch length, when a batch's budget chose it
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
              history: list[int] = ()) -> DraftTree:
@@ -88,10 +92,28 @@ class DDTree(Proposer):
             tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len)
         self.rounds += 1
         if self.lookup is not None and history:
-            self._proposal = self.lookup.propose(history, LOOKUP_MAX)
-            if length := self._branch_length():
+            earned = self._propose(history)
+            length = earned if self.branch is None else min(self.branch, earned)
+            if length:
                 tree.graft(self._proposal[:length])
+        self.branch = None
         return tree
+
+    def branch_chances(self, history: list[int]) -> list[float]:
+        """Log-chances of the branch's tokens (as long as recent rounds earned), for a batch's budget to size
+        against the trees' nodes (`branch` then set). Lookup's decayed score g is read as a chance
+        p = g / (1 + g) per token in a row, so that the expected run of hits, p / (1 - p), is g."""
+        length = self._propose(history) if self.lookup is not None and history else 0
+        if not length:
+            return []
+        log_p = math.log(self.lookup_gain / (1 + self.lookup_gain))
+        return [k * log_p for k in range(1, length + 1)]
+
+    def _propose(self, history: list[int]) -> int:
+        """Lookup's continuation of `history` (once a round); returns the length of branch recent rounds earned."""
+        if self._proposed_at != len(history):
+            self._proposal, self._proposed_at = self.lookup.propose(history, LOOKUP_MAX), len(history)
+        return min(len(self._proposal), self._branch_length())
 
     def max_nodes(self, block: int) -> int:
         return (MAX_AUTO_BUDGET if self.policy else self.budget) + LOOKUP_MAX
@@ -112,6 +134,6 @@ class DDTree(Proposer):
             hits = next((i for i, (a, b) in enumerate(zip(self._proposal, committed)) if a != b),
                         min(len(self._proposal), len(committed)))
             self.lookup_gain = 0.7 * self.lookup_gain + 0.3 * hits
-            self._proposal = []
+            self._proposal, self._proposed_at = [], -1
         if self.policy is not None:
             self.policy.observe(rnd, path)

@@ -53,8 +53,8 @@ class Runner:
                     if (auto_drafts if shared and s in auto else s.decoder.proposer.drafts(s.decoder.cache.length))]
         drafts = dict(zip(drafting, self._draft(drafting)))
         t1 = self.clock()
-        if shared and auto_drafts:
-            self._size_trees(shared, batch, [s for s in auto if s in drafts], drafts, t1 - t0)
+        if shared:
+            self._size_trees(shared, batch, auto, drafts, t1 - t0)
         plans = [s.decoder.plan(drafts.get(s)) for s in batch.decodes]
         chunks = [s.decoder.prefill_segment(n, s.scored) for s, n in batch.prefills]
         t2 = self.clock()
@@ -88,15 +88,21 @@ class Runner:
             Draft(s.decoder.tokens[-1], s.decoder.cache.length, s.decoder.draft_cache, s.decoder.cache) for s in seqs])
 
     def _size_trees(self, shared: BatchBudget, batch: Batch, auto: list[Sequence], drafts: dict, draft_ms: float) -> None:
-        """Every drafting `auto` sequence's tree size for this step, chosen together (BatchBudget)."""
-        chances = [_policy(s).prepare(s.decoder.tokens[-1], s.decoder.sampling.log_probs(drafts[s])) for s in auto]
+        """Every `auto` sequence's tree size (when it drafted) and prompt-lookup branch length for this step,
+        chosen together (BatchBudget)."""
+        trees = [_policy(s).prepare(s.decoder.tokens[-1], s.decoder.sampling.log_probs(drafts[s])) if s in drafts
+                 else [] for s in auto]
+        branches = [s.decoder.proposer.branch_chances(s.decoder.tokens) for s in auto]
         others = [s for s in batch.decodes if s not in auto]
         fixed = [(n, s.decoder.cache.length) for s, n in batch.prefills]
         fixed += [(1 + s.decoder.proposer.max_nodes(self.drafter.block_size) * (s in drafts), s.decoder.cache.length)
                   for s in others]
-        sizes = shared.sizes(chances, [s.decoder.cache.length for s in auto], fixed, draft_ms, len(others))
-        for s, n in zip(auto, sizes):
-            _policy(s).size = n
+        sizes, lengths = shared.sizes(trees, branches, [s.decoder.cache.length for s in auto], fixed, draft_ms,
+                                      len(others))
+        for s, n, length in zip(auto, sizes, lengths):
+            if s in drafts:
+                _policy(s).size = n
+            s.decoder.proposer.branch = length
 
     def _deliver_round(self, seq: Sequence, tree: DraftTree, new: list[int], path: list[int], drafted: bool,
                        t: tuple[float, ...], batch: int) -> None:
