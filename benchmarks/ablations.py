@@ -20,7 +20,7 @@ import torch
 
 import torch.nn.functional as F
 
-from ddscope import Engine, engine as engine_mod, model as model_mod, proposers as proposers_mod, sampling
+from ddscope import Engine, completion as completion_mod, model as model_mod, proposers as proposers_mod, sampling
 from ddscope.bench.workloads import fit_ids, load_workload
 from engine_args import load_engine, parser
 from ddscope.model import RMSNorm, rope
@@ -63,12 +63,12 @@ def rope_recomputed(engine: Engine) -> Iterator[None]:
 
 @contextlib.contextmanager
 def full_redecode(engine: Engine) -> Iterator[None]:
-    saved = engine_mod.IncrementalText
-    engine_mod.IncrementalText = FullRedecode
+    saved = completion_mod.IncrementalText
+    completion_mod.IncrementalText = FullRedecode
     try:
         yield
     finally:
-        engine_mod.IncrementalText = saved
+        completion_mod.IncrementalText = saved
 
 
 @contextlib.contextmanager

@@ -87,7 +87,8 @@ class Runner:
         return self.drafter.draft_many(self.target, [
             Draft(s.decoder.tokens[-1], s.decoder.cache.length, s.decoder.draft_cache, s.decoder.cache) for s in seqs])
 
-    def _size_trees(self, shared: BatchBudget, batch: Batch, auto: list[Sequence], drafts: dict, draft_ms: float) -> None:
+    def _size_trees(self, shared: BatchBudget, batch: Batch, auto: list[Sequence], drafts: dict,
+                    draft_ms: float) -> None:
         """Every `auto` sequence's tree size (when it drafted) and prompt-lookup branch length for this step,
         chosen together (BatchBudget)."""
         trees = [_policy(s).prepare(s.decoder.tokens[-1], s.decoder.sampling.log_probs(drafts[s])) if s in drafts
