@@ -144,6 +144,31 @@ def test_lookup_branches_win_rows_in_the_batchs_budget_and_change_nothing(demo, 
     assert min(g["avg_commit"] for g in got) > 1.5
 
 
+def test_a_step_with_a_long_prefill_drafts_for_no_auto_sequence_and_changes_nothing(demo):
+    """Three `auto` requests decode; a 600-token prompt joins. The step that prefills it verifies their roots
+    (and lookup branches) undrafted, the steps after it draft again, and every output equals its run alone."""
+    from ddscope.runner import LEAN_PREFILL
+    decoding = [(p, dict(method="ddtree", budget="auto", max_new_tokens=48, ignore_eos=True))
+                for p in ("def add(a, b):", "class Stack:\n    def", "for i in range(10):")]
+    long = demo.tokenizer.decode(demo.encode("import json\nimport re\n" * 200)[:600])  # no other test's head
+    requests = decoding + [(long, dict(method="ddtree", budget="auto", max_new_tokens=16, ignore_eos=True))]
+    seqs = [demo.sequence(p, **kw) for p, kw in requests]
+    for s in seqs[:3]:
+        demo.add(s)
+    while any(s.decoder.prefilling or not s.stats.rounds for s in seqs[:3]):
+        demo.step()
+    demo.add(seqs[3])
+    rounds = len(seqs[0].stats.rounds)
+    report = demo.step()
+    assert report.prefill_tokens >= LEAN_PREFILL and report.decodes == 3
+    assert not any(s.stats.rounds[-1].drafted for s in seqs[:3])  # the lean step
+    while demo.busy:
+        demo.step()
+    assert any(r.drafted for r in seqs[0].stats.rounds[rounds + 1:])  # drafting again after it
+    got = [_from_steps(list(s.outbox)) for s in seqs]
+    _assert_equal(got, _alone(demo, requests))  # after: the long prompt was not in the prefix cache above
+
+
 def test_chunked_prefill_runs_beside_decoding_and_changes_nothing(demo):
     want = _alone(demo)
     chunked = Engine(demo.target, demo.drafter, demo.tokenizer, Path(demo.source), demo.max_model_len,

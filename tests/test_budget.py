@@ -314,3 +314,8 @@ def test_the_batch_stops_drafting_where_plain_steps_commit_faster_and_probes_now
         decisions.append(drafted)
         other.observe(4, drafted, committed=40 if drafted else 8, step_ms=20.0, verify_ms=10.0, predicted_ms=10.0)
     assert len(decisions[20:]) - 8 <= sum(decisions[20:]) < len(decisions[20:])
+    # a step that also prefilled (its mode not the policy's choice, its time partly the chunk's) teaches
+    # the cost prediction only
+    rates, run = dict(other.rates), dict(other.run)
+    other.observe(4, False, committed=4, step_ms=200.0, verify_ms=40.0, predicted_ms=10.0, chosen=False)
+    assert other.rates == rates and other.run == run and other.ratio > 1.0

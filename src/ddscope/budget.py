@@ -472,9 +472,13 @@ class BatchBudget:
         return self.cost.at(ctx, rows) - self.cost.at(0, rows)
 
     def observe(self, batch: int, drafted: bool, committed: int, step_ms: float, verify_ms: float,
-                predicted_ms: float) -> None:
-        """A step of `batch` decoding sequences: what it committed, took, and what its forward was predicted."""
+                predicted_ms: float, chosen: bool = True) -> None:
+        """A step of `batch` decoding sequences: what it committed, took, and what its forward was predicted.
+        `chosen=False`: a step whose mode was not this policy's to pick (it prefilled a chunk too, whose time
+        is no mode's): only the cost prediction learns from it."""
         self.ratio = _average(self.ratio, _clipped(verify_ms / predicted_ms, self.ratio), 0.1)
+        if not chosen:
+            return
         before = self._favoured(batch)
         self.rates[batch, drafted] = _average(self.rates.get((batch, drafted)), committed / step_ms, 0.2)
         if before is None:  # both modes measured now: the run in the favoured mode starts

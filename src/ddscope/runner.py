@@ -1,6 +1,7 @@
 """One step of the batch: every drafting sequence's block in one drafter pass, then each tree, then every
-tree and prefill chunk in one target forward, then each sequence's commit. Phases are timed for the whole
-step; each sequence's round reports the step it shared (its step time is the batch's)."""
+tree and prefill chunk in one target forward, then each sequence's commit. A step that prefills a long
+chunk runs lean: its `auto` sequences verify their roots and prompt-lookup branches, undrafted. Phases are
+timed for the whole step; each sequence's round reports the step it shared (its step time is the batch's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,12 @@ class StepReport:
     commit_ms: float
 
 
+# Prefill tokens from which a step drafts for no `auto` sequence: the new request's first token waits for the
+# whole step, and beside a long chunk the drafts and trees cost more than they commit (at c=8, 10-1000-token
+# prompts: TTFT p50 202 against 248 ms, 863 against 780 tok/s, AMD EPYC; docs/server.md).
+LEAN_PREFILL = 256
+
+
 class Runner:
     def __init__(self, target: TargetLike, drafter: Drafter | None, prefill_threads: int | None = None):
         self.target, self.drafter = target, drafter
@@ -48,9 +55,10 @@ class Runner:
         t0 = self.clock()
         auto = [s for s in batch.decodes if _policy(s) is not None]
         shared = self.budget if len(batch.decodes) > 1 and auto and self.budget is not None else None
-        auto_drafts = shared.drafts(len(batch.decodes)) if shared else False
-        drafting = [s for s in batch.decodes
-                    if (auto_drafts if shared and s in auto else s.decoder.proposer.drafts(s.decoder.cache.length))]
+        lean = new_tokens >= LEAN_PREFILL
+        auto_drafts = shared.drafts(len(batch.decodes)) and not lean if shared else False
+        drafting = [s for s in batch.decodes if not (lean and s in auto) and (
+            auto_drafts if shared and s in auto else s.decoder.proposer.drafts(s.decoder.cache.length))]
         drafts = dict(zip(drafting, self._draft(drafting)))
         t1 = self.clock()
         if shared:
@@ -69,7 +77,7 @@ class Runner:
         t4 = self.clock()
         if shared:
             shared.observe(len(batch.decodes), auto_drafts, sum(len(new) for new, _ in committed), t4 - t0, t3 - t2,
-                           shared.predict(shape))
+                           shared.predict(shape), chosen=not batch.prefills)
         for seq, (tree, _), (new, path) in zip(batch.decodes, plans, committed):
             self._deliver_round(seq, tree, new, path, seq in drafts, (t0, t1, t2, t3, t4), batch.size)
         for (seq, _), first in zip(batch.prefills, firsts):
