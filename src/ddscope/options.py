@@ -62,9 +62,9 @@ def threads_or_auto(text: str) -> int | None:
 
 def add_prefill_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--prefill-threads", type=threads_or_auto, default=None, metavar="N|auto",
-                   help="torch threads for a prompt's forward (default: auto, the decode's --threads plus the CPUs "
-                        "idle when a prompt of 256+ new tokens starts: large matmuls split well; see docs/server.md, "
-                        "Threads)")
+                   help="torch threads for a large step: a prompt of 256+ new tokens, or a batch of several "
+                        "sequences (default: auto, the decode's --threads plus the CPUs other processes leave idle: "
+                        "large matmuls split well; see docs/server.md, Threads)")
 
 
 def set_threads(threads: int) -> None:

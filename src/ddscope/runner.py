@@ -15,7 +15,7 @@ from ddscope.hf_target import TargetLike
 from ddscope.scheduler import Batch
 from ddscope.sequence import Sequence
 from ddscope.stats import RoundStats
-from ddscope.threads import prefill_threads, torch_threads
+from ddscope.threads import step_threads, torch_threads
 from ddscope.tree import DraftTree
 
 
@@ -42,12 +42,12 @@ class Runner:
     def __init__(self, target: TargetLike, drafter: Drafter | None, prefill_threads: int | None = None):
         self.target, self.drafter = target, drafter
         self.budget: BatchBudget | None = None  # sizes `auto` trees together once the verify cost is calibrated
-        self.prefill_threads = prefill_threads  # None: the idle CPUs at each prefill (ddscope.threads)
+        self.prefill_threads = prefill_threads  # for large steps; None: the idle CPUs at each (ddscope.threads)
         self.clock = Clock(target.lm_head.weight.device)
 
     def step(self, batch: Batch) -> StepReport:
         new_tokens = sum(n for _, n in batch.prefills)
-        threads = prefill_threads(new_tokens, self.prefill_threads)
+        threads = step_threads(new_tokens, batch.size, self.prefill_threads)
         with torch_threads(threads):
             return self._step(batch, new_tokens, threads)
 
