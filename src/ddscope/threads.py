@@ -39,10 +39,9 @@ def _busy_s() -> float | None:
     """CPU seconds spent busy on all CPUs since boot, stolen time included (/proc/stat); None off Linux."""
     try:
         with open("/proc/stat", "rb") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    except (OSError, ValueError):  # ValueError: not the 8 numbers of a Linux 2.6.11+ `cpu` line
         return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
