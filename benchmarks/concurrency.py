@@ -244,6 +244,12 @@ def main() -> int:
     return 0
 
 
+def abba(i: int, arms: tuple[str, str]) -> tuple[str, str]:
+    """The order of the two arms in pair `i` (ABBA BAAB ...): each runs first as often as second, and the
+    machine's drift over a pair falls on both alike."""
+    return arms if i % 4 in (0, 3) else arms[::-1]
+
+
 def pair(urls: dict[str, str], models: dict[str, str], arms: tuple[str, str], blocks: list[list[str]]) -> dict:
     """c=1 blocks as the levels send them (128/256 tokens out), the two arms taking turns block by block on
     the same prompts, in ABBA order: what the machine's drift does within a pair falls on both arms alike,
@@ -251,7 +257,7 @@ def pair(urls: dict[str, str], models: dict[str, str], arms: tuple[str, str], bl
     ratios (first arm over second) and each arm's tok/s over all its blocks."""
     got: dict[str, list[dict]] = {a: [] for a in arms}
     for i, prompts in enumerate(blocks):
-        for a in (arms if i % 4 in (0, 3) else arms[::-1]):
+        for a in abba(i, arms):
             res = asyncio.run(load(urls[a], models[a], prompts, 1))
             got[a].append({"tok_s": res["tok_s"], "tokens": res["tokens"]})
             print(f"pair {i} {a}: {res['tok_s']:.0f} tok/s", flush=True)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from statistics import median
 
-from concurrency import WORK, baseline_tree
+from concurrency import WORK, abba, baseline_tree
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine
 
@@ -84,7 +84,7 @@ def main() -> None:
     ratios, phases = [], {k: {} for k in arms}
     steps = dict.fromkeys(arms, 0)
     for i in range(args.requests):
-        order = list(arms) if i % 4 in (0, 3) else list(arms)[::-1]
+        order = abba(i, tuple(arms))
         got = {k: arms[k].run(i, args.budget, args.tokens) for k in order}
         ms = {k: 1000 * r["decode_s"] / r["steps"] for k, r in got.items()}
         ratios.append(ms["this tree"] / ms["baseline"])

@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
-from concurrency import WORK, baseline_server, load, model_of, prompts_for
+from concurrency import WORK, abba, baseline_server, load, model_of, prompts_for
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine
@@ -41,7 +41,7 @@ def main() -> int:
             asyncio.run(load(urls[a], models[a], prompts_for(engine, 100_000, 4), 4))
         for i in range(args.pairs):
             prompts = prompts_for(engine, 50_000 + i * n, n)
-            for a in (arms if i % 4 in (0, 3) else arms[::-1]):
+            for a in abba(i, arms):
                 res = asyncio.run(load(urls[a], models[a], prompts, args.concurrency))
                 got[a].append({"tok_s": res["tok_s"], "ttft_p50": res["ttft_p50"]})
             print(f"pair {i}: " + ", ".join(f"{a} {got[a][-1]['tok_s']:.0f} tok/s TTFT p50 "
