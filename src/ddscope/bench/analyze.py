@@ -52,6 +52,7 @@ class Point:
     engine_step_ms: float | None = None
     log_lines: int | None = None  # server log lines behind avg_commit, over the repeats
     server_avg_commit: float | None = None  # the server's own figure, where it differs from the delivered one
+    nodes_per_step: float | None = None  # tokens the target verified per step (tree nodes with the root), where said
 
     @property
     def step_ms(self) -> float | None:
@@ -120,13 +121,15 @@ def _aggregate(rows: list[dict[str, Any]]) -> list[Point]:
         tps = [r["tok_per_s"] for r in grp]
         logged = [int(r["log_lines"]) for r in grp if r.get("log_lines") is not None]
         server = [r["server_avg_commit"] for r in grp if r.get("server_avg_commit")]
+        nodes = [r["nodes_per_step"] for r in grp if r.get("nodes_per_step")]
         points.append(Point(
             label=label, prompt_tokens=median(r["prompt_tokens"] for r in grp), tok_per_s=median(tps),
             avg_commit=median(commits) if len(commits) == len(grp) else None, n=len(grp),
             tok_per_s_sd=pstdev(tps), avg_commit_sd=pstdev(commits) if commits else 0.0,
             step_ms_sd=pstdev(steps) if steps else 0.0, engine_step_ms=median(engine) if engine else None,
             log_lines=sum(logged) if logged else None,
-            server_avg_commit=median(server) if len(server) == len(grp) else None))
+            server_avg_commit=median(server) if len(server) == len(grp) else None,
+            nodes_per_step=median(nodes) if nodes else None))
     return sorted(points, key=lambda p: (p.label, p.prompt_tokens))
 
 
@@ -148,7 +151,7 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
         return None
     row = {"label": str(raw.get("label") or default_label), "context": raw.get("context")}
     for key in ("prompt_tokens", "tok_per_s", "avg_commit", "server_avg_commit", "engine_step_ms", "log_lines",
-                "e2e_tok_per_s", "aggregate_tok_per_s", "ttft_s"):
+                "e2e_tok_per_s", "aggregate_tok_per_s", "ttft_s", "nodes_per_step"):
         row[key] = _num(raw.get(key), key, where)
     row["concurrency"] = int(_num(raw.get("concurrency"), "concurrency", where) or 1)
     if not row["prompt_tokens"] or not row["tok_per_s"]:
@@ -384,6 +387,11 @@ class Analysis:
     acceptance_by_position: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     by_concurrency: list[dict[str, Any]] = field(default_factory=list)  # concurrency_table's rows
+    limit: dict[str, Any] | None = None  # the physical floor beside the measurements (ddscope.bench.limit.verdict)
+
+    def floor_of(self, i: int) -> dict[str, Any] | None:
+        """Point i's floor (floor_ms, bound, parts, break_even_commit), where one was computed."""
+        return (self.limit or {}).get("points", {}).get(i)
 
     def attribution_of(self, p: Point) -> Attribution | None:
         return next((a for a in self.attributions if a.label == p.label and a.prompt_tokens == p.prompt_tokens),
@@ -397,8 +405,10 @@ class Analysis:
                 "tok_per_s": self.fit.tok_per_s(ctx, commit)}
 
     def to_dict(self, predictions: list[dict[str, float]] = ()) -> dict[str, Any]:
-        def point(p: Point) -> dict[str, Any]:
-            out = {**asdict(p), "step_ms": p.step_ms,
+        def point(i: int, p: Point) -> dict[str, Any]:
+            floor = self.floor_of(i)
+            out = {**asdict(p), "step_ms": p.step_ms, "floor_step_ms": floor["floor_ms"] if floor else None,
+                   "floor": floor,
                    # the curve's tok/s at this point's own acceptance: actual / predicted = step residual
                    "predicted_tok_per_s": self.fit.tok_per_s(p.prompt_tokens, p.avg_commit)
                    if self.fit and p.avg_commit else None}
@@ -408,14 +418,19 @@ class Analysis:
             why = "no acceptance data: tok/s only" if not p.avg_commit else "the baseline reference point"
             return {**out, "acceptance_share": None, "step_share": None, "verdict": why}
 
+        limit = self.limit or {}
         return {
             "baseline": self.baseline,
             "fit": asdict(self.fit) if self.fit else None,
-            "points": [point(p) for p in self.points],
+            "limit": limit.get("line"),
+            "limit_verdict": limit.get("verdict", []),
+            "levers": limit.get("levers", []),
+            "limit_assumed": limit.get("assumed"),
+            "points": [point(i, p) for i, p in enumerate(self.points)],
             "predictions": list(predictions),
             "acceptance_by_position": self.acceptance_by_position,
             "by_concurrency": self.by_concurrency,
-            "notes": self.notes,
+            "notes": self.notes + limit.get("notes", []),
         }
 
 

@@ -212,6 +212,20 @@ def engine_step_ms(backend: str, body: dict[str, Any]) -> float | None:
     return num((body.get("ddscope") or {}).get("mean_step_ms")) if backend == "ddscope" else None
 
 
+def nodes_per_step(backend: str, body: dict[str, Any]) -> float | None:
+    """Tokens the target verified per step, root included: ddscope's tree nodes, vLLM's drafts (detailed or
+    summary per-request metrics); None where the server does not say."""
+    if backend == "ddscope":
+        ext = body.get("ddscope") or {}
+        steps, nodes = num(ext.get("verify_steps")), num(ext.get("nodes_verified"))
+    elif backend == "vllm":
+        spec = (body.get("metrics") or {}).get("speculative_decoding") or {}
+        steps, nodes = num(spec.get("num_spec_steps")), num(spec.get("num_draft_tokens"))
+    else:
+        return None
+    return 1.0 + nodes / steps if steps and nodes is not None else None
+
+
 def decoding_method(backend: str, body: dict[str, Any]) -> dict[str, Any]:
     """The decoding method and budget the server ran a request with, where it says (ddscope); else None."""
     ext = (body.get("ddscope") or {}) if backend == "ddscope" else {}

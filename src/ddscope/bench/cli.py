@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Self
 
 from ddscope.atomic import replaced_name
+from ddscope.bench.limit.cli import FloorRequest, add_floor_args
+from ddscope.bench.limit.cli import register as register_limit
 from ddscope.bench.serverlog import END_SLACK_S
 from ddscope.options import add_model_args, at_least, budget_arg
 
@@ -115,7 +117,7 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
 
 
 def register(subparsers: Any) -> None:
-    """Add `bench` with `sweep`, `analyze` and `diagnose` to the top-level ddscope parser."""
+    """Add `bench` with `sweep`, `analyze`, `diagnose` and `limit` to the top-level ddscope parser."""
     bench = subparsers.add_parser("bench", help="context sweep, throughput decomposition and attribution")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -124,6 +126,7 @@ def register(subparsers: Any) -> None:
                                        "tok/s = avg_commit / step_time. Writes results.json, results.csv, "
                                        "sweep.png and report.md to --out.")
     _add_sweep_flags(sweep, "padding")
+    add_floor_args(sweep, ("--model-config",), dtype=False)
     sweep.add_argument("--out", type=Path, default=Path("bench-out/sweep"),
                        help="output folder, replaced once the sweep is complete; until then (and after a sweep "
                             "that fails or stops early) the run's files are in OUT.partial (default: %(default)s)")
@@ -143,6 +146,7 @@ def register(subparsers: Any) -> None:
     analyze.add_argument("--json", action="store_true", help="print the analysis as JSON")
     analyze.add_argument("--out", type=Path, help="also write sweep.png and report.md here")
     _add_allow_mismatch(analyze)
+    add_floor_args(analyze, ("--model", "--model-config"))
     analyze.set_defaults(func=cmd_analyze)
 
     diagnose = sub.add_parser("diagnose", help="padding sweep + workload sweep, then the attribution report",
@@ -150,6 +154,7 @@ def register(subparsers: Any) -> None:
                                           "(or --load two results files) and attribute the workload's gap "
                                           "to acceptance, context scaling or other step cost.")
     _add_sweep_flags(diagnose, "code")
+    add_floor_args(diagnose, ("--model-config",), dtype=False)
     diagnose.add_argument("--load", nargs=2, type=Path, metavar=("PADDING_RESULTS", "WORKLOAD_RESULTS"),
                           help="analyse two earlier results files instead of sweeping")
     diagnose.add_argument("--out", type=Path, default=Path("bench-out/diagnose"),
@@ -159,6 +164,7 @@ def register(subparsers: Any) -> None:
     diagnose.add_argument("--json", action="store_true", help="print the analysis as JSON")
     _add_allow_mismatch(diagnose)
     diagnose.set_defaults(func=cmd_diagnose)
+    register_limit(sub)
 
 
 def _add_allow_mismatch(p: argparse.ArgumentParser) -> None:
@@ -304,7 +310,8 @@ def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
                           warmup=args.warmup, first_prompt=args.first_prompt, workload=workload, api=args.api,
                           temperature=args.temperature, stream=args.stream, model=args.model, backend=args.backend,
                           timeout_s=args.timeout,
-                          clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap, concurrency=args.concurrency)
+                          clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap, concurrency=args.concurrency,
+                          floor=args.floor.to_dict() if args.floor else None)
         sweep = Sweep(cfg, base_url, client, tokenizer, log, origin)
         total = len(cfg.contexts) * (cfg.repeats * (1 in cfg.concurrency) + cfg.warmup
                                      + sum(cfg.group_size(c) for c in cfg.levels))
@@ -321,8 +328,10 @@ def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
 
 
 def _report(paths: list[Path], out: Path | None, baseline: str | None, window: int, as_json: bool,
-            points: list[str] = (), predict: list[str] = (), allow_mismatch: bool = False) -> int:
-    """Analyse results files (plus --point rows), print, and write outputs to `out`."""
+            points: list[str] = (), predict: list[str] = (), allow_mismatch: bool = False,
+            floor: FloorRequest | None = None) -> int:
+    """Analyse results files (plus --point rows), print, and write outputs to `out`; with floor options (given,
+    or kept in the first results file), each point beside its physical floor."""
     from rich.console import Console
 
     from ddscope.bench.analyze import NothingMeasured, analyze, load_rows, parse_point, parse_prediction
@@ -349,6 +358,12 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
         raise NothingMeasured("no point could be measured" + (f": {details}" if details else ""))
     analysis = analyze(rows, baseline=baseline, window=window)
     analysis.notes[:0] = notes
+    floor = floor or _kept_floor(meta)
+    if floor is not None:
+        from ddscope.bench.limit.cli import floor_spec
+        from ddscope.bench.limit.verdict import against_floor
+
+        analysis.limit = against_floor(analysis, floor_spec(floor, meta.get("backend")))
     predictions = [analysis.predict(*parse_prediction(spec)) for spec in predict]
     if as_json:
         print(json.dumps(analysis.to_dict(predictions), indent=1))
@@ -358,6 +373,11 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
         out.mkdir(parents=True, exist_ok=True)
         write_outputs(analysis, meta, out)
     return 0
+
+
+def _kept_floor(meta: dict[str, Any]) -> FloorRequest | None:
+    kept = (meta.get("config") or {}).get("floor")
+    return FloorRequest(**kept) if isinstance(kept, dict) else None
 
 
 def _like_for_like(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]], tags: list[str],
@@ -464,9 +484,12 @@ def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
     """Turn expected failures into one clear line and exit code 2 (1: nothing measured)."""
     def run(args: argparse.Namespace) -> int:
         from ddscope.bench.analyze import AnalysisError, NothingMeasured
+        from ddscope.bench.limit import ConfigError, FloorError, HardwareError
+        from ddscope.bench.limit.cli import FloorArgsError
         from ddscope.bench.workloads import WorkloadError
 
         try:
+            args.floor = FloorRequest.from_args(args)
             return handler(args)
         except NothingMeasured as e:
             print(f"ddscope bench: {e}", file=sys.stderr)
@@ -474,7 +497,7 @@ def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
         except Stopped as e:
             print(f"ddscope bench: aborted: {e}", file=sys.stderr)
             return 1
-        except (BenchError, WorkloadError, AnalysisError) as e:
+        except (BenchError, WorkloadError, AnalysisError, ConfigError, FloorError, HardwareError, FloorArgsError) as e:
             print(f"ddscope bench: error: {e}", file=sys.stderr)
             return 2
     run.__doc__ = handler.__doc__
@@ -488,7 +511,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     _check_sweep_args(args)
     with _staged(args.out) as stage:
         paths, stopped = _run_sweeps(args, stage, [args.workload], [stage])
-        code = _report(paths, stage, None, args.window, as_json=False)
+        code = _report(paths, stage, None, args.window, as_json=False, floor=args.floor)
         if stopped:
             raise Stopped(stopped)
     return code
@@ -499,14 +522,14 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if not args.files and not args.point:
         raise BenchError("give at least one FILE or --point")
     return _report(args.files, args.out, args.baseline, args.window, args.json, args.point, args.predict,
-                   args.allow_mismatch)
+                   args.allow_mismatch, args.floor)
 
 
 @_guard
 def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.load:  # the report beside the files, which may lie in --out: nothing there is replaced
         return _report(list(args.load), args.out, "padding", args.window, args.json,
-                       allow_mismatch=args.allow_mismatch)
+                       allow_mismatch=args.allow_mismatch, floor=args.floor)
     _check_sweep_args(args)
     if args.workload == "padding":
         raise BenchError("diagnose compares a workload with padding: pick --workload code|math|chat|file:PATH")
@@ -515,4 +538,4 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         paths, stopped = _run_sweeps(args, stage, ["padding", args.workload], [stage / "padding", stage / label])
         if stopped:
             raise Stopped(stopped)
-        return _report(paths, stage, "padding", args.window, args.json)
+        return _report(paths, stage, "padding", args.window, args.json, floor=args.floor)

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddscope.atomic import atomic_write_text, replacing
-from ddscope.bench.analyze import Analysis, Point
+from ddscope.bench.analyze import Analysis
 
 
 def _pm(value: float | None, sd: float, digits: int) -> str:
@@ -21,10 +21,14 @@ def _pm(value: float | None, sd: float, digits: int) -> str:
     return f"{value:.{digits}f} ±{sd:.{digits}f}" if sd else f"{value:.{digits}f}"
 
 
-def _row(p: Point, headers: list[str]) -> list[str]:
+def _row(a: Analysis, i: int, headers: list[str]) -> list[str]:
+    p = a.points[i]
     engine = f"{p.engine_step_ms:.2f}" if p.engine_step_ms else "-"
     row = [p.label, f"{p.prompt_tokens:.0f}", _pm(p.tok_per_s, p.tok_per_s_sd, 1),
            _pm(p.avg_commit, p.avg_commit_sd, 2), _pm(p.step_ms, p.step_ms_sd, 2), engine, str(p.n)]
+    if FLOOR_HEADER in headers:
+        floor = a.floor_of(i)
+        row.append(f"{floor['floor_ms']:.2f}" if floor else "-")
     if SERVER_HEADER in headers:
         row.append(f"{p.server_avg_commit:.2f}" if p.server_avg_commit else "-")
     if LOG_HEADER in headers:
@@ -35,6 +39,7 @@ def _row(p: Point, headers: list[str]) -> list[str]:
 DECAY_NOTE = 0.1  # the terminal lists acceptance-by-position only where it moved this much
 HEADERS = ["workload", "prompt_tok", "tok/s", "avg_commit", "step_ms", "engine ms", "n"]
 SERVER_HEADER = "server"  # the server's own avg_commit, shown where it differs from the delivered one
+FLOOR_HEADER = "floor ms"  # the step's physical floor (ddscope.bench.limit), with --hardware
 LOG_HEADER = "log lines"  # shown when a server log was followed: the lines behind each avg_commit
 SERVER_NOTE = ("avg_commit is delivered: the tokens returned after the first (which prefill yields) per verify "
                "step; `server` is the server's own avg_commit, which reads higher where the server counts the "
@@ -47,7 +52,8 @@ def _differs(p: Point) -> bool:
 
 
 def _headers(a: Analysis) -> list[str]:
-    return (HEADERS + ([SERVER_HEADER] if any(_differs(p) for p in a.points) else [])
+    return (HEADERS + ([FLOOR_HEADER] if a.limit else [])
+            + ([SERVER_HEADER] if any(_differs(p) for p in a.points) else [])
             + ([LOG_HEADER] if any(p.log_lines is not None for p in a.points) else []))
 
 
@@ -107,6 +113,20 @@ def fit_line(a: Analysis) -> str:
             f"{a.fit.n_points} points, R^2 = {r2})")
 
 
+def limit_lines(a: Analysis) -> list[str]:
+    """The floor's line beside the fit, what it assumed, and the verdict against it (the levers come first)."""
+    if not a.limit:
+        return []
+    hw, model = a.limit["assumed"]["hardware"], a.limit["assumed"]["model"]
+    out = [f"floor: {model['name']} on {hw.get('gpus', 1)} x {hw['name']} ({hw['bandwidth_gbps']:g} GB/s, bf16 "
+           f"{hw['tflops']['bf16']:g} TFLOPS; {a.limit['assumed']['routing'] if model['experts'] else 'dense'})"]
+    line = a.limit.get("line")
+    if line:
+        out.append(f"floor line: {line['a_ms']:.3f} ms + {1e3 * line['b_ms_per_token']:.4f} ms per 1k tokens "
+                   f"({line['nodes']:g} tokens verified a step)")
+    return out + [f"- against the floor: {v}" for v in a.limit["verdict"]]
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -139,8 +159,8 @@ def print_report(a: Analysis, console: Console, meta: dict[str, Any],
     for i in keep:
         table.add_column(headers[i], justify="left" if headers[i] == "workload" else "right",
                          no_wrap=headers[i] != "workload")
-    for p in a.points:
-        row = _row(p, headers)
+    for n in range(len(a.points)):
+        row = _row(a, n, headers)
         table.add_row(*(Text(row[i]) for i in keep))  # Text: "[old]" in a label is no markup
     console.print(table)
     if SERVER_HEADER in headers:
@@ -149,6 +169,8 @@ def print_report(a: Analysis, console: Console, meta: dict[str, Any],
         console.print(line, highlight=False, markup=False)
     say = functools.partial(console.print, highlight=False, markup=False)
     say(fit_line(a))
+    for line in limit_lines(a):
+        say(line)
     for pred in predictions:
         say(f"- predicted at {pred['prompt_tokens']:.0f} tokens with avg_commit {pred['avg_commit']:.2f}: "
             f"{pred['tok_per_s']:.1f} tok/s (step {pred['step_ms']:.2f} ms)")
@@ -231,6 +253,10 @@ def _context_panels(left, right, a: Analysis) -> None:
         engine = [(p.prompt_tokens, p.engine_step_ms) for p in pts if p.engine_step_ms]
         if engine:  # the engine's own phases: the distance to step_ms is server overhead
             right.plot(*zip(*engine), marker="x", linestyle="none", color=color, label=f"{label} engine step")
+    floors = [(p.prompt_tokens, a.floor_of(i)["floor_ms"]) for i, p in enumerate(a.points) if a.floor_of(i)]
+    if floors:
+        floors.sort()
+        right.plot(*zip(*floors), marker="v", linestyle=":", color="grey", label="physical floor")
     if a.fit is not None:
         xs = [p.prompt_tokens for p in a.points]
         lo, hi = min(xs), max(xs)
@@ -266,7 +292,7 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
         lines.append(f"- status: {meta['status']}{reason}")
     headers = _headers(a)
     lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(_row(p, headers)) + " |" for p in a.points]
+    lines += ["| " + " | ".join(_row(a, i, headers)) + " |" for i in range(len(a.points))]
     lines += ["", "Values are medians over repeats, ± the standard deviation."]
     if SERVER_HEADER in headers:
         lines += ["", SERVER_NOTE]
@@ -274,7 +300,10 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
         lines += ["", "## By concurrency", "", *concurrency_lines(a)]
     if plot_name:
         lines += ["", f"![sweep]({plot_name})"]
-    lines += ["", "## Fit", "", fit_line(a), "", "## Verdict", ""]
+    lines += ["", "## Fit", "", fit_line(a), ""]
+    if a.limit:
+        lines += ["## Against the physical floor", "", *limit_lines(a), "", *_lever_table(a), ""]
+    lines += ["## Verdict", ""]
     lines += [f"- **{att.label} @ {att.prompt_tokens:.0f}**: {att.verdict}" for att in a.attributions] or \
         ["- nothing to compare (one point, or no acceptance data)"]
     if _decay_rows(a):
@@ -291,6 +320,16 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
         lines += [f"- error, {count} request(s): {msg}" for msg, count in errors.items()]
         lines += [f"- {note}" for note in a.notes]
     return "\n".join(lines) + "\n"
+
+
+def _lever_table(a: Analysis) -> list[str]:
+    levers = (a.limit or {}).get("levers") or []
+    if not levers:
+        return []
+    rows = ["| workload | prompt_tok | lever | tok/s | tok/s if | gain |", "|---|---|---|---|---|---|"]
+    rows += [f"| {lv['label']} | {lv['prompt_tokens']:.0f} | {lv['lever']}: {lv['what']} | {lv['tok_per_s']:.1f} | "
+             f"{lv['tok_per_s_if']:.1f} | x{lv['gain']:.2f} |" for lv in levers]
+    return rows
 
 
 def write_outputs(a: Analysis, meta: dict[str, Any], out_dir: Path) -> None:

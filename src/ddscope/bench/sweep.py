@@ -31,6 +31,7 @@ from ddscope.bench.backends import (
     decoding_method,
     delivered,
     engine_step_ms,
+    nodes_per_step,
     server_decode,
     server_prefill_s,
     step_commits,
@@ -96,6 +97,7 @@ class SweepConfig:
     clamp_contexts: bool = False  # default contexts: shrink those that do not fit max_model_len
     log_gap_s: float = 2.0        # idle time after each request when a server log is followed
     concurrency: tuple[int, ...] = (1,)  # requests in flight at a time; 1: one after another
+    floor: dict[str, Any] | None = None  # the physical floor's options (ddscope.bench.limit.cli.FloorRequest)
 
     @property
     def levels(self) -> list[int]:
@@ -283,6 +285,7 @@ class Sweep:
         self.backend = cfg.backend if cfg.backend != "auto" else self.server.detect()
         info = self.server.models()
         self.model = cfg.model or info.get("id")
+        self.model_root, self.dtype = info.get("root"), info.get("dtype")  # vLLM's card and ddscope's name both
         self.max_model_len = Server.context_limit(info)
         if cfg.clamp_contexts and self.max_model_len:
             room = max(1, self.max_model_len - cfg.max_tokens)
@@ -458,7 +461,8 @@ class Sweep:
             response_id=body.get("id"), text_sha1=text_digest(body),
             latency_s=round(latency, 6), prefill_s=None if prefill is None else round(prefill, 6), tok_per_s=tps,
             tok_per_s_basis=basis, e2e_tok_per_s=completion / latency, engine_step_ms=engine_step_ms(self.backend, body),
-            commits=step_commits(self.backend, body, completion), **acceptance_fields(acc, completion, tps))
+            commits=step_commits(self.backend, body, completion), nodes_per_step=nodes_per_step(self.backend, body),
+            **acceptance_fields(acc, completion, tps))
         if logged is not None:
             record.update(log_avg_commit=logged.avg_commit, log_lines=logged.lines,
                           log_straddling=logged.straddling, log_formats=logged.formats)
@@ -481,6 +485,7 @@ class Sweep:
             "config": asdict(self.cfg),
             "environment": environment(),
             "backend": {"name": self.backend, "url": self.server.base_url, "model": self.model,
+                        "model_root": self.model_root, "dtype": self.dtype,
                         "max_model_len": self.max_model_len, **self.decoding, "request_extras": self.extras,
                         "route": self.url(self.openai_route if self.reader.route == "openai" else self.reader.route),
                         "prompt_format": "token_ids" if self.token_ids else "text",

@@ -196,8 +196,9 @@ def _engine(state: ServerState) -> Engine:
 
 
 def _model_card(engine: Engine) -> dict[str, Any]:
-    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "ddscope",
-            "max_model_len": engine.max_model_len}
+    # root: the checkpoint directory, as vLLM's card names it; dtype: what the target runs in (the bench's floor)
+    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "ddscope", "root": engine.source,
+            "max_model_len": engine.max_model_len, "dtype": str(engine.target.lm_head.weight.dtype).removeprefix("torch.")}
 
 
 def _check_model(engine: Engine, model: str | None) -> None:

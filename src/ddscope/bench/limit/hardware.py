@@ -1,0 +1,179 @@
+"""What one accelerator can read and compute: named cards from their datasheets, `custom:`, or `host`.
+
+Rates are peaks a vendor states, so a step timed against them is a floor: dense (not 2:4 sparse) tensor
+FLOPs, and the interconnect per card and per direction (a ring all-reduce sends and receives at once, so
+the per-direction rate is what bounds it). A dtype without a stated rate takes the card's bf16 rate,
+which is at least as fast (an fp32 model on a GPU): the floor stays a lower bound.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddscope.atomic import atomic_write_text
+
+
+class HardwareError(ValueError):
+    """An unknown or malformed --hardware."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    bandwidth_gbps: float                 # memory, GB/s
+    tflops: dict[str, float]              # dense peak by dtype: bf16, fp8, fp32
+    link_gbps: float | None = None        # to peers, per card and direction, GB/s
+    link: str = ""                        # what the link is
+    source: str = ""                      # where the numbers come from
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    def rate(self, dtype: str) -> float:
+        """FLOP/s for matmuls in `dtype`; an unlisted one runs at bf16's (fp16 and int weights dequantized)."""
+        return 1e12 * self.tflops.get(dtype, self.tflops["bf16"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v not in ({}, "", None)}
+
+
+# Dense peaks from each vendor's datasheet (sparse figures halved); links per direction.
+# NVLink 4 (H100/H200 SXM) is 900 GB/s per GPU both ways together, NVLink 5 1.8 TB/s; PCIe 5.0 x16 is 64 GB/s
+# a direction, 4.0 x16 32 GB/s; AMD Infinity Fabric on MI300X/MI325X is 7 links x 64 GB/s a direction.
+CARDS: dict[str, Hardware] = {h.name: h for h in (
+    # nvidia.com/en-us/data-center/h100/ (datasheet table, SXM): 3.35 TB/s; BF16 1,979 TF and FP8 3,958 TF
+    # "with sparsity"; NVLink 900 GB/s
+    Hardware("h100", 3350, {"bf16": 989.5, "fp8": 1979}, 450, "NVLink 4", "NVIDIA H100 datasheet, SXM"),
+    # same table, H100 NVL / PCIe: 2.0 TB/s (80 GB PCIe), BF16 1,513 TF and FP8 3,026 TF with sparsity; PCIe 5.0
+    Hardware("h100-pcie", 2000, {"bf16": 756.5, "fp8": 1513}, 64, "PCIe 5.0 x16", "NVIDIA H100 datasheet, PCIe"),
+    # nvidia.com/en-us/data-center/h200/: 4.8 TB/s; BF16 1,979 and FP8 3,958 TF with sparsity; NVLink 900 GB/s
+    Hardware("h200", 4800, {"bf16": 989.5, "fp8": 1979}, 450, "NVLink 4", "NVIDIA H200 datasheet, SXM"),
+    # nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 8 TB/s; FP16/BF16 4.5 PF and FP8 9 PF with
+    # sparsity; NVLink 5 1.8 TB/s
+    Hardware("b200", 8000, {"bf16": 2250, "fp8": 4500}, 900, "NVLink 5", "NVIDIA HGX B200 datasheet, per GPU"),
+    # nvidia.com/en-us/data-center/hgx/ (HGX B300, per GPU): 8 TB/s; FP16/BF16 4.5 PF and FP8 9 PF with
+    # sparsity (Blackwell Ultra raises FP4, not BF16); NVLink 5 1.8 TB/s
+    Hardware("b300", 8000, {"bf16": 2250, "fp8": 4500}, 900, "NVLink 5", "NVIDIA HGX B300 datasheet, per GPU"),
+    # nvidia.com/en-us/data-center/rtx-pro-6000-blackwell-server-edition/: 1,597 GB/s GDDR7; FP4 4 PF with
+    # sparsity (so FP8 1 PF and BF16 0.5 PF dense); PCIe 5.0 x16, no NVLink
+    Hardware("rtx-pro-6000", 1597, {"bf16": 503.8, "fp8": 1007.6}, 64, "PCIe 5.0 x16",
+             "NVIDIA RTX PRO 6000 Blackwell Server Edition datasheet"),
+    # nvidia.com/en-us/data-center/l40s/: 864 GB/s; BF16 733 TF and FP8 1,466 TF with sparsity; PCIe 4.0 x16
+    Hardware("l40s", 864, {"bf16": 366.5, "fp8": 733}, 32, "PCIe 4.0 x16", "NVIDIA L40S datasheet"),
+    # nvidia.com/en-us/data-center/a100/ (80 GB SXM): 2,039 GB/s; BF16 312 TF dense; NVLink 3 600 GB/s
+    Hardware("a100", 2039, {"bf16": 312}, 300, "NVLink 3", "NVIDIA A100 datasheet, 80 GB SXM"),
+    # amd.com/en/products/accelerators/instinct/mi300/mi300x.html: 5.3 TB/s; BF16 1,307.4 TF, FP8 2,614.9 TF
+    # dense; 896 GB/s Infinity Fabric both ways
+    Hardware("mi300x", 5300, {"bf16": 1307.4, "fp8": 2614.9}, 448, "Infinity Fabric", "AMD Instinct MI300X datasheet"),
+    # amd.com/en/products/accelerators/instinct/mi300/mi325x.html: 6 TB/s; BF16 1,307.4 TF, FP8 2,614.9 TF
+    Hardware("mi325x", 6000, {"bf16": 1307.4, "fp8": 2614.9}, 448, "Infinity Fabric", "AMD Instinct MI325X datasheet"),
+    # nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5090/ and the Blackwell GeForce whitepaper: 1,792 GB/s;
+    # FP16/BF16 tensor 209.5 TF dense (FP32 accumulate); FP8 419 TF dense; PCIe 5.0 x16
+    Hardware("rtx-5090", 1792, {"bf16": 209.5, "fp8": 419}, 64, "PCIe 5.0 x16", "NVIDIA RTX Blackwell GPU architecture"),
+)}
+
+
+def parse_custom(spec: str) -> Hardware:
+    """`custom:bw=GBps,flops=TFLOPS[,fp8=TFLOPS][,link=GBps]`."""
+    fields: dict[str, float] = {}
+    for item in spec.split(":", 1)[1].split(","):
+        key, _, value = item.partition("=")
+        try:
+            fields[key.strip()] = float(value)
+        except ValueError:
+            raise HardwareError(f"--hardware {spec!r}: {item!r} is not KEY=NUMBER") from None
+    unknown = set(fields) - {"bw", "flops", "fp8", "link"}
+    if unknown or not {"bw", "flops"} <= set(fields) or min(fields.values(), default=0) <= 0:
+        raise HardwareError(f"--hardware {spec!r}: expected custom:bw=GBps,flops=TFLOPS[,fp8=TFLOPS][,link=GBps], "
+                            f"each > 0")
+    tflops = {"bf16": fields["flops"], **({"fp8": fields["fp8"]} if "fp8" in fields else {})}
+    return Hardware("custom", fields["bw"], tflops, fields.get("link"), "custom", "--hardware " + spec)
+
+
+def hardware_named(name: str) -> Hardware:
+    """A card by name, `custom:...`, or `host[:THREADS]` (this machine, measured once and cached)."""
+    if name == "host" or name.startswith("host:"):
+        threads = name.partition(":")[2]
+        if threads and not (threads.isdigit() and int(threads) >= 1):
+            raise HardwareError(f"--hardware {name!r}: expected host or host:THREADS (an integer >= 1)")
+        return host(int(threads) if threads else None)
+    if name.startswith("custom:"):
+        return parse_custom(name)
+    if name not in CARDS:
+        raise HardwareError(f"unknown hardware {name!r}; known: {', '.join(CARDS)}, host[:THREADS], "
+                            f"custom:bw=GBps,flops=TFLOPS[,link=GBps]")
+    return CARDS[name]
+
+
+# ---- this machine, measured -----------------------------------------------------------------------
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _best_s(fn, repeats: int) -> float:
+    """The least time of `repeats` runs after one warm-up: other load only adds time."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_host(threads: int) -> Hardware:
+    """Memory bandwidth as a batch-1 matrix-vector product sees it (a decode step's weight read, over a
+    matrix far larger than any cache), and fp32/bf16 matmul FLOPs, on `threads` torch threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        matrix = torch.ones(32768, 8192)  # 1 GiB of fp32, past any cache; written once, so no page fault is timed
+        vector = torch.ones(8192)
+        mv = _best_s(lambda: torch.mv(matrix, vector), 5)
+        del matrix
+        tflops = {}
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            a = torch.ones(2048, 2048, dtype=dtype)
+            tflops[name] = 2 * 2048 ** 3 / _best_s(lambda: torch.mm(a, a), 3) / 1e12
+    finally:
+        torch.set_num_threads(before)
+    bandwidth = 32768 * 8192 * 4 / mv / 1e9
+    return Hardware("host", round(bandwidth, 2), {k: round(v, 4) for k, v in tflops.items()}, None, "",
+                    f"measured on {_cpu_model()}, {threads} thread(s)",
+                    {"cpu": _cpu_model(), "threads": threads, "torch": torch.__version__,
+                     "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def host(threads: int | None = None) -> Hardware:
+    """This machine, measured on `threads` torch threads; by default on every CPU this process may use, the
+    most a step of `ddscope serve` takes (a long prefill or a batch takes the idle CPUs), so the floor bounds
+    every step. Cached by CPU model and threads in DDSCOPE_CACHE (re-measure by deleting the file)."""
+    threads = threads or len(os.sched_getaffinity(0))
+    root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
+    key = hashlib.sha1(f"{_cpu_model()}|{threads}".encode()).hexdigest()[:16]
+    path = root / f"host-floor-{key}.json"
+    try:
+        doc = json.loads(path.read_text())
+        return Hardware(**doc)
+    except (OSError, ValueError, TypeError):
+        pass
+    hw = measure_host(threads)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(asdict(hw), indent=1))
+    except OSError:
+        pass  # an unwritable cache costs a re-measure next time, nothing else
+    return hw
