@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -402,8 +403,10 @@ def test_concurrent_responses_equal_isolated_runs(server):
 def test_models_and_health(server, model):
     assert httpx.get(f"{server}/health").status_code == 200
     models = httpx.get(f"{server}/v1/models").json()
-    assert models == {"object": "list", "data": [{"id": model, "object": "model", "created": 0,
-                                                  "owned_by": "ddscope", "max_model_len": 2048}]}
+    card = models["data"][0]
+    assert models == {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "root": card["root"],
+                                                  "owned_by": "ddscope", "max_model_len": 2048, "dtype": "float32"}]}
+    assert (Path(card["root"]) / "config.json").is_file()  # the bench's floor reads the model from it
     assert httpx.get(f"{server}/v1/models/{model}").json()["id"] == model
 
 

@@ -210,7 +210,7 @@ class Engine:
         eos = () if ignore_eos else tuple(self.eos_ids)
         stops = tuple(stop_token_ids or ())
         law = Law(dict(logit_bias or {}), eos + stops, min_tokens)
-        pages = Pages()
+        pages = Pages(device=self.device)
         cache, draft_cache = self._caches(pages, len(ids) + max_new_tokens)
         decoder = Decoder(self.target, self.drafter, proposer, cache, draft_cache, sampling, generator, law, logprobs)
         stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))

@@ -16,8 +16,8 @@ BLOCK = 64  # slots a block; the prefix cache shares whole blocks
 class Pages:
     """A sequence's block table and the slot of each of its positions."""
 
-    def __init__(self, block: int = BLOCK):
-        self.block = block
+    def __init__(self, block: int = BLOCK, device: torch.device | str = "cpu"):
+        self.block, self.device = block, torch.device(device)  # the pool's: slot indices live beside it
         self.table: list[int] = []
         self.keys: list[bytes] = []  # the prefix-cache keys of its leading full blocks, once registered
         self._map: torch.Tensor | None = None
@@ -56,8 +56,8 @@ class Pages:
         if self.contiguous:
             self._map = self.table[0] * self.block if self.table else 0
         else:
-            t = torch.tensor(self.table, dtype=torch.long)
-            self._map = (t[:, None] * self.block + torch.arange(self.block)).flatten()
+            t = torch.tensor(self.table, dtype=torch.long, device=self.device)
+            self._map = (t[:, None] * self.block + torch.arange(self.block, device=self.device)).flatten()
 
 
 class PagedCache:
