@@ -291,3 +291,42 @@ def test_no_measured_step_beats_its_host_floor(tmp_path):
             assert r.verify_ms >= floor, (method, r, floor)
         if method == "ddtree":  # the trees were real: drafted, verified and accepted
             assert sum(r.nodes for r in rounds) > 0 and out.stats.to_dict()["avg_commit"] > 2
+
+
+def test_sweep_keeps_the_floor_and_analyze_reads_it_back(tiny_pair, tmp_path, capsys):
+    """The embedded sweep's steps beside the host floor: none beats it, the tiny pair's step is overhead-bound, and
+    the options stay in results.json so `analyze` of that file gives the same floors without being told."""
+    from ddscope.cli import main
+
+    target, drafter = tiny_pair
+    out = tmp_path / "out"
+    assert main(["bench", "sweep", "--target", str(target), "--drafter", str(drafter), "--contexts", "8,128,512",
+                 "--max-tokens", "16", "--repeats", "2", "--warmup", "0", "--hardware", "host", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "floor ms" in printed and "overhead-bound" in printed
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["config"]["floor"]["hardware"] == "host" and doc["backend"]["model_root"] == str(target.resolve())
+    assert all(r["nodes_per_step"] > 1 for r in doc["records"])  # the server says how big its trees were
+    report = (out / "report.md").read_text()
+    assert "## Against the physical floor" in report and "| padding | 8 |" in report
+    assert main(["bench", "analyze", str(out / "results.json"), "--json"]) == 0
+    analysis = json.loads(capsys.readouterr().out)
+    assert analysis["limit"] and analysis["limit_assumed"]["hardware"]["name"] == "host"
+    for p in analysis["points"]:
+        assert 0 < p["floor_step_ms"] <= p["step_ms"] and p["floor"]["break_even_commit"] >= 1
+    assert not any("beats its floor" in n for n in analysis["notes"])
+    assert {lv["lever"] for lv in analysis["levers"]} == {"step_fixed", "step_context", "acceptance"}
+
+
+def test_a_step_below_its_floor_is_called_a_wrong_input(capsys):
+    from ddscope.cli import main
+
+    demo = ROOT / "src/ddscope/assets/demo/target"
+    assert main(["bench", "analyze", "--point", "13:100000:5", "--point", "2000:50000:5", "--model", str(demo),
+                 "--hardware", "custom:bw=10,flops=1", "--nodes", "33", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("beats its floor" in n and "wrong model or a wrong input" in n for n in notes)
+    # a point whose tree size nobody knows gets no floor, and says what would give it one
+    assert main(["bench", "analyze", "--point", "13:100:5", "--model", str(demo), "--hardware", "h100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["points"][0]["floor_step_ms"] is None and any("pass --nodes" in n for n in doc["notes"])

@@ -110,3 +110,13 @@ def test_server_reports_cached_tokens_in_usage_and_metrics():
     assert 'ddscope:cached_prompt_tokens_total{model_name="target"} 256.0' in metrics
 
 
+
+
+def test_a_slot_map_lives_on_the_pools_device():
+    """A table that is no run of blocks maps positions through an index tensor, made beside the pool (CUDA's
+    index_copy_ refuses a CPU index for a GPU pool)."""
+    import torch
+
+    pages = Pages(device="meta")
+    pages.extend([3, 1])
+    assert pages.slots(0, 2 * BLOCK).device == torch.device("meta")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,16 +110,6 @@ def hardware_named(name: str) -> Hardware:
 
 # ---- this machine, measured -----------------------------------------------------------------------
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _best_s(fn, repeats: int) -> float:
     """The least time of `repeats` runs after one warm-up: other load only adds time."""
     fn()
@@ -137,6 +126,8 @@ def measure_host(threads: int) -> Hardware:
     matrix far larger than any cache), and fp32/bf16 matmul FLOPs, on `threads` torch threads."""
     import torch
 
+    from ddscope.bench.sweep import cpu_model
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -152,8 +143,8 @@ def measure_host(threads: int) -> Hardware:
         torch.set_num_threads(before)
     bandwidth = 32768 * 8192 * 4 / mv / 1e9
     return Hardware("host", round(bandwidth, 2), {k: round(v, 4) for k, v in tflops.items()}, None, "",
-                    f"measured on {_cpu_model()}, {threads} thread(s)",
-                    {"cpu": _cpu_model(), "threads": threads, "torch": torch.__version__,
+                    f"measured on {cpu_model()}, {threads} thread(s)",
+                    {"cpu": cpu_model(), "threads": threads, "torch": torch.__version__,
                      "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
@@ -161,9 +152,11 @@ def host(threads: int | None = None) -> Hardware:
     """This machine, measured on `threads` torch threads; by default on every CPU this process may use, the
     most a step of `ddscope serve` takes (a long prefill or a batch takes the idle CPUs), so the floor bounds
     every step. Cached by CPU model and threads in DDSCOPE_CACHE (re-measure by deleting the file)."""
+    from ddscope.bench.sweep import cpu_model
+
     threads = threads or len(os.sched_getaffinity(0))
     root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
-    key = hashlib.sha1(f"{_cpu_model()}|{threads}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{cpu_model()}|{threads}".encode()).hexdigest()[:16]
     path = root / f"host-floor-{key}.json"
     try:
         doc = json.loads(path.read_text())
