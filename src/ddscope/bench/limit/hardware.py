@@ -40,39 +40,38 @@ class Hardware:
         return {k: v for k, v in asdict(self).items() if v not in ({}, "", None)}
 
 
-# Dense peaks from each vendor's datasheet (sparse figures halved); links per direction.
-# NVLink 4 (H100/H200 SXM) is 900 GB/s per GPU both ways together, NVLink 5 1.8 TB/s; PCIe 5.0 x16 is 64 GB/s
-# a direction, 4.0 x16 32 GB/s; AMD Infinity Fabric on MI300X/MI325X is 7 links x 64 GB/s a direction.
+# Dense peaks from each vendor's datasheet ("with sparsity" figures halved); links per card and direction.
+# NVLink 4 (H100/H200 SXM) is "900 GB/s" per GPU both ways together, NVLink 5 "1.8 TB/s"; PCIe 5.0 x16 is "128 GB/s"
+# both ways, 4.0 x16 "64 GB/s". Where vendors' own pages differ, the higher rate is kept: a floor must stay below.
 CARDS: dict[str, Hardware] = {h.name: h for h in (
-    # nvidia.com/en-us/data-center/h100/ (datasheet table, SXM): 3.35 TB/s; BF16 1,979 TF and FP8 3,958 TF
-    # "with sparsity"; NVLink 900 GB/s
-    Hardware("h100", 3350, {"bf16": 989.5, "fp8": 1979}, 450, "NVLink 4", "NVIDIA H100 datasheet, SXM"),
-    # same table, H100 NVL / PCIe: 2.0 TB/s (80 GB PCIe), BF16 1,513 TF and FP8 3,026 TF with sparsity; PCIe 5.0
-    Hardware("h100-pcie", 2000, {"bf16": 756.5, "fp8": 1513}, 64, "PCIe 5.0 x16", "NVIDIA H100 datasheet, PCIe"),
-    # nvidia.com/en-us/data-center/h200/: 4.8 TB/s; BF16 1,979 and FP8 3,958 TF with sparsity; NVLink 900 GB/s
-    Hardware("h200", 4800, {"bf16": 989.5, "fp8": 1979}, 450, "NVLink 4", "NVIDIA H200 datasheet, SXM"),
-    # nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 8 TB/s; FP16/BF16 4.5 PF and FP8 9 PF with
-    # sparsity; NVLink 5 1.8 TB/s
-    Hardware("b200", 8000, {"bf16": 2250, "fp8": 4500}, 900, "NVLink 5", "NVIDIA HGX B200 datasheet, per GPU"),
-    # nvidia.com/en-us/data-center/hgx/ (HGX B300, per GPU): 8 TB/s; FP16/BF16 4.5 PF and FP8 9 PF with
-    # sparsity (Blackwell Ultra raises FP4, not BF16); NVLink 5 1.8 TB/s
+    # nvidia.com/en-us/data-center/h100/ (SXM): 3.35 TB/s; BF16 1,979 and FP8 3,958 TFLOPS with sparsity; NVLink 900 GB/s
+    Hardware("h100", 3350, {"bf16": 989.4, "fp8": 1979}, 450, "NVLink 4", "NVIDIA H100 datasheet, SXM"),
+    # same page, H100 PCIe: 2 TB/s; BF16 1,513 and FP8 3,026 TFLOPS with sparsity; PCIe 5.0 x16 (a bridged pair: 600 GB/s)
+    Hardware("h100-pcie", 2000, {"bf16": 756, "fp8": 1513}, 64, "PCIe 5.0 x16", "NVIDIA H100 datasheet, PCIe"),
+    # nvidia.com/en-us/data-center/h200/ (SXM): 4.8 TB/s; BF16 1,979 and FP8 3,958 TFLOPS with sparsity; NVLink 900 GB/s
+    Hardware("h200", 4800, {"bf16": 989.4, "fp8": 1979}, 450, "NVLink 4", "NVIDIA H200 datasheet, SXM"),
+    # nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 7.7 TB/s there, 8 TB/s in DGX B200's 64 TB/s over 8 GPUs;
+    # FP16/BF16 4.5 PFLOPS and FP8 9 PFLOPS with sparsity; NVLink 5 1.8 TB/s
+    Hardware("b200", 8000, {"bf16": 2250, "fp8": 4500}, 900, "NVLink 5", "NVIDIA HGX/DGX B200 datasheets, per GPU"),
+    # nvidia.com/en-us/data-center/hgx/ (HGX B300, per GPU): 7.7-8 TB/s; BF16 and FP8 as B200's (Blackwell Ultra raises
+    # FP4); NVLink 5 1.8 TB/s
     Hardware("b300", 8000, {"bf16": 2250, "fp8": 4500}, 900, "NVLink 5", "NVIDIA HGX B300 datasheet, per GPU"),
-    # nvidia.com/en-us/data-center/rtx-pro-6000-blackwell-server-edition/: 1,597 GB/s GDDR7; FP4 4 PF with
-    # sparsity (so FP8 1 PF and BF16 0.5 PF dense); PCIe 5.0 x16, no NVLink
-    Hardware("rtx-pro-6000", 1597, {"bf16": 503.8, "fp8": 1007.6}, 64, "PCIe 5.0 x16",
-             "NVIDIA RTX PRO 6000 Blackwell Server Edition datasheet"),
-    # nvidia.com/en-us/data-center/l40s/: 864 GB/s; BF16 733 TF and FP8 1,466 TF with sparsity; PCIe 4.0 x16
-    Hardware("l40s", 864, {"bf16": 366.5, "fp8": 733}, 32, "PCIe 4.0 x16", "NVIDIA L40S datasheet"),
-    # nvidia.com/en-us/data-center/a100/ (80 GB SXM): 2,039 GB/s; BF16 312 TF dense; NVLink 3 600 GB/s
+    # nvidia.com/en-us/products/workstations/professional-desktop-gpus/rtx-pro-6000/: 1,792 GB/s GDDR7 (the Server
+    # Edition's page may list less); 4,000 FP4 TOPS with sparsity, so BF16 ~504 and FP8 ~1,008 dense; PCIe 5.0 x16
+    Hardware("rtx-pro-6000", 1792, {"bf16": 503.8, "fp8": 1007.6}, 64, "PCIe 5.0 x16", "NVIDIA RTX PRO 6000 Blackwell"),
+    # nvidia.com/en-us/data-center/l40s/: 864 GB/s; BF16 362.05 and FP8 733 TFLOPS dense; PCIe 4.0 x16
+    Hardware("l40s", 864, {"bf16": 362.05, "fp8": 733}, 32, "PCIe 4.0 x16", "NVIDIA L40S datasheet"),
+    # nvidia.com/.../a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (80 GB SXM): 2,039 GB/s; BF16 312
+    # TFLOPS dense; no FP8; NVLink 3 600 GB/s
     Hardware("a100", 2039, {"bf16": 312}, 300, "NVLink 3", "NVIDIA A100 datasheet, 80 GB SXM"),
-    # amd.com/en/products/accelerators/instinct/mi300/mi300x.html: 5.3 TB/s; BF16 1,307.4 TF, FP8 2,614.9 TF
-    # dense; 896 GB/s Infinity Fabric both ways
+    # amd.com/en/products/accelerators/instinct/mi300/mi300x.html: 5.3 TB/s; BF16 1,307.4 and FP8 2,614.9 TFLOPS dense;
+    # Infinity Fabric 7 links of 128 GB/s both ways: 64 a direction to one peer, 448 to all seven at once
     Hardware("mi300x", 5300, {"bf16": 1307.4, "fp8": 2614.9}, 448, "Infinity Fabric", "AMD Instinct MI300X datasheet"),
-    # amd.com/en/products/accelerators/instinct/mi300/mi325x.html: 6 TB/s; BF16 1,307.4 TF, FP8 2,614.9 TF
+    # amd.com/en/products/accelerators/instinct/mi300/mi325x.html: 6 TB/s; compute and links as MI300X's
     Hardware("mi325x", 6000, {"bf16": 1307.4, "fp8": 2614.9}, 448, "Infinity Fabric", "AMD Instinct MI325X datasheet"),
-    # nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5090/ and the Blackwell GeForce whitepaper: 1,792 GB/s;
-    # FP16/BF16 tensor 209.5 TF dense (FP32 accumulate); FP8 419 TF dense; PCIe 5.0 x16
-    Hardware("rtx-5090", 1792, {"bf16": 209.5, "fp8": 419}, 64, "PCIe 5.0 x16", "NVIDIA RTX Blackwell GPU architecture"),
+    # nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5090/ and NVIDIA's RTX Blackwell GPU architecture paper:
+    # 1,792 GB/s; BF16 209.5 TFLOPS dense (FP32 accumulate, GeForce's half rate); FP8 419; PCIe 5.0 x16
+    Hardware("rtx-5090", 1792, {"bf16": 209.5, "fp8": 419}, 64, "PCIe 5.0 x16", "NVIDIA RTX Blackwell architecture"),
 )}
 
 

@@ -117,7 +117,22 @@ def against_floor(a: Analysis, spec: FloorSpec) -> dict[str, Any]:
     out["line"] = {"a_ms": lim_a, "b_ms_per_token": lim_b, "nodes": nodes}
     out["levers"] = _levers(a, a.fit.a_ms, a.fit.b_ms_per_token, lim_a, lim_b, floors)
     out["verdict"] = _verdict(a, lim_a, lim_b, floors[base[0]], out["levers"])
+    _annotate(a, lim_b, out["levers"])
     return out
+
+
+def _annotate(a: Analysis, lim_b: float, levers: list[dict[str, Any]]) -> None:
+    """Each attribution's verdict, finished against the floor: "context scaling" that is far from its floor is
+    the path that reads the context, not the context; and the levers at that point, largest first."""
+    far = a.fit.b_ms_per_token > FAR * lim_b
+    for att in a.attributions:
+        here = [lv for lv in levers if lv["label"] == att.label and lv["prompt_tokens"] == att.prompt_tokens]
+        if not here:
+            continue
+        if far and ("mostly context scaling" in att.verdict or "fitted step" in att.verdict):
+            att.verdict += (f"; but the context part of the step is {a.fit.b_ms_per_token / lim_b:.0f}x its floor, "
+                            f"so this is the cost of the path that reads the context, not of the context itself")
+        att.verdict += "; levers here: " + ", ".join(f"{lv['lever']} x{lv['gain']:.2f}" for lv in here)
 
 
 def _verdict(a: Analysis, lim_a: float, lim_b: float, first: Floor, levers: list[dict[str, Any]]) -> list[str]:
