@@ -5,7 +5,8 @@ trained ones do) served by ddscope's engine on CUDA, each step's time beside its
 
 It measures the card first (a device-to-device copy and a bf16 matmul, against the table's datasheet
 numbers), then times `ar` decode and oracle-drafted `ddtree` verify steps at 8, 32 and 64 nodes, at short
-and long context. Every step must take at least its floor; the ratio is printed. Run where a GPU is.
+and long context, with torch's default attention backends and again without cuDNN's (whose host-side cost
+per call a profile of the step shows). Every step must take at least its floor; the ratio is printed.
 """
 from __future__ import annotations
 
@@ -82,7 +83,18 @@ def profile(engine) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch_profile(activities=activities) as prof:
         time_steps(engine, "ar", 1, 128, 10)
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50), flush=True)
+
+
+def measure(eng, shape, hw, method: str, budget: int, context: int, sdp: str) -> dict:
+    rounds = time_steps(eng, method, budget, context, 24 if method == "ar" else 48)
+    verify = statistics.median(r.verify_ms for r in rounds)
+    nodes = statistics.median(r.nodes + 1 for r in rounds)
+    floor = step_floor(shape, hw, context=context, nodes=nodes)
+    return {"sdp": sdp, "method": method, "budget": budget, "context": context, "nodes": nodes, "verify_ms": verify,
+            "step_ms_without_draft": statistics.median(r.step_ms - r.draft_ms for r in rounds),  # oracle drafts
+            "floor_ms": floor.floor_ms, "bound": floor.bound, "verify_over_floor": verify / floor.floor_ms,
+            "steps": len(rounds), "min_verify_ms": min(r.verify_ms for r in rounds)}
 
 
 def main() -> None:
@@ -111,21 +123,15 @@ def main() -> None:
         shape = load_shape(target, "bfloat16")
         print(f"built and loaded {shape.params / 1e9:.2f}B params in {time.time() - t0:.0f} s", flush=True)
         oracle = oracle_engine(engine, kv_cache_mb=256 if args.dry_run else 8192)
-        profile(engine)
-        for context in (int(c) for c in args.contexts.split(",")):
-            for method, budget, eng in (("ar", 1, engine), ("ddtree", 8, oracle), ("ddtree", 32, oracle),
-                                        ("ddtree", 64, oracle)):
-                rounds = time_steps(eng, method, budget, context, 24 if method == "ar" else 48)
-                verify = statistics.median(r.verify_ms for r in rounds)
-                step = statistics.median(r.step_ms - r.draft_ms for r in rounds)  # the drafter is an oracle here
-                nodes = statistics.median(r.nodes + 1 for r in rounds)
-                floor = step_floor(shape, hw, context=context, nodes=nodes)
-                row = {"method": method, "budget": budget, "context": context, "nodes": nodes, "verify_ms": verify,
-                       "step_ms_without_draft": step, "floor_ms": floor.floor_ms, "bound": floor.bound,
-                       "verify_over_floor": verify / floor.floor_ms,
-                       "steps": len(rounds), "min_verify_ms": min(r.verify_ms for r in rounds)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        arms = (("ar", 1, engine), ("ddtree", 8, oracle), ("ddtree", 32, oracle), ("ddtree", 64, oracle))
+        for cudnn in (True, False):  # torch's default SDPA backend on Hopper, then the others alone
+            if not args.dry_run:
+                torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            profile(engine)
+            for context in (int(c) for c in args.contexts.split(",")):
+                for method, budget, eng in arms if not cudnn else arms[:1] + arms[2:3]:
+                    rows.append(measure(eng, shape, hw, method, budget, context, "cudnn" if cudnn else "no cudnn"))
+                    print(json.dumps(rows[-1]), flush=True)
     below = [r for r in rows if r["min_verify_ms"] < r["floor_ms"]]
     args.out.write_text(json.dumps({"card": card, "hardware": hw.to_dict(), "rows": rows}, indent=1))
     print(f"{len(rows)} rows; {len(below)} with a step below its floor", flush=True)

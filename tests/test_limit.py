@@ -236,7 +236,7 @@ def test_analyze_on_the_deployments_table():
     acc = lever[("acceptance", "reasoning", 5000)]
     assert acc["tok_per_s_if"] / acc["tok_per_s"] == pytest.approx(2.7, abs=0.1)
     assert any("context part" in v and "far from its floor" in v for v in doc["limit_verdict"])
-    assert any("fixed part" in v and "at its floor" in v for v in doc["limit_verdict"])
+    assert any("fixed part" in v and "close to its floor" in v for v in doc["limit_verdict"])
     assert set(lever.values().__iter__().__next__()) >= {"lever", "label", "prompt_tokens", "tok_per_s",
                                                          "tok_per_s_if"}
 

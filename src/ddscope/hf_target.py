@@ -169,6 +169,8 @@ def load_target(directory: Path, device: torch.device, dtype: torch.dtype, backe
         raise ValueError(f"target backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     archs = read_json(directory / "config.json").get("architectures") or []
     native = any(a in SUPPORTED_TARGETS for a in archs)
+    if device.type == "cuda":  # cuDNN's attention plans each new shape on the host: a step's shapes are all new
+        torch.backends.cuda.enable_cudnn_sdp(False)  # (docs/limit.md, "On an H200")
     if backend == "native" or (backend == "auto" and native and device_map is None):
         return Target.load(directory, device, dtype)
     return HFTarget.load(directory, device, dtype, device_map)

@@ -72,7 +72,8 @@ class FloorRequest:
             return None
         model = args.floor_model
         dtype = getattr(args, "floor_dtype", None)
-        if model is None and not getattr(args, "url", "no sweep"):  # an embedded server: its own target
+        embedded = "url" in args and not args.url  # a sweep that starts its own server knows what it serves
+        if model is None and embedded:
             from ddscope.engine import DEMO_DIR
 
             model, dtype = args.target or DEMO_DIR / "target", dtype or args.dtype

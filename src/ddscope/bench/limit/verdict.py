@@ -19,7 +19,7 @@ from ddscope.bench.limit.floor import Floor, break_even, floor_line, step_floor
 from ddscope.bench.limit.hardware import Hardware
 from ddscope.bench.limit.shape import ModelShape
 
-NEAR, FAR = 1.5, 3.0  # measured over floor: at the floor up to NEAR, near it up to FAR, far beyond
+NEAR, FAR = 1.5, 3.0  # measured over floor: close to the floor up to NEAR, near it up to FAR, far beyond
 
 
 @dataclass
@@ -60,7 +60,7 @@ def _ratio_words(measured: float, floor: float) -> str:
     if floor <= 0:
         return "no floor to compare with"
     r = measured / floor
-    where = "at its floor" if r <= NEAR else "near its floor" if r <= FAR else "far from its floor"
+    where = "close to its floor" if r <= NEAR else "near its floor" if r <= FAR else "far from its floor"
     return f"{r:.1f}x its floor, {where}"
 
 
