@@ -46,7 +46,6 @@ def measure_card() -> dict[str, float]:
     copy = best_ms(lambda: dst.copy_(src))
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     mm = best_ms(lambda: a @ a)
-    del src, dst, a
     return {"copy_gbps": 2 * 2 * 1024 ** 3 / copy / 1e6, "bf16_tflops": 2 * 8192 ** 3 / mm / 1e9}
 
 

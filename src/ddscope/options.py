@@ -48,6 +48,30 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers >= 1, e.g. prompt lengths."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def number_in(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    """A float in [low, high], or (low, high] with low_open."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return value
+    return parse
+
+
 def add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--threads, defaulting to default_threads() (shown in --help as this machine's number)."""
     p.add_argument("--threads", type=at_least(1), default=default_threads(),

@@ -14,7 +14,7 @@ from ddscope.atomic import replaced_name
 from ddscope.bench.limit.cli import FloorRequest, add_floor_args
 from ddscope.bench.limit.cli import register as register_limit
 from ddscope.bench.serverlog import END_SLACK_S
-from ddscope.options import add_model_args, at_least, budget_arg
+from ddscope.options import add_model_args, at_least, budget_arg, int_list, number_in
 
 # The issue's experiment. On the embedded demo pair (a 2-core CPU) the output is shorter, so the
 # main job ends in about two minutes; contexts that do not fit max_model_len shrink to fit.
@@ -32,38 +32,15 @@ class Stopped(BenchError):
     """A sweep that stopped early (the server lost, Ctrl-C): printed as one line, exit code 1."""
 
 
-def _contexts(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 MAX_CONCURRENCY = 256
 
 
 def _levels(text: str) -> tuple[int, ...]:
     """Concurrency levels: distinct integers in [1, MAX_CONCURRENCY], ascending."""
-    values = _contexts(text)
+    values = int_list(text)
     if max(values) > MAX_CONCURRENCY:
         raise argparse.ArgumentTypeError(f"concurrency above {MAX_CONCURRENCY}: {text!r}")
     return tuple(sorted(set(values)))
-
-
-def _number(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
-    """A float in [low, high], or (low, high] with low_open."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (low < value if low_open else low <= value) or not value <= high:
-            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
-        return value
-    return parse
 
 
 def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
@@ -82,7 +59,7 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     e.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree", help="(default: %(default)s)")
     e.add_argument("--budget", type=budget_arg, default=32, help="DDTree node budget or 'auto' (default: 32)")
     s = p.add_argument_group("sweep")
-    s.add_argument("--contexts", type=_contexts,
+    s.add_argument("--contexts", type=int_list,
                    help=f"prompt lengths in tokens (default {CONTEXTS}, shrunk to fit the server's max_model_len)")
     s.add_argument("--max-tokens", type=at_least(1),
                    help=f"fixed output length, ignore_eos (default {URL_MAX_TOKENS} with --url; "
@@ -98,9 +75,9 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
                         "request (warm-ups take theirs from the set's end), so sweeps with different values send "
                         "different real prompts (default: %(default)s)")
     s.add_argument("--workload", default=workload_default, help="padding|code|math|chat|file:PATH (default: %(default)s)")
-    s.add_argument("--temperature", type=_number(0.0, 2.0), default=0.0, help="(default: %(default)s)")
+    s.add_argument("--temperature", type=number_in(0.0, 2.0), default=0.0, help="(default: %(default)s)")
     s.add_argument("--stream", action="store_true", help="stream (SSE) instead of one non-streaming response")
-    s.add_argument("--timeout", type=_number(0.0, 86400.0, low_open=True), default=600.0,
+    s.add_argument("--timeout", type=number_in(0.0, 86400.0, low_open=True), default=600.0,
                    help="per-request timeout in seconds (default: %(default)s)")
     s.add_argument("--window", type=at_least(1), default=32,
                    help="generated tokens per window for acceptance against position (default: %(default)s)")
@@ -111,7 +88,7 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
                      help='a command whose stdout is the log stream, e.g. "journalctl -u sglang -f -n 0 -o '
                           'short-iso" (-n 0: no replay of old lines)')
     # Each window is extended by END_SLACK_S for trailing output: a gap at or below it makes windows touch.
-    lg.add_argument("--log-gap", type=_number(END_SLACK_S, 600.0, low_open=True), default=2.0, metavar="S",
+    lg.add_argument("--log-gap", type=number_in(END_SLACK_S, 600.0, low_open=True), default=2.0, metavar="S",
                     help=f"idle seconds after each request so log lines never straddle two; above {END_SLACK_S:g} "
                          f"plus the log's timestamp resolution (1 s for vLLM, SGLang without ms) (default: 2)")
 
@@ -189,7 +166,7 @@ def _check_sweep_args(args: argparse.Namespace) -> None:
     embedded = not args.url
     args.clamp_contexts = args.contexts is None
     if args.contexts is None:
-        args.contexts = _contexts(CONTEXTS)
+        args.contexts = int_list(CONTEXTS)
     if args.max_tokens is None:
         args.max_tokens = EMBEDDED_MAX_TOKENS if embedded else URL_MAX_TOKENS
 

@@ -10,18 +10,9 @@ from typing import Any
 
 from ddscope.bench.limit.floor import MLA_FORMS, ROUTINGS
 from ddscope.bench.limit.shape import DTYPE_BYTES
+from ddscope.options import at_least, int_list, number_in
 
 KV_DTYPES = ("bfloat16", "float16", "fp8", "float32")
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
 
 
 def add_floor_args(p: argparse.ArgumentParser, model_flags: tuple[str, ...], dtype: bool = True) -> None:
@@ -34,11 +25,11 @@ def add_floor_args(p: argparse.ArgumentParser, model_flags: tuple[str, ...], dty
                    help="a card (h100, h100-pcie, h200, b200, b300, rtx-pro-6000, l40s, a100, mi300x, mi325x, "
                         "rtx-5090), host (this machine, measured on every CPU; host:N on N threads), or "
                         "custom:bw=GBps,flops=TFLOPS[,fp8=TFLOPS][,link=GBps]")
-    g.add_argument("--gpus", type=int, default=1, help="cards in tensor parallel (default: %(default)s)")
-    g.add_argument("--nodes", type=_positive,
+    g.add_argument("--gpus", type=at_least(1), default=1, help="cards in tensor parallel (default: %(default)s)")
+    g.add_argument("--nodes", type=number_in(1.0, 1e6),
                    help="tokens verified per sequence per step, tree root included (ddscope --budget 32 verifies 33; "
                         "plain decoding 1); default: what the server reports per request")
-    g.add_argument("--batch", type=int, default=1, help="sequences per step (default: %(default)s)")
+    g.add_argument("--batch", type=at_least(1), default=1, help="sequences per step (default: %(default)s)")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV cache dtype (default: the model's)")
     if dtype:
         g.add_argument("--dtype", dest="floor_dtype", choices=sorted(DTYPE_BYTES),
@@ -116,19 +107,10 @@ def register(sub: Any) -> None:
                                    "the floor per context with its parts, its line a + b*ctx, and the break-even "
                                    "avg_commit below which speculation cannot pay. See docs/limit.md.")
     add_floor_args(p, ("--model", "--model-config"))
-    p.add_argument("--contexts", default="13,1663,3333,5553", help="context lengths in tokens (default: %(default)s)")
+    p.add_argument("--contexts", type=int_list, default=[13, 1663, 3333, 5553],
+                   help="context lengths in tokens (default: 13,1663,3333,5553)")
     p.add_argument("--json", action="store_true", help="print JSON: points, line, hardware, model")
     p.set_defaults(func=cmd_limit, nodes=None)
-
-
-def _contexts(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise FloorArgsError(f"--contexts {text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 0:
-        raise FloorArgsError(f"--contexts {text!r}: expected integers >= 0")
-    return values
 
 
 def limit_report(req: FloorRequest, contexts: list[int]) -> dict[str, Any]:
@@ -151,7 +133,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
             raise FloorArgsError("give --hardware (a card name, host, or custom:...)")
         if args.floor_model is None:
             raise FloorArgsError("give --model DIR_OR_CONFIG")
-        report = limit_report(FloorRequest.from_args(args), _contexts(args.contexts))
+        report = limit_report(FloorRequest.from_args(args), args.contexts)
     except (FloorArgsError, ConfigError, FloorError, HardwareError) as e:
         print(f"ddscope bench limit: error: {e}", file=sys.stderr)
         return 2

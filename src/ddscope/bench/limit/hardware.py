@@ -133,7 +133,6 @@ def measure_host(threads: int) -> Hardware:
         matrix = torch.ones(32768, 8192)  # 1 GiB of fp32, past any cache; written once, so no page fault is timed
         vector = torch.ones(8192)
         mv = _best_s(lambda: torch.mv(matrix, vector), 5)
-        del matrix
         tflops = {}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             a = torch.ones(2048, 2048, dtype=dtype)
