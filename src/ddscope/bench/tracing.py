@@ -1,0 +1,219 @@
+"""`ddscope bench trace`: long streamed generations, each chunk a step, written as results.json, report.md and
+trace.png; acceptance by workload with bootstrap intervals. The stream's reading and checks are in trace.py."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ddscope.atomic import atomic_write_text, replacing
+from ddscope.bench.analyze import AnalysisError, analyze, load_rows
+from ddscope.bench.trace import (SCHEMA, SKIP_STEPS, StreamFailed, against_sweep, check, generation_fit,
+                                 read_stream, rolling_median, steps_of)
+
+WINDOWS = 4  # position windows of the acceptance matrix
+
+
+def payload(sweep: Any, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+    """The sweep's streamed completions body, with tokens counted per chunk (logprobs) and ddscope's rounds."""
+    body = {**sweep.payload("completions", prompt, max_tokens), "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": 0}
+    if sweep.backend == "ddscope":
+        body["return_rounds"] = True
+    return body
+
+
+def trace_one(sweep: Any, prompt: list[int] | str, max_tokens: int, timeout_s: float) -> dict[str, Any]:
+    """One traced request: its steps, checks and status (`dropped` keeps the partial trace)."""
+    before = sweep.server.metrics() if sweep.backend == "vllm" else None
+    status, error = "complete", None
+    try:
+        stream = read_stream(sweep.client, sweep.url("completions"), payload(sweep, prompt, max_tokens), timeout_s)
+    except StreamFailed as e:
+        stream, status, error = e.partial, "dropped", str(e)
+    usage = stream.body.get("usage") or {}
+    prompt_tokens = int(usage.get("prompt_tokens") or (len(prompt) if isinstance(prompt, list) else 0))
+    steps = steps_of(stream, prompt_tokens)
+    ext = stream.body.get("ddscope") or {}
+    speculating = ext.get("method", "ddtree") != "ar" if sweep.backend == "ddscope" else True
+    counters = (before, sweep.server.metrics()) if sweep.backend == "vllm" else None
+    checks = check(stream, steps, sweep.backend, speculating, counters)
+    if status != "complete":
+        checks.fail(f"the trace is partial: {error}")
+    return {"status": status, "error": error, "prompt_tokens": prompt_tokens,
+            "completion_tokens": usage.get("completion_tokens"), "tokens_counted_by": stream.counted,
+            "approximate": checks.approximate, "reasons": checks.reasons, "checks": checks.facts,
+            "tokens_sum": checks.tokens_sum, "steps": steps}
+
+
+def run(sweep: Any, workloads: list[Any], cfg: dict[str, Any], out: Path, header: dict[str, Any],
+        advance: Callable[[str], None]) -> dict[str, Any]:
+    """Trace `repeats` generations per workload; results.json is rewritten after each, so a run that stops keeps
+    what it traced."""
+    doc = {"schema": SCHEMA, **header, "config": cfg, "requests": [], "status": "running"}
+    for workload in workloads:
+        sweep.workload = workload
+        for r in range(cfg["repeats"]):
+            prompt = sweep.prompt(cfg["prompt_tokens"], cfg["first_prompt"] + r)
+            record = {"workload": workload.label, "repeat": r, **trace_one(sweep, prompt, cfg["max_tokens"],
+                                                                          cfg["timeout_s"])}
+            doc["requests"].append(record)
+            write_json(out / "results.json", doc)
+            advance(f"{workload.label} #{r}: {len(record['steps'])} steps"
+                    + (" (approximate)" if record["approximate"] else ""))
+            if record["status"] != "complete":
+                doc["status"] = "aborted"
+                write_json(out / "results.json", doc)
+                return doc
+    doc["status"] = "complete"
+    write_json(out / "results.json", doc)
+    return doc
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    import json
+
+    atomic_write_text(path, json.dumps(doc, indent=1))
+
+
+# ---- analysis of a trace ----------------------------------------------------------------------------------
+
+def bootstrap_mean(values: list[float], draws: int = 1000, seed: int = 0) -> tuple[float, float, float]:
+    """The mean and its 95% percentile-bootstrap interval."""
+    x = np.asarray(values, float)
+    if len(x) == 0:
+        return math.nan, math.nan, math.nan
+    means = np.random.default_rng(seed).choice(x, (draws, len(x))).mean(axis=1)
+    return float(x.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def category_matrix(cells: dict[tuple[str, Any], list[float]]) -> list[dict[str, Any]]:
+    """avg_commit per (category, column) with its bootstrap interval over the steps in the cell."""
+    out = []
+    for (category, column), commits in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        mean, lo, hi = bootstrap_mean(commits)
+        out.append({"category": category, "column": column, "avg_commit": mean, "ci95": [lo, hi],
+                    "steps": len(commits)})
+    return out
+
+
+def summarize(doc: dict[str, Any], against: Path | None = None) -> dict[str, Any]:
+    """Per workload: the generation's step-time fit (against the prompt sweep's where given), acceptance by
+    position window, the checks' outcome; and the matrix of avg_commit by workload and position."""
+    max_tokens = doc["config"]["max_tokens"]
+    width = max(1, math.ceil(max_tokens / WINDOWS))
+    sweep_fit = _sweep_fit(against) if against else None
+    workloads, cells = {}, {}
+    for label in dict.fromkeys(r["workload"] for r in doc["requests"]):
+        reqs = [r for r in doc["requests"] if r["workload"] == label]
+        steps = [s for r in reqs for s in r["steps"]]
+        fit = generation_fit(sorted(steps, key=lambda s: s["context"]))
+        lo, hi = (min(s["context"] for s in steps), max(s["context"] for s in steps)) if steps else (0, 0)
+        entry = {"requests": len(reqs), "steps": len(steps), "fit": fit.__dict__ if fit else None,
+                 "approximate": any(r["approximate"] for r in reqs),
+                 "reasons": sorted({why for r in reqs for why in r["reasons"]}),
+                 "avg_commit": (sum(s["commit"] for s in steps) / len(steps)) if steps else None,
+                 "median_gap_ms": float(np.median([s["gap_ms"] for s in steps[SKIP_STEPS:]])) if steps else None}
+        if fit and sweep_fit:
+            entry["against_sweep"] = against_sweep(fit, sweep_fit, lo, hi)
+        workloads[label] = entry
+        for s in steps:
+            cells.setdefault((label, s["position"] // width * width), []).append(s["commit"])
+    return {"workloads": workloads, "matrix": category_matrix(cells), "window": width}
+
+
+def _sweep_fit(path: Path) -> Any:
+    rows, _ = load_rows(path)
+    fit = analyze(rows).fit
+    if fit is None:
+        raise AnalysisError(f"{path}: the sweep has no step-time fit to set the generation against")
+    return fit
+
+
+def lines(doc: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """The terminal's and report.md's words."""
+    out = [f"trace: {doc['backend']['name']} at {doc['backend']['url']}, {doc['config']['prompt_tokens']} prompt "
+           f"tokens, {doc['config']['max_tokens']} out, {doc['config']['repeats']} repeat(s) per workload; "
+           f"status {doc['status']}"]
+    for label, w in summary["workloads"].items():
+        fit = w["fit"]
+        line = f"- {label}: {w['steps']} steps, avg_commit {w['avg_commit']:.2f}" if w["avg_commit"] else f"- {label}"
+        if fit:
+            line += (f"; step_ms = {fit['a_ms']:.2f} + {1e3 * fit['b_ms_per_token']:.3f} ms per 1k tokens over the "
+                     f"generation (R^2 {fit['r2']:.2f})" if fit["r2"] is not None else "")
+        out.append(line)
+        if "against_sweep" in w:
+            out.append(f"  {w['against_sweep']['verdict']}")
+        if w["approximate"]:
+            out.append("  APPROXIMATE: " + "; ".join(w["reasons"]))
+    facts = [r["checks"] for r in doc["requests"] if r["checks"].get("gap_over_engine")]
+    if facts:
+        ratio = float(np.median([f["gap_over_engine"] for f in facts]))
+        p90 = float(np.median([f["jitter_p90_ms"] for f in facts]))
+        out.append(f"- step boundaries: {sum(f['rounds_equal'] for f in facts)}/{len(facts)} requests' steps equal the "
+                   f"server's rounds; median gap / engine step {ratio:.3f}; stream jitter p90 {p90:.2f} ms a step")
+    out.append("")
+    out.append(f"avg_commit by workload and generated position (95% bootstrap interval over steps; windows of "
+               f"{summary['window']} tokens):")
+    out.append("| workload | positions | avg_commit | 95% interval | steps |")
+    out.append("|---|---|---|---|---|")
+    for cell in summary["matrix"]:
+        lo, hi = cell["ci95"]
+        out.append(f"| {cell['category']} | {cell['column']}-{cell['column'] + summary['window']} | "
+                   f"{cell['avg_commit']:.2f} | {lo:.2f}-{hi:.2f} | {cell['steps']} |")
+    return out
+
+
+def plot(doc: dict[str, Any], summary: dict[str, Any], path: Path, against: Any = None) -> None:
+    """Commit and step time against generated position, rolling medians, with the generation's fit and the
+    prompt sweep's line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, label in enumerate(summary["workloads"]):
+        steps = sorted((s for r in doc["requests"] if r["workload"] == label for s in r["steps"]),
+                       key=lambda s: s["position"])
+        if not steps:
+            continue
+        x = [s["position"] for s in steps]
+        width = max(5, len(steps) // 40)
+        left.plot(x, rolling_median([s["commit"] for s in steps], width), color=f"C{i}", label=label)
+        right.plot(x, rolling_median([s["gap_ms"] for s in steps], width), color=f"C{i}", alpha=0.8,
+                   label=f"{label} step ms")
+        w = summary["workloads"][label]
+        prompt = steps[0]["context"] - steps[0]["position"]
+        ends = [x[0], x[-1]]
+        if w["fit"]:
+            a, b = w["fit"]["a_ms"], w["fit"]["b_ms_per_token"]
+            right.plot(ends, [a + b * (prompt + e) for e in ends], color=f"C{i}", linestyle="--",
+                       label=f"{label} generation fit")
+        if "against_sweep" in w:
+            sf = w["against_sweep"]["sweep_fit"]
+            right.plot(ends, [sf["a_ms"] + sf["b_ms_per_token"] * (prompt + e) for e in ends], color="black",
+                       linewidth=1, label="prompt sweep's line")
+    left.set(xlabel="generated position", ylabel="tokens committed a step (rolling median)",
+             title="acceptance along the generation")
+    right.set(xlabel="generated position", ylabel="ms between chunks (rolling median)",
+              title="step time along the generation")
+    left.set_ylim(bottom=0)
+    right.set_ylim(bottom=0)
+    for ax in (left, right):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(doc: dict[str, Any], summary: dict[str, Any], out: Path) -> None:
+    plot(doc, summary, out / "trace.png")
+    body = ["# ddscope bench trace", "", *lines(doc, summary), "", "![trace](trace.png)", "",
+            "Each streamed chunk is one step: its tokens the step's commit, the gap before it the step's time "
+            "(docs/bench.md, Traces). The first chunk is the prefill's token."]
+    atomic_write_text(out / "report.md", "\n".join(body) + "\n")
