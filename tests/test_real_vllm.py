@@ -215,3 +215,23 @@ def test_log_source_gives_a_value_per_context_at_the_default_interval(vllm, tmp_
         server = sum(r["server_avg_commit"] for r in records) / len(records)
         assert values.pop() == pytest.approx(server, rel=0.25)
     assert doc["server_log"]["lines_used_per_context"] >= 2
+
+
+def test_a_trace_of_vllm_dflash_is_its_steps(vllm, tmp_path, capsys):
+    """A 2048-token streamed generation: each chunk one engine step (vLLM emits a step's tokens as one delta),
+    the chunks' tokens summing to usage, and the accepted drafts to vLLM's own counters, read here apart from the
+    bench (vLLM counts the last step's drafts past max_tokens too: at most its 15 speculative tokens more)."""
+    url, _ = vllm
+    with httpx.Client() as client:
+        before = counters(client, url)
+        code = main(["bench", "trace", "--url", url, "--max-tokens", "2048", "--repeats", "1", "--workload", "code",
+                     "--out", str(tmp_path / "t")])
+        after = counters(client, url)
+    assert code == 0, capsys.readouterr().err
+    r = json.loads((tmp_path / "t/results.json").read_text())["requests"][0]
+    assert not r["approximate"], r["reasons"]
+    assert r["tokens_sum"] == r["completion_tokens"] == 2048 and r["tokens_counted_by"] == "logprobs"
+    accepted = sum(s["commit"] - 1 for s in r["steps"])
+    assert 0 <= (after[ACCEPTED] - before[ACCEPTED]) - accepted <= 15
+    assert after[DRAFTS] - before[DRAFTS] == len(r["steps"])
+    assert max(s["commit"] for s in r["steps"]) > 1  # drafts were accepted: the chunks hold several tokens

@@ -58,6 +58,13 @@ def test_workloads_by_position_and_the_prompt_sweeps_line(tiny_pair, tmp_path, c
     assert {("padding", 0), ("code", 0), ("reasoning", 0)} <= cells
     for c in summary["matrix"]:
         assert c["ci95"][0] <= c["avg_commit"] <= c["ci95"][1] and c["steps"] > 0
+    # analyze reads the trace back, against the sweep, beside this machine's floor
+    assert main(["bench", "analyze", str(out / "results.json"), str(tmp_path / "sweep/results.json"),
+                 "--hardware", "host", "--json", "--out", str(tmp_path / "again")]) == 0
+    again = json.loads(capsys.readouterr().out)
+    for w in again["workloads"].values():
+        assert not w["floor"]["median_below"] and w["floor"]["nodes"] > 1 and "against_sweep" in w
+    assert (tmp_path / "again/trace.png").is_file()
 
 
 # ---- servers whose chunks are not steps ---------------------------------------------------------------------

@@ -388,6 +388,7 @@ class Analysis:
     notes: list[str] = field(default_factory=list)
     by_concurrency: list[dict[str, Any]] = field(default_factory=list)  # concurrency_table's rows
     limit: dict[str, Any] | None = None  # the physical floor beside the measurements (ddscope.bench.limit.verdict)
+    by_category: list[dict[str, Any]] = field(default_factory=list)  # intervals.sweep_matrix: workloads x contexts
 
     def floor_of(self, i: int) -> dict[str, Any] | None:
         """Point i's floor (floor_ms, bound, parts, break_even_commit), where one was computed."""
@@ -430,6 +431,7 @@ class Analysis:
             "predictions": list(predictions),
             "acceptance_by_position": self.acceptance_by_position,
             "by_concurrency": self.by_concurrency,
+            "by_category": self.by_category,
             "notes": self.notes + limit.get("notes", []),
         }
 

@@ -202,7 +202,8 @@ def _check_sweep_args(args: argparse.Namespace) -> None:
     for flag, path in (("--tokenizer", args.tokenizer), ("--target", args.target), ("--drafter", args.drafter)):
         if path is not None and not Path(path).is_dir():
             raise BenchError(f"{flag}: no such directory: {path}")
-    load_workload(args.workload)  # fail now, with its message, rather than after the server starts
+    for workload in args.workload.split(","):  # fail now, with its message, rather than after the server starts
+        load_workload(workload.strip())
     embedded = not args.url
     args.clamp_contexts = args.contexts is None
     if args.contexts is None:
@@ -357,6 +358,7 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     from rich.console import Console
 
     from ddscope.bench.analyze import NothingMeasured, analyze, load_rows, parse_point, parse_prediction
+    from ddscope.bench.intervals import sweep_matrix
     from ddscope.bench.report import print_report, write_outputs
 
     rows: list[dict[str, Any]] = []
@@ -380,6 +382,7 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
         raise NothingMeasured("no point could be measured" + (f": {details}" if details else ""))
     analysis = analyze(rows, baseline=baseline, window=window)
     analysis.notes[:0] = notes
+    analysis.by_category = sweep_matrix(rows)
     floor = floor or _kept_floor(meta)
     if floor is not None:
         from ddscope.bench.limit.cli import floor_spec
@@ -457,7 +460,7 @@ def _tags(paths: list[Path]) -> list[str]:
     return names if len(set(names)) == len(names) else [str(p) for p in paths]
 
 
-OUTPUTS = ("results.json", "results.csv", "sweep.png", "report.md", "server.log")
+OUTPUTS = ("results.json", "results.csv", "sweep.png", "trace.png", "report.md", "server.log")
 
 
 def _foreign(folder: Path, depth: int = 1) -> list[str]:
@@ -531,18 +534,40 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Sweep, then the table, sweep.png and report.md, which replace --out once complete; exit 1 when no
     point was measured or the sweep stopped early (its files then stay in OUT.partial)."""
     _check_sweep_args(args)
-    with _staged(args.out) as stage:
-        paths, stopped = _run_sweeps(args, stage, [args.workload], [stage])
-        code = _report(paths, stage, None, args.window, as_json=False, floor=args.floor)
+    workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
+    with _staged(args.out) as stage:  # several workloads: one sweep each, in OUT/<workload>, reported together
+        dirs = [stage] if len(workloads) == 1 else [stage / w.split(":", 1)[0] for w in workloads]
+        paths, stopped = _run_sweeps(args, stage, workloads, dirs)
+        baseline = "padding" if "padding" in workloads else None
+        code = _report(paths, stage, baseline, args.window, as_json=False, floor=args.floor)
         if stopped:
             raise Stopped(stopped)
     return code
+
+
+def _trace_doc(path: Path) -> dict | None:
+    """A `bench trace` results.json, else None."""
+    from ddscope.bench.trace import SCHEMA
+
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and doc.get("schema") == SCHEMA else None
 
 
 @_guard
 def cmd_analyze(args: argparse.Namespace) -> int:
     if not args.files and not args.point:
         raise BenchError("give at least one FILE or --point")
+    traces = [(path, doc) for path in args.files if (doc := _trace_doc(path)) is not None]
+    if traces:  # a trace, set against the prompt sweep given beside it
+        sweeps = [path for path in args.files if path not in dict(traces)]
+        if len(traces) > 1 or len(sweeps) > 1 or args.point:
+            raise BenchError("analyze takes one trace, and at most one prompt sweep's results.json to set it against")
+        return _trace_report(args, traces[0][1], args.out, sweeps[0] if sweeps else None)
     return _report(args.files, args.out, args.baseline, args.window, args.json, args.point, args.predict,
                    args.allow_mismatch, args.floor)
 
@@ -561,7 +586,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         args.max_tokens = TRACE_EMBEDDED_MAX_TOKENS if not args.url else TRACE_URL_MAX_TOKENS
     with _staged(args.out) as stage:
         doc = _on_server(args, stage, lambda url, client, _: _trace(args, workloads, stage, url, client))
-        return _trace_report(args, doc, stage)
+        return _trace_report(args, doc, stage, args.against)
 
 
 def _trace(args: argparse.Namespace, workloads: list[Any], stage: Path, base_url: str, client: Any) -> dict:
@@ -582,11 +607,15 @@ def _trace(args: argparse.Namespace, workloads: list[Any], stage: Path, base_url
         return tracing.run(sweep, workloads, run_cfg, stage, header, bar.advance)
 
 
-def _trace_report(args: argparse.Namespace, doc: dict, stage: Path) -> int:
+def _trace_report(args: argparse.Namespace, doc: dict, stage: Path | None, against: Path | None = None) -> int:
     from ddscope.bench import tracing
+    from ddscope.bench.limit.cli import floor_spec
 
-    summary = tracing.summarize(doc, args.against)
-    tracing.write_report(doc, summary, stage)
+    floor = args.floor or _kept_floor(doc)
+    summary = tracing.summarize(doc, against, floor_spec(floor, doc.get("backend")) if floor else None)
+    if stage is not None:
+        stage.mkdir(parents=True, exist_ok=True)
+        tracing.write_report(doc, summary, stage)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddscope.atomic import atomic_write_text, replacing
-from ddscope.bench.analyze import Analysis
+from ddscope.bench.analyze import Analysis, Point
 
 
 def _pm(value: float | None, sd: float, digits: int) -> str:
@@ -113,6 +113,17 @@ def fit_line(a: Analysis) -> str:
             f"{a.fit.n_points} points, R^2 = {r2})")
 
 
+def category_lines(a: Analysis) -> list[str]:
+    """avg_commit by workload and context, with 95% bootstrap intervals."""
+    if not a.by_category:
+        return []
+    lines = ["| workload | prompt_tok | avg_commit | 95% interval | n |", "|---|---|---|---|---|"]
+    for c in a.by_category:
+        lo, hi = c["ci95"]
+        lines.append(f"| {c['category']} | {c['column']} | {c['avg_commit']:.2f} | {lo:.2f}-{hi:.2f} | {c['steps']} |")
+    return lines
+
+
 def limit_lines(a: Analysis) -> list[str]:
     """The floor's line beside the fit, what it assumed, and the verdict against it (the levers come first)."""
     if not a.limit:
@@ -184,6 +195,12 @@ def print_report(a: Analysis, console: Console, meta: dict[str, Any],
             f"{wins[-1]['avg_commit']:.2f} (tokens {wins[-1]['start']}-{wins[-1]['end']})")
     if _decay_rows(a) and not moved:
         say(f"- acceptance holds over the generation (last window within {DECAY_NOTE:.0%} of the first)")
+    if a.by_category:
+        say("")
+        say("avg_commit by workload (95% bootstrap interval over the steps, or the requests where the server gives "
+            "no per-step data):")
+        for line in category_lines(a):
+            say(line)
     if a.by_concurrency:
         say("")
         say("by concurrency (aggregate tok/s over each group's wall time; TTFT when streamed):")
@@ -296,6 +313,8 @@ def markdown(a: Analysis, meta: dict[str, Any], plot_name: str | None) -> str:
     lines += ["", "Values are medians over repeats, ± the standard deviation."]
     if SERVER_HEADER in headers:
         lines += ["", SERVER_NOTE]
+    if a.by_category:
+        lines += ["", "## Acceptance by workload", "", *category_lines(a)]
     if a.by_concurrency:
         lines += ["", "## By concurrency", "", *concurrency_lines(a)]
     if plot_name:

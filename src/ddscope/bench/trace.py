@@ -165,8 +165,8 @@ def _check_rounds(c: Checks, stream: Stream, steps: list[dict[str, Any]]) -> Non
     c.facts.update(median_gap_ms=gap, median_engine_step_ms=own, gap_over_engine=gap / own if own else None,
                    jitter_p50_ms=jitter[len(jitter) // 2] if jitter else None,
                    jitter_p90_ms=jitter[int(0.9 * (len(jitter) - 1))] if jitter else None)
-    for s, e in zip(steps, engine):
-        s["engine_step_ms"] = e
+    for s, e, r in zip(steps, engine, rounds):
+        s["engine_step_ms"], s["nodes"] = e, int(r["nodes"]) + 1  # tokens the step verified, root included
 
 
 VLLM_ACCEPTED, VLLM_DRAFTS = "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"

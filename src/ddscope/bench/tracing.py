@@ -10,6 +10,7 @@ import numpy as np
 
 from ddscope.atomic import atomic_write_text, replacing
 from ddscope.bench.analyze import AnalysisError, analyze, load_rows
+from ddscope.bench.intervals import category_matrix
 from ddscope.bench.trace import (SCHEMA, SKIP_STEPS, StreamFailed, against_sweep, check, generation_fit,
                                  read_stream, rolling_median, steps_of)
 
@@ -80,28 +81,10 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 
 # ---- analysis of a trace ----------------------------------------------------------------------------------
 
-def bootstrap_mean(values: list[float], draws: int = 1000, seed: int = 0) -> tuple[float, float, float]:
-    """The mean and its 95% percentile-bootstrap interval."""
-    x = np.asarray(values, float)
-    if len(x) == 0:
-        return math.nan, math.nan, math.nan
-    means = np.random.default_rng(seed).choice(x, (draws, len(x))).mean(axis=1)
-    return float(x.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
-
-
-def category_matrix(cells: dict[tuple[str, Any], list[float]]) -> list[dict[str, Any]]:
-    """avg_commit per (category, column) with its bootstrap interval over the steps in the cell."""
-    out = []
-    for (category, column), commits in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        mean, lo, hi = bootstrap_mean(commits)
-        out.append({"category": category, "column": column, "avg_commit": mean, "ci95": [lo, hi],
-                    "steps": len(commits)})
-    return out
-
-
-def summarize(doc: dict[str, Any], against: Path | None = None) -> dict[str, Any]:
-    """Per workload: the generation's step-time fit (against the prompt sweep's where given), acceptance by
-    position window, the checks' outcome; and the matrix of avg_commit by workload and position."""
+def summarize(doc: dict[str, Any], against: Path | None = None, floor: Any = None) -> dict[str, Any]:
+    """Per workload: the generation's step-time fit (against the prompt sweep's where given, and the physical
+    floor's line with a FloorSpec), acceptance by position window, the checks' outcome; and the matrix of
+    avg_commit by workload and position."""
     max_tokens = doc["config"]["max_tokens"]
     width = max(1, math.ceil(max_tokens / WINDOWS))
     sweep_fit = _sweep_fit(against) if against else None
@@ -118,10 +101,24 @@ def summarize(doc: dict[str, Any], against: Path | None = None) -> dict[str, Any
                  "median_gap_ms": float(np.median([s["gap_ms"] for s in steps[SKIP_STEPS:]])) if steps else None}
         if fit and sweep_fit:
             entry["against_sweep"] = against_sweep(fit, sweep_fit, lo, hi)
+        if floor is not None and steps:
+            entry["floor"] = _floor(floor, steps, lo, hi)
         workloads[label] = entry
         for s in steps:
             cells.setdefault((label, s["position"] // width * width), []).append(s["commit"])
     return {"workloads": workloads, "matrix": category_matrix(cells), "window": width}
+
+
+def _floor(spec: Any, steps: list[dict[str, Any]], lo: float, hi: float) -> dict[str, Any]:
+    """The floor's line over the generation's contexts, at its median tree size (the server's, else --nodes)."""
+    from ddscope.bench.limit.floor import floor_line
+
+    nodes = spec.nodes or float(np.median([s.get("nodes", 1) for s in steps]))
+    a, b = floor_line(spec.shape, spec.hw, [lo, hi], **spec.kw(nodes))
+    # one gap can beat it (a chunk held back makes the next one's gap short); their median cannot
+    late = steps[SKIP_STEPS:] or steps
+    gap, ctx = float(np.median([s["gap_ms"] for s in late])), float(np.median([s["context"] for s in late]))
+    return {"a_ms": a, "b_ms_per_token": b, "nodes": nodes, "median_gap_ms": gap, "median_below": gap < a + b * ctx}
 
 
 def _sweep_fit(path: Path) -> Any:
@@ -146,6 +143,14 @@ def lines(doc: dict[str, Any], summary: dict[str, Any]) -> list[str]:
         out.append(line)
         if "against_sweep" in w:
             out.append(f"  {w['against_sweep']['verdict']}")
+        if "floor" in w:
+            f = w["floor"]
+            out.append(f"  floor: {f['a_ms']:.3f} ms + {1e3 * f['b_ms_per_token']:.4f} ms per 1k tokens "
+                       f"({f['nodes']:g} tokens a step); the measured line is "
+                       f"{fit['a_ms'] / f['a_ms']:.1f}x its intercept" if fit and f["a_ms"] > 0 else "")
+            if f["median_below"]:
+                out.append(f"  WARNING: the median gap ({f['median_gap_ms']:.2f} ms) beats its floor: a wrong model or "
+                           "input, or chunks that are not steps")
         if w["approximate"]:
             out.append("  APPROXIMATE: " + "; ".join(w["reasons"]))
     facts = [r["checks"] for r in doc["requests"] if r["checks"].get("gap_over_engine")]
@@ -192,6 +197,10 @@ def plot(doc: dict[str, Any], summary: dict[str, Any], path: Path, against: Any 
             a, b = w["fit"]["a_ms"], w["fit"]["b_ms_per_token"]
             right.plot(ends, [a + b * (prompt + e) for e in ends], color=f"C{i}", linestyle="--",
                        label=f"{label} generation fit")
+        if "floor" in w:
+            f = w["floor"]
+            right.plot(ends, [f["a_ms"] + f["b_ms_per_token"] * (prompt + e) for e in ends], color="grey",
+                       linestyle=":", label=f"{label} physical floor")
         if "against_sweep" in w:
             sf = w["against_sweep"]["sweep_fit"]
             right.plot(ends, [sf["a_ms"] + sf["b_ms_per_token"] * (prompt + e) for e in ends], color="black",
