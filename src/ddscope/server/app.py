@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddscope.server.metrics import ServerMetrics
 from ddscope.model import KVCacheFull
-from ddscope.server.responses import Logprobs, Reply, merge_logprobs, sse
+from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_request_metrics, sse
 from ddscope.server.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -61,6 +61,8 @@ class ServerConfig:
     request_timeout: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
     log_interval: float = 10.0
+    spec_decode_metrics: str = "summary"  # vLLM's --per-request-spec-decode-metrics: none, summary or detailed
+    per_request_metrics: bool = False     # vLLM's --enable-per-request-metrics: the timing fields too
 
 
 class ServerState:
@@ -390,7 +392,9 @@ async def _generate(request: Request, state: ServerState, req: SamplingRequest, 
         outcomes = [await _outcome(job, state) for job in jobs]
         choices = [await _choice(state, req, reply, i, job.prompt, done) for i, (job, done) in
                    enumerate(zip(jobs, outcomes))]
-        return JSONResponse(reply.response(choices, [d.stats for d in outcomes]))
+        metrics = per_request_metrics([d.records for d in outcomes], state.config.spec_decode_metrics,
+                                      state.config.per_request_metrics)
+        return JSONResponse(reply.response(choices, [d.stats for d in outcomes], metrics))
     finally:
         if watcher is not None:
             watcher.cancel()
@@ -441,7 +445,9 @@ async def _stream(state: ServerState, job: Job, req: SamplingRequest, reply: Rep
                 yield sse(reply.chunk(event.text, logprobs=rendered))
             event = await _next_event(job)
         if isinstance(event, Done):
-            for chunk in reply.final_chunks(event.finish_reason, event.stats, event.matched_stop):
+            metrics = per_request_metrics([event.records], state.config.spec_decode_metrics,
+                                          state.config.per_request_metrics)
+            for chunk in reply.final_chunks(event.finish_reason, event.stats, event.matched_stop, metrics):
                 yield sse(chunk)
         else:  # headers are sent: report in the stream, as OpenAI-compatible servers do
             yield sse(_failure(event, timeout).body())

@@ -7,6 +7,8 @@ import logging
 from ddscope.engine import KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
 from ddscope.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
+SPEC_DECODE_LEVELS = ("none", "summary", "detailed")  # as server.responses has them; kept light for --help
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -42,6 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds from arrival until a request is cancelled with 408 (default: %(default)s)")
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between decode log lines (default: %(default)s)")
+    p.add_argument("--per-request-spec-decode-metrics", choices=SPEC_DECODE_LEVELS, default="summary",
+                   help="vLLM's per-request acceptance in each response's metrics.speculative_decoding: none, summary, "
+                        "or detailed (with per-step arrays) (default: %(default)s)")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="vLLM's per-request timing fields under metrics too: TTFT, queue, generation time, mean ITL, "
+                        "tokens per second")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default: %(default)s)")
     p.set_defaults(func=_run)
@@ -64,7 +72,8 @@ def _run(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
               prefix_cache=not args.no_prefix_cache, max_num_seqs=args.max_num_seqs,
               max_prefill_tokens=args.max_prefill_tokens,
-              prefill_threads=args.prefill_threads)
+              prefill_threads=args.prefill_threads, spec_decode_metrics=args.per_request_spec_decode_metrics,
+              per_request_metrics=args.enable_per_request_metrics)
     except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         logging.getLogger("ddscope.server").error("cannot serve: %s", e)
         return 1

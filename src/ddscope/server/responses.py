@@ -27,6 +27,45 @@ def usage(stats: dict[str, Any]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": stats["cached_tokens"]}}
 
 
+def spec_decode_record(rounds: list[Any], num_spec_tokens: int) -> dict[str, Any]:
+    """vLLM 0.32's `metrics.speculative_decoding` (vllm/entrypoints/generate/base/protocol.py:100-119) for one
+    sequence's rounds, every engine step a step (drafted or not), so mean_acceptance_length is ddscope's avg_commit:
+    j = tokens committed - 1, drafted = draft nodes verified (what the tree cost), counts as delivered. The
+    per-step arrays are kept for `detailed`; `summary` drops them."""
+    accepted = [r.committed - 1 for r in rounds]
+    drafted = [r.nodes for r in rounds]
+    width = max([num_spec_tokens, *accepted])
+    histogram = [0] * (width + 1)
+    for j in accepted:
+        histogram[j] += 1
+    steps, total, proposed = len(rounds), sum(accepted), sum(drafted)
+    return {"mean_acceptance_length": 1 + total / steps if steps else 0.0,
+            "draft_acceptance_rate": total / proposed if proposed else 0.0, "acceptance_histogram": histogram,
+            "num_spec_steps": steps, "num_accepted_draft_tokens": total, "num_draft_tokens": proposed,
+            "num_spec_tokens": width, "per_step_accepted": accepted, "per_step_drafted": drafted}
+
+
+def timing_record(arrival: float, start: float, first: float, last: float, tokens: int) -> dict[str, Any]:
+    """vLLM's per-request timing (`--enable-per-request-metrics`; generate/base/serving.py:45-97): TTFT from
+    scheduling, generation from the first token to the last, queue time, mean ITL, and tokens over the inference."""
+    return {"time_to_first_token_ms": 1e3 * (first - start), "generation_time_ms": 1e3 * (last - first),
+            "queue_time_ms": 1e3 * (start - arrival),
+            "mean_itl_ms": 1e3 * (last - first) / (tokens - 1) if tokens > 1 else None,
+            "tokens_per_second": tokens / (last - start) if last > start else None}
+
+
+def per_request_metrics(records: list[dict[str, Any]], level: str, timing: bool) -> dict[str, Any] | None:
+    """The response's `metrics`, as vLLM builds it: None unless one sequence answers the request, or nothing asked."""
+    if len(records) != 1 or (level == "none" and not timing):
+        return None
+    out = {k: v for k, v in records[0]["timing"].items() if v is not None} if timing else {}
+    if level != "none":
+        spec = records[0]["spec"]
+        out["speculative_decoding"] = spec if level == "detailed" else {
+            k: v for k, v in spec.items() if not k.startswith("per_step_")}
+    return out
+
+
 def total_usage(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """One usage over a batch of choices."""
     keys = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -100,9 +139,12 @@ class Reply:
             body = {"index": index, "text": text}
         return {**body, "logprobs": logprobs, "finish_reason": finish_reason, "matched_stop": matched_stop}
 
-    def response(self, choices: list[dict[str, Any]], stats: list[dict[str, Any]]) -> dict[str, Any]:
-        """The whole answer; the `ddscope` extension is one choice's stats, or a list for a batch of prompts."""
+    def response(self, choices: list[dict[str, Any]], stats: list[dict[str, Any]],
+                 metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The whole answer; the `ddscope` extension is one choice's stats, or a list for a batch of prompts;
+        `metrics` is vLLM's per-request object, at the body's root."""
         return {**self._envelope(True, choices), "usage": total_usage(stats),
+                **({"metrics": metrics} if metrics is not None else {}),
                 "ddscope": stats[0] if len(stats) == 1 else stats}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
@@ -121,14 +163,16 @@ class Reply:
             body["usage"] = None
         return body
 
-    def final_chunks(self, finish_reason: str, stats: dict[str, Any],
-                     matched_stop: int | str | None = None) -> list[dict[str, Any]]:
-        """The finish_reason chunk, then (with include_usage) the usage chunk with no choices.
+    def final_chunks(self, finish_reason: str, stats: dict[str, Any], matched_stop: int | str | None = None,
+                     metrics: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The finish_reason chunk, then (with include_usage) the usage chunk with no choices, which carries vLLM's
+        per-request `metrics` as vLLM's does (completion/serving.py:458-490 in vLLM 0.32).
 
         The `ddscope` extension rides on whichever of them is last before `[DONE]`.
         """
         chunks = [self.chunk(None, finish_reason, matched_stop=matched_stop)]
         if self.include_usage:
-            chunks.append({**self._envelope(False, []), "usage": usage(stats)})
+            chunks.append({**self._envelope(False, []), "usage": usage(stats),
+                           **({"metrics": metrics} if metrics is not None else {})})
         chunks[-1]["ddscope"] = stats
         return chunks

@@ -20,8 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
+from ddscope.lookup import LOOKUP_MAX
 from ddscope.sampling import TokenLogprob
 from ddscope.server.metrics import PHASES, ModelMetrics
+from ddscope.server.responses import spec_decode_record, timing_record
 
 if TYPE_CHECKING:
     from ddscope.engine import Engine, Step
@@ -55,6 +57,7 @@ class Done:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # when asked for: one per token of token_ids
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (echo)
+    records: dict[str, Any] = field(default_factory=dict)  # vLLM-shaped per-request records: "spec" and "timing"
 
 
 @dataclass
@@ -138,6 +141,8 @@ class Active:
 class EngineWorker:
     def __init__(self, engine: Engine, metrics: ModelMetrics, *, max_queue: int, log_interval: float):
         self.engine = engine
+        # the most drafts one step can accept: a drafter block's or a prompt-lookup branch's
+        self.spec_tokens = max(LOOKUP_MAX, engine.drafter.block_size - 1 if engine.drafter is not None else 0)
         self.metrics = metrics
         self.max_queue = max_queue
         self._queue: deque[Job] = deque()  # submitted, not yet handed to the engine
@@ -310,8 +315,10 @@ class EngineWorker:
                 stats["queue_ms"] = 1000 * (a.start - job.arrival)
                 stats["ttft_ms"] = 1000 * (a.first_at - job.arrival)
                 stats["preemptions"] = a.seq.preemptions
+                records = {"spec": spec_decode_record(step.stats.rounds, self.spec_tokens),
+                           "timing": timing_record(job.arrival, a.start, a.first_at, now, len(a.ids))}
                 return Done(step.finish_reason, stats, "".join(a.text), step.matched_stop, a.ids, a.logprobs,
-                            a.prompt_logprobs)
+                            a.prompt_logprobs, records)
         return None
 
     def _end(self, a: Active, outcome: Done | Failed) -> None:
