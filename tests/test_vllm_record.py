@@ -86,3 +86,50 @@ def test_none_and_batches_carry_none(servers):
     assert "metrics" not in post(servers["none"])
     batch = post(servers["summary"], prompt=["def add(a, b):", "The quick brown fox"])
     assert "metrics" not in batch and len(batch["choices"]) == 2
+
+
+VLLM_SERIES = {  # name (as prometheus_client parses it) -> type; docs/server.md's table
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:spec_decode_num_drafts": "counter",
+    "vllm:spec_decode_num_draft_tokens": "counter", "vllm:spec_decode_num_accepted_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "counter", "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram"}
+
+
+def scrape(url: str) -> dict[str, tuple[str, dict[str, float]]]:
+    """name -> (type, {sample name: value summed over label sets})."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        values: dict[str, float] = {}
+        for s in family.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+        out[family.name] = (family.type, values)
+    return out
+
+
+def test_vllms_series_equal_ddscopes_own_counters(servers):
+    url = servers["summary"]
+    for prompt in ("def add(a, b):", "The quick brown fox", "def add(a, b):"):  # the last one hits the prefix cache
+        post(url, prompt=prompt * 20)
+    m = scrape(url)
+    for name, kind in VLLM_SERIES.items():
+        assert m[name][0] == kind, name
+
+    def total(name: str, sample: str | None = None) -> float:
+        return m[name][1][sample or name + ("_total" if m[name][0] == "counter" else "")]
+
+    assert total("vllm:generation_tokens") == total("ddscope:generation_tokens")
+    assert total("vllm:prompt_tokens") == total("ddscope:prompt_tokens") == total("vllm:prefix_cache_queries")
+    assert total("vllm:prefix_cache_hits") == total("ddscope:cached_prompt_tokens") > 0
+    assert total("vllm:spec_decode_num_drafts") == total("ddscope:verify_steps")
+    assert total("vllm:spec_decode_num_draft_tokens") == total("ddscope:draft_nodes_verified")
+    accepted = total("ddscope:committed_tokens") - total("ddscope:verify_steps")
+    assert total("vllm:spec_decode_num_accepted_tokens") == accepted > 0
+    assert total("vllm:spec_decode_num_accepted_tokens_per_pos") == accepted  # each accepted token at one position
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert total(f"vllm:{hist}", f"vllm:{hist}_count") == total(f"ddscope:{hist}", f"ddscope:{hist}_count") >= 3
+    assert total("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == \
+        total("ddscope:verify_steps")

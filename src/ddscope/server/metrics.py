@@ -2,6 +2,10 @@
 
 Names are given without `_total`: prometheus_client appends it to counters, so the exposed
 names are exactly those in docs/server.md. The `_created` series are switched off, as in vLLM.
+
+Beside the `ddscope:` series, the ones that users' tools read under vLLM's names (AIPerf's live row, vLLM's
+Grafana dashboard, KEDA, the Gateway API inference extension), with vLLM 0.32's types, labels (`model_name`,
+`engine`) and buckets (vllm/v1/metrics/loggers.py:499-1011, buckets.py, v1/spec_decode/metrics.py:203-270).
 """
 from __future__ import annotations
 
@@ -25,6 +29,14 @@ PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# vLLM 0.32's defaults (vllm/v1/metrics/buckets.py)
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+VLLM = ["model_name", "engine"]
 
 
 class ServerMetrics:
@@ -68,6 +80,7 @@ class ServerMetrics:
                               "vLLM's vllm:kv_cache_usage_perc.", m, registry=r)
         self.engine_steps = Counter("ddscope:engine_steps", "Batched engine steps (one target forward each).", m,
                                     registry=r)
+        self.vllm = VllmSeries(r)
         # With requests_total, every generation request sent is counted exactly once.
         self.rejected = Counter("ddscope:rejected_requests", "Generation requests answered with an error before "
                                 "they reached the engine queue, by HTTP status.", ["status"], registry=r)
@@ -79,23 +92,82 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class VllmSeries:
+    """vLLM's names and semantics, for one model on engine "0". Trees in vLLM's terms: a draft is an engine step
+    of a sequence (drafted or not, so 1 + accepted / drafts is ddscope's avg_commit), its draft tokens are the
+    tree's nodes, its accepted tokens those committed beyond the bonus one, at positions 0.. along the path."""
+
+    def __init__(self, r: CollectorRegistry):
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, VLLM + list(extra), registry=r)
+
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", VLLM,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", VLLM,
+                             registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", VLLM,
+                              registry=r)
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens per draft position.", ("position",))
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              VLLM, buckets=VLLM_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             VLLM, buckets=VLLM_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             VLLM, buckets=VLLM_E2E_BUCKETS, registry=r)
+
+
+class Fanout:
+    """One reading into several series (a ddscope: child and its vllm: twin)."""
+
+    def __init__(self, *children: object):
+        self.children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+
 class ModelMetrics:
     """The children for one model_name, created eagerly so that every series shows from 0."""
 
     def __init__(self, m: ServerMetrics, model_name: str):
-        self.verify_steps = m.verify_steps.labels(model_name)
+        v, on = m.vllm, (model_name, "0")
+        self.verify_steps = Fanout(m.verify_steps.labels(model_name), v.drafts.labels(*on))
         self.committed_tokens = m.committed_tokens.labels(model_name)
-        self.draft_nodes = m.draft_nodes.labels(model_name)
-        self.prompt_tokens = m.prompt_tokens.labels(model_name)
-        self.cached_prompt_tokens = m.cached_prompt_tokens.labels(model_name)
-        self.generation_tokens = m.generation_tokens.labels(model_name)
+        self.draft_nodes = Fanout(m.draft_nodes.labels(model_name), v.draft_tokens.labels(*on))
+        self.accepted_tokens = v.accepted.labels(*on)
+        self.accepted_per_pos = lambda position: v.accepted_per_pos.labels(*on, str(position))
+        self.prompt_tokens = Fanout(m.prompt_tokens.labels(model_name), v.prompt_tokens.labels(*on),
+                                    v.prefix_queries.labels(*on))
+        self.cached_prompt_tokens = Fanout(m.cached_prompt_tokens.labels(model_name), v.prefix_hits.labels(*on))
+        self.generation_tokens = Fanout(m.generation_tokens.labels(model_name), v.generation_tokens.labels(*on))
+        self.preemptions = v.preemptions.labels(*on)
+        self.itl = v.itl.labels(*on)
         self.requests = {s: m.requests.labels(model_name, s) for s in STATUSES}
         self.commit_length = m.commit_length.labels(model_name)
         self.step_phase = {p: m.step_phase.labels(model_name, p) for p in PHASES}
-        self.ttft = m.ttft.labels(model_name)
-        self.e2e = m.e2e.labels(model_name)
-        self.running = m.running.labels(model_name)
-        self.waiting = m.waiting.labels(model_name)
+        self.ttft = Fanout(m.ttft.labels(model_name), v.ttft.labels(*on))
+        self.e2e = Fanout(m.e2e.labels(model_name), v.e2e.labels(*on))
+        self.running = Fanout(m.running.labels(model_name), v.running.labels(*on))
+        self.waiting = Fanout(m.waiting.labels(model_name), v.waiting.labels(*on))
         self.batch_size = m.batch_size.labels(model_name)
-        self.kv_usage = m.kv_usage.labels(model_name)
+        self.kv_usage = Fanout(m.kv_usage.labels(model_name), v.kv_usage.labels(*on))
         self.engine_steps = m.engine_steps.labels(model_name)

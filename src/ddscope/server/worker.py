@@ -131,6 +131,7 @@ class Active:
     seq: Any  # ddscope.sequence.Sequence
     start: float  # when the worker handed it to the engine
     first_at: float | None = None
+    step_at: float | None = None  # when its latest Step was handed out
     last: Any = None  # its latest Step
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
@@ -141,6 +142,7 @@ class Active:
 class EngineWorker:
     def __init__(self, engine: Engine, metrics: ModelMetrics, *, max_queue: int, log_interval: float):
         self.engine = engine
+        self._preemptions = engine.scheduler.preemptions  # the count already in vllm:num_preemptions
         # the most drafts one step can accept: a drafter block's or a prompt-lookup branch's
         self.spec_tokens = max(LOOKUP_MAX, engine.drafter.block_size - 1 if engine.drafter is not None else 0)
         self.metrics = metrics
@@ -268,6 +270,8 @@ class EngineWorker:
             return
         self.metrics.batch_size.observe(report.sequences)
         self.metrics.engine_steps.inc()
+        self.metrics.preemptions.inc(self.engine.scheduler.preemptions - self._preemptions)
+        self._preemptions = self.engine.scheduler.preemptions
         self.metrics.kv_usage.set(self.engine.kv_usage)
         for phase in PHASES:
             if report.decodes:
@@ -298,6 +302,9 @@ class EngineWorker:
         job = a.job
         while a.seq.outbox:
             step = a.last = a.seq.outbox.popleft()
+            if a.first_at is not None and a.step_at is not None:  # vLLM's inter-token latency: a step's gap
+                self.metrics.itl.observe(now - a.step_at)
+            a.step_at = now
             if a.first_at is None:
                 a.first_at = now
                 self.metrics.ttft.observe(now - job.arrival)
@@ -365,6 +372,9 @@ class EngineWorker:
         self.metrics.committed_tokens.inc(n)
         self.metrics.draft_nodes.inc(rnd.nodes)
         self.metrics.commit_length.observe(n)
+        self.metrics.accepted_tokens.inc(n - 1)
+        for position in range(n - 1):
+            self.metrics.accepted_per_pos(position).inc()
     def _finish(self, job: Job, outcome: Done | Failed) -> None:
         now = time.monotonic()
         status = outcome.status if isinstance(outcome, Failed) else "finished"
