@@ -43,7 +43,8 @@ pytestmark = pytest.mark.timeout(INSTALL_TIMEOUT_S + STARTUP_TIMEOUT_S + 600)
 def vllm(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     try:
-        with vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log) as url:
+        with vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log,
+                         extra=("--per-request-spec-decode-metrics", "detailed")) as url:
             yield url, log
     except PeerUnavailable as e:
         unavailable(e)
@@ -252,3 +253,40 @@ def test_ddscopes_vllm_series_have_vllms_names_types_and_labels(vllm):
         assert real[name].type == kind, name
         labels = {k for s in real[name].samples for k in s.labels}
         assert {"model_name", "engine"} <= labels, (name, labels)
+
+
+def test_analyze_reads_aiperf_runs_of_vllm_at_three_prompt_lengths(vllm, tmp_path, capsys):
+    """AIPerf 0.13 against the real vLLM DFlash at three prompt lengths (c=4, 4 requests each, streamed, T=0):
+    `ddscope bench analyze` on the three folders gives one point each, a fit and a verdict, and its acceptance
+    pooled over each run equals vLLM's own counters' (drafts, read here apart from AIPerf and the bench)."""
+    from aiperf_peer import profile, write_prompts
+    from transformers import AutoTokenizer
+
+    url, _ = vllm
+    tok = AutoTokenizer.from_pretrained(str(DEMO_DIR / "target"))
+    code = load_workload("code")
+    runs = []
+    with httpx.Client(timeout=120) as client:
+        model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+        for n, length in enumerate((43, 1044, 2044)):
+            prompts = write_prompts(tmp_path / f"p{length}.jsonl",
+                                    [tok.decode(fit_ids(code, 40 * n + i, length, tok)) for i in range(4)])
+            before = counters(client, url)
+            run = profile(url, model, DEMO_DIR / "target", tmp_path / f"run{length}", prompts=prompts, requests=4,
+                          concurrency=4, max_tokens=64)
+            drafts = counters(client, url)[DRAFTS] - before[DRAFTS]
+            records = [json.loads(line) for line in (run / "profile_export.jsonl").read_text().splitlines()]
+            delivered = sum(r["metrics"]["usage_completion_tokens"]["value"] - 1 for r in records)
+            runs.append((run, records, delivered / drafts))
+    assert main(["bench", "analyze", *[str(run) for run, _, _ in runs], "--json"]) == 0, capsys.readouterr().err
+    analysis = json.loads(capsys.readouterr().out)
+    assert len(analysis["points"]) == 3 and analysis["fit"]["n_points"] == 3
+    assert all(p["verdict"] for p in analysis["points"][1:])
+    for point, (run, records, pooled) in zip(analysis["points"], runs):
+        prompts = sorted(r["metrics"]["usage_prompt_tokens"]["value"] for r in records)
+        assert abs(point["prompt_tokens"] / prompts[len(prompts) // 2] - 1) <= 0.03
+        steps = [r["spec_decode_acceptance"]["num_spec_steps"] for r in records]
+        ours = sum(r["metrics"]["usage_completion_tokens"]["value"] - 1 for r in records) / sum(steps)
+        assert ours == pytest.approx(pooled, rel=1e-9)  # AIPerf's steps are vLLM's drafts, to the step
+        assert point["avg_commit"] == pytest.approx(pooled, rel=0.15) and point["avg_commit"] > 1.2
+        assert len(records[0]["spec_decode_acceptance"]["per_step_accepted"]) == steps[0]  # detailed came through

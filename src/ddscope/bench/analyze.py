@@ -163,8 +163,15 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
 
 
 def load_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Measured rows and metadata from a results.json or a CSV with columns
-    prompt_tokens,tok_per_s,avg_commit[,label]."""
+    """Measured rows and metadata from a results.json, an AIPerf run (its artifact folder or profile_export.jsonl),
+    or a CSV with columns prompt_tokens,tok_per_s,avg_commit[,label]."""
+    from ddscope.bench import aiperf
+
+    if aiperf.export_file(path) is not None:
+        raw_rows, meta = aiperf.load(path)
+        return [r for i, raw in enumerate(raw_rows, 1) if (r := _clean(raw, f"{path}:{i}", "aiperf"))], meta
+    if path.is_dir():
+        raise AnalysisError(f"{path} is a folder with no AIPerf {aiperf.EXPORT} in it")
     if not path.is_file():
         raise AnalysisError(f"file not found: {path}")
     if path.suffix == ".json":

@@ -242,10 +242,10 @@ def step_commits(backend: str, body: dict[str, Any], completion_tokens: int) -> 
     elif backend == "vllm":  # --per-request-spec-decode-metrics detailed; +1 for the bonus token
         accepted = ((body.get("metrics") or {}).get("speculative_decoding") or {}).get("per_step_accepted")
         commits = [int(a) + 1 for a in accepted] if isinstance(accepted, list) and accepted else None
-    return _cut(commits, completion_tokens - 1) if commits else None
+    return cut_commits(commits, completion_tokens - 1) if commits else None
 
 
-def _cut(commits: list[int], total: int) -> list[int]:
+def cut_commits(commits: list[int], total: int) -> list[int]:
     """The per-step list as delivered: the steps past `total` tokens dropped, the last one trimmed."""
     out, left = [], total
     for c in commits:

@@ -143,8 +143,10 @@ def register(subparsers: Any) -> None:
 
     analyze = sub.add_parser("analyze", help="fit, predict and attribute from results.json or CSV files")
     analyze.add_argument("files", nargs="*", type=Path, metavar="FILE",
-                         help="results.json, or CSV with prompt_tokens,tok_per_s,avg_commit[,label]; several "
-                              "files with the same workload are overlaid, each labelled by its folder")
+                         help="results.json (a sweep's or a trace's), an AIPerf run's artifact folder or "
+                              "profile_export.jsonl (several at different prompt lengths make one sweep), or CSV with "
+                              "prompt_tokens,tok_per_s,avg_commit[,label]; several files with the same workload are "
+                              "overlaid, each labelled by its folder")
     analyze.add_argument("--baseline", help="label of the baseline curve (default: padding, else the first)")
     analyze.add_argument("--point", action="append", default=[], metavar="CTX:TPS:COMMIT[:LABEL]",
                          help='an observed point, e.g. 4000:45:3.1 for "45 tok/s at 4000 tokens, avg_commit 3.1"')
@@ -364,8 +366,7 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     rows: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     errors: dict[str, int] = {}
-    loaded = [load_rows(path) for path in paths]
-    tags = _tags(paths)
+    loaded, tags = _merge_aiperf([load_rows(path) for path in paths], _tags(paths))
     notes = _like_for_like(loaded, tags, allow_mismatch)
     if _overlaid(loaded):
         baseline, meta["runs"] = _overlay(loaded, tags, baseline)
@@ -398,6 +399,22 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
         out.mkdir(parents=True, exist_ok=True)
         write_outputs(analysis, meta, out)
     return 0
+
+
+def _merge_aiperf(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]],
+                  tags: list[str]) -> tuple[list[tuple[list[dict[str, Any]], dict[str, Any]]], list[str]]:
+    """AIPerf runs, one per prompt length, as one sweep: their rows together under the first one's setup."""
+    runs = [i for i, (_, meta) in enumerate(loaded) if (meta.get("backend") or {}).get("name") == "aiperf"]
+    if len(runs) < 2:
+        return loaded, tags
+    rows = [row for i in runs for row in loaded[i][0]]
+    errors: dict[str, int] = {}
+    for i in runs:
+        for msg, n in (loaded[i][1].get("errors") or {}).items():
+            errors[msg] = errors.get(msg, 0) + n
+    merged = (rows, {**loaded[runs[0]][1], "errors": errors})
+    keep = [i for i in range(len(loaded)) if i not in runs[1:]]
+    return [merged if i == runs[0] else loaded[i] for i in keep], ["aiperf" if i == runs[0] else tags[i] for i in keep]
 
 
 def _kept_floor(meta: dict[str, Any]) -> FloorRequest | None:
