@@ -3,7 +3,6 @@ acceptance through vLLM's per-request record, and `ddscope bench analyze` reads 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -29,7 +28,7 @@ def counters(url: str) -> dict[str, float]:
 def test_aiperf_reads_ddscopes_acceptance_and_ddscope_reads_aiperfs_run(tmp_path, capsys):
     """Held-out HumanEval prompts (the demo drafter trained on other code), c=4, 12 requests, streamed, T=0."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", list(load_workload("code").prompts[150:162]))
-    with serve_process([], tmp_path / "serve.log") as url:
+    with serve_process(["--per-request-spec-decode-metrics", "detailed"], tmp_path / "serve.log") as url:
         before = counters(url)
         run = profile(url, "target", DEMO_DIR / "target", tmp_path / "run", prompts=prompts, requests=12,
                       concurrency=4, max_tokens=64)
@@ -53,3 +52,9 @@ def test_aiperf_reads_ddscopes_acceptance_and_ddscope_reads_aiperfs_run(tmp_path
     assert per_request[0] <= point["avg_commit"] <= per_request[-1] and point["n"] == 12
     assert point["server_avg_commit"] == pytest.approx(point["avg_commit"])  # ddscope counts as delivered
     assert point["step_ms"] > 0 and point["tok_per_s"] > 0
+
+    # streamed, each chunk is one step: AIPerf's chunk gaps and the per-step record make a trace
+    assert main(["bench", "analyze", str(run), "--as-trace", "--json"]) == 0
+    trace = json.loads(capsys.readouterr().out)["workloads"]["aiperf"]
+    assert not trace["approximate"], trace["reasons"]
+    assert trace["steps"] == steps and trace["avg_commit"] == pytest.approx(committed / steps)

@@ -119,3 +119,46 @@ def load(path: Path, label: str = "aiperf") -> tuple[list[dict[str, Any]], dict[
                           "definition": "(completion_tokens - 1) / (AIPerf's request_latency - time_to_first_token)"},
             "errors": {"the request failed in AIPerf's record": failed} if failed else {}}
     return rows, meta
+
+
+def as_trace(path: Path) -> dict[str, Any]:
+    """A streamed AIPerf run as a `bench trace` document: each request's chunk gaps (`inter_chunk_latency`, one per
+    chunk after the first) as its steps' times and, where the record is detailed, `per_step_accepted` + 1 as their
+    commits. A chunk is a step only where their counts agree; otherwise the request is marked approximate."""
+    from ddscope.bench.trace import SCHEMA
+
+    file = export_file(path)
+    if file is None:
+        raise AIPerfError(f"{path}: no AIPerf {EXPORT}")
+    requests = []
+    for i, line in enumerate(line for line in file.read_text().splitlines() if line.strip()):
+        row = json.loads(line)
+        got = record(row)
+        if got is None:
+            continue
+        gaps, commits = got["chunk_gaps_ms"] or [], got["commits"]
+        reasons = []
+        if not gaps:
+            reasons.append("the run was not streamed: no inter_chunk_latency")
+        if commits is None:
+            reasons.append("no per-step record (the server's per-request metrics at `detailed`): commits unknown")
+        elif len(commits) != len(gaps):
+            reasons.append(f"{len(gaps)} chunks after the first against {len(commits)} steps: chunks are not steps")
+        commits = commits if commits is not None and len(commits) == len(gaps) else [1] * len(gaps)
+        steps, position = [], 1
+        for gap, commit in zip(gaps, commits):
+            steps.append({"position": position, "context": got["prompt_tokens"] + position, "commit": commit,
+                          "gap_ms": gap})
+            position += commit
+        requests.append({"workload": "aiperf", "repeat": i, "status": "complete", "error": None,
+                         "prompt_tokens": got["prompt_tokens"], "completion_tokens": got["completion_tokens"],
+                         "tokens_counted_by": "aiperf per_step_accepted", "approximate": bool(reasons),
+                         "reasons": reasons, "checks": {}, "tokens_sum": 1 + sum(s["commit"] for s in steps),
+                         "steps": steps})
+    if not requests:
+        raise AIPerfError(f"{file}: no request succeeded")
+    prompt = round(median(r["prompt_tokens"] for r in requests))
+    return {"schema": SCHEMA, "backend": {"name": "aiperf", "url": str(file)}, "status": "complete",
+            "config": {"prompt_tokens": prompt, "max_tokens": max(r["completion_tokens"] for r in requests),
+                       "repeats": len(requests), "workloads": ["aiperf"], "floor": None},
+            "requests": requests}

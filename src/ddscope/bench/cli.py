@@ -155,7 +155,10 @@ def register(subparsers: Any) -> None:
     analyze.add_argument("--window", type=at_least(1), default=32,
                          help="generated tokens per window for acceptance against position (default: %(default)s)")
     analyze.add_argument("--json", action="store_true", help="print the analysis as JSON")
-    analyze.add_argument("--out", type=Path, help="also write sweep.png and report.md here")
+    analyze.add_argument("--as-trace", action="store_true",
+                         help="read a streamed AIPerf run as a trace: each chunk a step (checked against its "
+                              "per-step record where the server gave one)")
+    analyze.add_argument("--out", type=Path, help="also write sweep.png and report.md here (trace.png for a trace)")
     _add_allow_mismatch(analyze)
     add_floor_args(analyze, ("--model", "--model-config"))
     analyze.set_defaults(func=cmd_analyze)
@@ -579,6 +582,12 @@ def _trace_doc(path: Path) -> dict | None:
 def cmd_analyze(args: argparse.Namespace) -> int:
     if not args.files and not args.point:
         raise BenchError("give at least one FILE or --point")
+    if args.as_trace:  # an AIPerf run's chunks as a trace
+        from ddscope.bench.aiperf import as_trace
+
+        if len(args.files) != 1:
+            raise BenchError("--as-trace reads one AIPerf run")
+        return _trace_report(args, as_trace(args.files[0]), args.out)
     traces = [(path, doc) for path in args.files if (doc := _trace_doc(path)) is not None]
     if traces:  # a trace, set against the prompt sweep given beside it
         sweeps = [path for path in args.files if path not in dict(traces)]
