@@ -290,3 +290,6 @@ def test_analyze_reads_aiperf_runs_of_vllm_at_three_prompt_lengths(vllm, tmp_pat
         assert ours == pytest.approx(pooled, rel=1e-9)  # AIPerf's steps are vLLM's drafts, to the step
         assert point["avg_commit"] == pytest.approx(pooled, rel=0.15) and point["avg_commit"] > 1.2
         assert len(records[0]["spec_decode_acceptance"]["per_step_accepted"]) == steps[0]  # detailed came through
+        # a step's time: AIPerf's own chunk gaps (one chunk a step), their mean per request, the median request
+        gaps = sorted(sum(g) / len(g) for r in records if (g := r["metrics"]["inter_chunk_latency"]["value"]))
+        assert point["step_ms"] == pytest.approx(gaps[len(gaps) // 2], rel=0.05)
