@@ -119,7 +119,7 @@ class Checks:
         self.reasons.append(reason)
 
 
-def check(stream: Stream, steps: list[dict[str, Any]], backend: str, speculating: bool,
+def check(stream: Stream, steps: list[dict[str, Any]], backend: str, speculating: bool | None,
           counters: tuple[Scrape | None, Scrape | None] | None = None) -> Checks:
     """Whether the chunks are the server's steps: token totals, per-step truth where the server has it, and the
     signs of steps split (one token a chunk under speculation) or coalesced (bursts faster than a step)."""
@@ -135,9 +135,11 @@ def check(stream: Stream, steps: list[dict[str, Any]], backend: str, speculating
         _check_rounds(c, stream, steps)
     if backend == "vllm" and counters is not None:
         _check_counters(c, steps, *counters)
-    if speculating and steps and all(s["commit"] == 1 for s in steps):
+    if speculating is not False and len(steps) > 1 and all(s["commit"] == 1 for s in steps):
         c.fail("every chunk holds one token while the server speculates: it streams token by token, so a chunk "
-               "is not a step (llama.cpp does; SGLang with --stream-interval 1 does not)")
+               "is not a step (llama.cpp does; SGLang with --stream-interval 1 does not)" if speculating else
+               "every chunk holds one token and the server does not say whether it drafted: the chunks are steps "
+               "only if it decoded without speculation")
     gaps = sorted(s["gap_ms"] for s in steps)
     if len(gaps) >= 8 and gaps[len(gaps) // 4] < 0.1 * gaps[3 * len(gaps) // 4]:
         c.fail("a quarter of the chunks arrive within a tenth of the usual gap (its 75th percentile) after the one "

@@ -37,16 +37,28 @@ def trace_one(sweep: Any, prompt: list[int] | str, max_tokens: int, timeout_s: f
     usage = stream.body.get("usage") or {}
     prompt_tokens = int(usage.get("prompt_tokens") or (len(prompt) if isinstance(prompt, list) else 0))
     steps = steps_of(stream, prompt_tokens)
-    ext = stream.body.get("ddscope") or {}
-    speculating = ext.get("method", "ddtree") != "ar" if sweep.backend == "ddscope" else True
     counters = (before, sweep.server.metrics()) if sweep.backend == "vllm" else None
-    checks = check(stream, steps, sweep.backend, speculating, counters)
+    checks = check(stream, steps, sweep.backend, speculating(sweep.backend, stream.body, counters), counters)
     if status != "complete":
         checks.fail(f"the trace is partial: {error}")
     return {"status": status, "error": error, "prompt_tokens": prompt_tokens,
             "completion_tokens": usage.get("completion_tokens"), "tokens_counted_by": stream.counted,
             "approximate": checks.approximate, "reasons": checks.reasons, "checks": checks.facts,
             "tokens_sum": checks.tokens_sum, "steps": steps}
+
+
+def speculating(backend: str, body: dict[str, Any], counters: tuple[Any, Any] | None) -> bool | None:
+    """Whether the server drafted for this request, where it says: ddscope's method, vLLM's draft counter, llama.cpp's
+    timings.draft_n; None where it does not."""
+    if backend == "ddscope":
+        return (body.get("ddscope") or {}).get("method", "ddtree") != "ar"
+    if backend == "vllm" and counters and all(counters):
+        before, after = counters
+        name = "vllm:spec_decode_num_drafts_total"
+        return sum(after.values.get(name, [])) > sum(before.values.get(name, []))
+    if backend == "llamacpp" and isinstance(body.get("timings"), dict):
+        return bool(body["timings"].get("draft_n"))
+    return None
 
 
 def run(sweep: Any, workloads: list[Any], cfg: dict[str, Any], out: Path, header: dict[str, Any],
