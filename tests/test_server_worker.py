@@ -23,7 +23,7 @@ class SteppingEngine:
     """The engine's batch interface over one endless sequence of one-token steps, counting the steps and
     running `hook` while it makes step `hook_at`."""
 
-    waiting, kv_usage = 0, 0.0
+    waiting, kv_usage, preemptions, max_drafts = 0, 0.0, 0, 15
 
     def __init__(self, hook_at: int):
         self.hook_at, self.hook, self.steps, self.closed = hook_at, lambda: None, 0, False

@@ -242,6 +242,16 @@ class Engine:
         return len(self.scheduler.waiting)
 
     @property
+    def preemptions(self) -> int:
+        """Sequences preempted so far (their blocks taken back when the pool ran out)."""
+        return self.scheduler.preemptions
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts one step can accept: a drafter block less its root, or a prompt-lookup branch."""
+        return max(LOOKUP_MAX, self.drafter.block_size - 1 if self.drafter is not None else 0)
+
+    @property
     def kv_usage(self) -> float:
         """The share of the pool's blocks that running sequences hold (0 without a pool)."""
         blocks = self.scheduler.blocks

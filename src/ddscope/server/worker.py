@@ -20,7 +20,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from ddscope.lookup import LOOKUP_MAX
 from ddscope.sampling import TokenLogprob
 from ddscope.server.metrics import PHASES, ModelMetrics
 from ddscope.server.responses import spec_decode_record, timing_record
@@ -142,9 +141,7 @@ class Active:
 class EngineWorker:
     def __init__(self, engine: Engine, metrics: ModelMetrics, *, max_queue: int, log_interval: float):
         self.engine = engine
-        self._preemptions = engine.scheduler.preemptions  # the count already in vllm:num_preemptions
-        # the most drafts one step can accept: a drafter block's or a prompt-lookup branch's
-        self.spec_tokens = max(LOOKUP_MAX, engine.drafter.block_size - 1 if engine.drafter is not None else 0)
+        self._preemptions = engine.preemptions  # the count already in vllm:num_preemptions
         self.metrics = metrics
         self.max_queue = max_queue
         self._queue: deque[Job] = deque()  # submitted, not yet handed to the engine
@@ -270,8 +267,8 @@ class EngineWorker:
             return
         self.metrics.batch_size.observe(report.sequences)
         self.metrics.engine_steps.inc()
-        self.metrics.preemptions.inc(self.engine.scheduler.preemptions - self._preemptions)
-        self._preemptions = self.engine.scheduler.preemptions
+        self.metrics.preemptions.inc(self.engine.preemptions - self._preemptions)
+        self._preemptions = self.engine.preemptions
         self.metrics.kv_usage.set(self.engine.kv_usage)
         for phase in PHASES:
             if report.decodes:
@@ -322,7 +319,7 @@ class EngineWorker:
                 stats["queue_ms"] = 1000 * (a.start - job.arrival)
                 stats["ttft_ms"] = 1000 * (a.first_at - job.arrival)
                 stats["preemptions"] = a.seq.preemptions
-                records = {"spec": spec_decode_record(step.stats.rounds, self.spec_tokens),
+                records = {"spec": spec_decode_record(step.stats.rounds, self.engine.max_drafts),
                            "timing": timing_record(job.arrival, a.start, a.first_at, now, len(a.ids))}
                 return Done(step.finish_reason, stats, "".join(a.text), step.matched_stop, a.ids, a.logprobs,
                             a.prompt_logprobs, records)
