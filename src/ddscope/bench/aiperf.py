@@ -66,9 +66,10 @@ def record(row: dict[str, Any]) -> dict[str, Any] | None:
     if row.get("error") or not prompt or not completion or not latency:
         return None
     decode_ms = latency - (ttft or 0.0)
+    decode = ttft is not None and completion > 1 and decode_ms > 0
     out = {"prompt_tokens": float(prompt), "completion_tokens": int(completion),
-           "tok_per_s": (completion - 1) / decode_ms * 1e3 if ttft is not None and completion > 1 and decode_ms > 0
-           else completion / latency * 1e3,
+           "tok_per_s": (completion - 1) / decode_ms * 1e3 if decode else completion / latency * 1e3,
+           "tok_per_s_basis": "client_minus_prefill" if decode else "client_latency",
            "e2e_tok_per_s": completion / latency * 1e3, "ttft_s": ttft / 1e3 if ttft is not None else None,
            "chunk_gaps_ms": _value(m, "inter_chunk_latency", ms=True), "avg_commit": None, "server_avg_commit": None,
            "commits": None, "verify_steps": None}
@@ -107,6 +108,7 @@ def load(path: Path, label: str = "aiperf") -> tuple[list[dict[str, Any]], dict[
     for r in rows:
         r.update(label=label, context=context, concurrency=1)
     spec = any(r["avg_commit"] for r in rows)
+    whole = any(r["tok_per_s_basis"] == "client_latency" for r in rows)  # a request without TTFT (not streamed)
     meta = {"config": {"workload": label}, "backend": {"name": "aiperf", "url": str(file)},
             "acceptance_source": {"name": "aiperf.spec_decode_acceptance", "kind": "per_request", "approximate": False,
                                   "definition": "(usage completion_tokens - 1) / the request's spec-decode steps, "
@@ -115,7 +117,10 @@ def load(path: Path, label: str = "aiperf") -> tuple[list[dict[str, Any]], dict[
             "acceptance_refused": {} if spec else {
                 "aiperf": "the run has no per-request spec-decode records (the server gave no per-request metrics, "
                           "e.g. vLLM without --per-request-spec-decode-metrics): tok/s only, acceptance not guessed"},
-            "tok_per_s": {"basis": "client_minus_prefill", "includes_prefill": False,
+            "tok_per_s": {"basis": "client_latency", "includes_prefill": True,
+                          "definition": "completion_tokens / AIPerf's request_latency (some requests have no time to "
+                                        "first token: the run was not streamed)"} if whole else
+                         {"basis": "client_minus_prefill", "includes_prefill": False,
                           "definition": "(completion_tokens - 1) / (AIPerf's request_latency - time_to_first_token)"},
             "errors": {"the request failed in AIPerf's record": failed} if failed else {}}
     return rows, meta
@@ -132,8 +137,10 @@ def as_trace(path: Path) -> dict[str, Any]:
         raise AIPerfError(f"{path}: no AIPerf {EXPORT}")
     requests = []
     for i, line in enumerate(line for line in file.read_text().splitlines() if line.strip()):
-        row = json.loads(line)
-        got = record(row)
+        try:
+            got = record(json.loads(line))
+        except (ValueError, TypeError) as e:
+            raise AIPerfError(f"{file}: record {i + 1}: {e}") from e
         if got is None:
             continue
         gaps, commits = got["chunk_gaps_ms"] or [], got["commits"]
@@ -144,16 +151,17 @@ def as_trace(path: Path) -> dict[str, Any]:
             reasons.append("no per-step record (the server's per-request metrics at `detailed`): commits unknown")
         elif len(commits) != len(gaps):
             reasons.append(f"{len(gaps)} chunks after the first against {len(commits)} steps: chunks are not steps")
-        commits = commits if commits is not None and len(commits) == len(gaps) else [1] * len(gaps)
+        known = commits is not None and len(commits) == len(gaps)  # else each step's commit is unknown: None
         steps, position = [], 1
-        for gap, commit in zip(gaps, commits):
+        for k, gap in enumerate(gaps):
+            commit = commits[k] if known else None
             steps.append({"position": position, "context": got["prompt_tokens"] + position, "commit": commit,
                           "gap_ms": gap})
-            position += commit
+            position += commit or 1  # unknown commits: positions count chunks
         requests.append({"workload": "aiperf", "repeat": i, "status": "complete", "error": None,
                          "prompt_tokens": got["prompt_tokens"], "completion_tokens": got["completion_tokens"],
                          "tokens_counted_by": "aiperf per_step_accepted", "approximate": bool(reasons),
-                         "reasons": reasons, "checks": {}, "tokens_sum": 1 + sum(s["commit"] for s in steps),
+                         "reasons": reasons, "checks": {}, "tokens_sum": 1 + sum(s["commit"] or 0 for s in steps),
                          "steps": steps})
     if not requests:
         raise AIPerfError(f"{file}: no request succeeded")

@@ -387,12 +387,19 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     analysis = analyze(rows, baseline=baseline, window=window)
     analysis.notes[:0] = notes
     analysis.by_category = sweep_matrix(rows)
+    kept = floor is None
     floor = floor or _kept_floor(meta)
     if floor is not None:
-        from ddscope.bench.limit.cli import floor_spec
+        from ddscope.bench.limit import ConfigError, FloorError, HardwareError
+        from ddscope.bench.limit.cli import FloorArgsError, floor_spec
         from ddscope.bench.limit.verdict import against_floor
 
-        analysis.limit = against_floor(analysis, floor_spec(floor, meta.get("backend")))
+        try:
+            analysis.limit = against_floor(analysis, floor_spec(floor, meta.get("backend")))
+        except (ConfigError, FloorError, HardwareError, FloorArgsError) as e:
+            if not kept:
+                raise
+            analysis.notes.append(f"the run's floor options cannot be used here, so no floor: {e}")
     predictions = [analysis.predict(*parse_prediction(spec)) for spec in predict]
     if as_json:
         print(json.dumps(analysis.to_dict(predictions), indent=1))
@@ -402,6 +409,11 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
         out.mkdir(parents=True, exist_ok=True)
         write_outputs(analysis, meta, out)
     return 0
+
+
+def _folder(workload: str, index: int) -> str:
+    """A sweep's folder in a run of several workloads: its name, or file-N for a file's prompts."""
+    return f"file-{index}" if workload.startswith("file:") else workload
 
 
 def _merge_aiperf(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]],
@@ -421,8 +433,12 @@ def _merge_aiperf(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]],
 
 
 def _kept_floor(meta: dict[str, Any]) -> FloorRequest | None:
+    """The floor options a run kept in its results (None where it kept none, or a shape this version cannot read)."""
     kept = (meta.get("config") or {}).get("floor")
-    return FloorRequest(**kept) if isinstance(kept, dict) else None
+    try:
+        return FloorRequest(**kept) if isinstance(kept, dict) else None
+    except TypeError:
+        return None
 
 
 def _like_for_like(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]], tags: list[str],
@@ -521,6 +537,19 @@ def _staged(out: Path) -> Iterator[Path]:
     print(f"ddscope bench: files in {out}: {names}", file=sys.stderr)
 
 
+def _check_floor(req: FloorRequest) -> None:
+    """The floor options' errors now: the hardware (host measured here, before a server competes for the CPUs),
+    and the model and layout where the model is known before the run (--model-config, or the embedded server's)."""
+    from ddscope.bench.limit.cli import floor_spec
+    from ddscope.bench.limit.hardware import hardware_named
+
+    if req.model is None:
+        hardware_named(req.hardware)
+    else:
+        spec = floor_spec(req)
+        spec.floor(1, req.nodes or 1)  # the layout: --gpus against the heads and experts
+
+
 def _warn(message: str) -> None:
     print(f"ddscope bench: warning: {message}", file=sys.stderr)
 
@@ -535,6 +564,8 @@ def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
 
         try:
             args.floor = FloorRequest.from_args(args)
+            if args.floor is not None:
+                _check_floor(args.floor)  # before any server starts: a bad --hardware must not cost a sweep
             return handler(args)
         except NothingMeasured as e:
             print(f"ddscope bench: {e}", file=sys.stderr)
@@ -556,7 +587,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     _check_sweep_args(args)
     workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
     with _staged(args.out) as stage:  # several workloads: one sweep each, in OUT/<workload>, reported together
-        dirs = [stage] if len(workloads) == 1 else [stage / w.split(":", 1)[0] for w in workloads]
+        dirs = [stage] if len(workloads) == 1 else [stage / _folder(w, i) for i, w in enumerate(workloads)]
         paths, stopped = _run_sweeps(args, stage, workloads, dirs)
         baseline = "padding" if "padding" in workloads else None
         code = _report(paths, stage, baseline, args.window, as_json=False, floor=args.floor)
@@ -647,7 +678,7 @@ def _trace_report(args: argparse.Namespace, doc: dict, stage: Path | None, again
     else:
         print("\n".join(tracing.lines(doc, summary)))
     if doc["status"] != "complete":
-        dropped = next(r["error"] for r in doc["requests"] if r["status"] != "complete")
+        dropped = next((r["error"] for r in doc["requests"] if r["status"] != "complete"), "the run was interrupted")
         raise Stopped(f"the stream was dropped: {dropped}; the partial trace is kept, marked")
     return 0
 

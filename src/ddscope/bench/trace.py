@@ -161,14 +161,16 @@ def _check_rounds(c: Checks, stream: Stream, steps: list[dict[str, Any]]) -> Non
         c.fail(f"the stream's {len(mine)} steps differ from the server's {len(rounds)} rounds")
         return
     engine = [sum(r[f"{p}_ms"] for p in ("draft", "tree", "verify", "commit")) for r in rounds]
-    late = slice(SKIP_STEPS, None)
+    for s, e, r in zip(steps, engine, rounds):
+        s["engine_step_ms"], s["nodes"] = e, int(r["nodes"]) + 1  # tokens the step verified, root included
+    late = slice(SKIP_STEPS, None) if len(steps) > SKIP_STEPS else slice(None)
+    if not steps:
+        return
     gap, own = statistics.median(s["gap_ms"] for s in steps[late]), statistics.median(engine[late])
     jitter = sorted(abs(s["gap_ms"] - e) for s, e in zip(steps[late], engine[late]))
     c.facts.update(median_gap_ms=gap, median_engine_step_ms=own, gap_over_engine=gap / own if own else None,
                    jitter_p50_ms=jitter[len(jitter) // 2] if jitter else None,
                    jitter_p90_ms=jitter[int(0.9 * (len(jitter) - 1))] if jitter else None)
-    for s, e, r in zip(steps, engine, rounds):
-        s["engine_step_ms"], s["nodes"] = e, int(r["nodes"]) + 1  # tokens the step verified, root included
 
 
 VLLM_ACCEPTED, VLLM_DRAFTS = "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total"
@@ -195,11 +197,10 @@ def _check_counters(c: Checks, steps: list[dict[str, Any]], before: Scrape | Non
 # ---- the verdict along the generation ------------------------------------------------------------------------
 
 def generation_fit(steps: list[dict[str, Any]]) -> Fit | None:
-    """step_ms = a + b*context over the generation's own steps, past the warm-up ones."""
-    late = steps[SKIP_STEPS:]
-    if len(late) < 3:
+    """step_ms = a + b*context over the generation's own steps (past each request's warm-up ones)."""
+    if len(steps) < 3:
         return None
-    return robust_fit([s["context"] for s in late], [s["gap_ms"] for s in late])
+    return robust_fit([s["context"] for s in steps], [s["gap_ms"] for s in steps])
 
 
 def rolling_median(values: list[float], width: int) -> list[float]:

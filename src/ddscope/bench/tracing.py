@@ -11,7 +11,7 @@ import numpy as np
 from ddscope.atomic import atomic_write_text, replacing
 from ddscope.bench.analyze import AnalysisError, analyze, load_rows
 from ddscope.bench.intervals import category_matrix
-from ddscope.bench.trace import (SCHEMA, SKIP_STEPS, StreamFailed, against_sweep, check, generation_fit,
+from ddscope.bench.trace import (SCHEMA, SKIP_STEPS, VLLM_DRAFTS, StreamFailed, against_sweep, check, generation_fit,
                                  read_stream, rolling_median, steps_of)
 
 WINDOWS = 4  # position windows of the acceptance matrix
@@ -54,8 +54,7 @@ def speculating(backend: str, body: dict[str, Any], counters: tuple[Any, Any] | 
         return (body.get("ddscope") or {}).get("method", "ddtree") != "ar"
     if backend == "vllm" and counters and all(counters):
         before, after = counters
-        name = "vllm:spec_decode_num_drafts_total"
-        return sum(after.values.get(name, [])) > sum(before.values.get(name, []))
+        return sum(after.values.get(VLLM_DRAFTS, [])) > sum(before.values.get(VLLM_DRAFTS, []))
     if backend == "llamacpp" and isinstance(body.get("timings"), dict):
         return bool(body["timings"].get("draft_n"))
     return None
@@ -104,32 +103,35 @@ def summarize(doc: dict[str, Any], against: Path | None = None, floor: Any = Non
     for label in dict.fromkeys(r["workload"] for r in doc["requests"]):
         reqs = [r for r in doc["requests"] if r["workload"] == label]
         steps = [s for r in reqs for s in r["steps"]]
-        fit = generation_fit(sorted(steps, key=lambda s: s["context"]))
+        late = [s for r in reqs for s in r["steps"][SKIP_STEPS:]]  # each request's warm-up steps left out
+        fit = generation_fit(late)
+        counted = [s["commit"] for s in steps if s["commit"] is not None]
         lo, hi = (min(s["context"] for s in steps), max(s["context"] for s in steps)) if steps else (0, 0)
         entry = {"requests": len(reqs), "steps": len(steps), "fit": fit.__dict__ if fit else None,
                  "approximate": any(r["approximate"] for r in reqs),
                  "reasons": sorted({why for r in reqs for why in r["reasons"]}),
-                 "avg_commit": (sum(s["commit"] for s in steps) / len(steps)) if steps else None,
-                 "median_gap_ms": float(np.median([s["gap_ms"] for s in steps[SKIP_STEPS:]])) if steps else None}
+                 "avg_commit": sum(counted) / len(counted) if counted else None,
+                 "median_gap_ms": float(np.median([s["gap_ms"] for s in late])) if late else None}
         if fit and sweep_fit:
             entry["against_sweep"] = against_sweep(fit, sweep_fit, lo, hi)
-        if floor is not None and steps:
-            entry["floor"] = _floor(floor, steps, lo, hi)
+        if floor is not None and late:
+            entry["floor"] = _floor(floor, late, lo, hi)
         workloads[label] = entry
         for s in steps:
-            cells.setdefault((label, s["position"] // width * width), []).append(s["commit"])
+            if s["commit"] is not None:
+                cells.setdefault((label, s["position"] // width * width), []).append(s["commit"])
     return {"workloads": workloads, "matrix": category_matrix(cells), "window": width}
 
 
 def _floor(spec: Any, steps: list[dict[str, Any]], lo: float, hi: float) -> dict[str, Any]:
-    """The floor's line over the generation's contexts, at its median tree size (the server's, else --nodes)."""
+    """The floor's line over the generation's contexts, at its tree size: --nodes, else the median the server
+    reported (ddscope's rounds), else 1 (plain decoding: a lower bound for any tree)."""
     from ddscope.bench.limit.floor import floor_line
 
     nodes = spec.nodes or float(np.median([s.get("nodes", 1) for s in steps]))
     a, b = floor_line(spec.shape, spec.hw, [lo, hi], **spec.kw(nodes))
     # one gap can beat it (a chunk held back makes the next one's gap short); their median cannot
-    late = steps[SKIP_STEPS:] or steps
-    gap, ctx = float(np.median([s["gap_ms"] for s in late])), float(np.median([s["context"] for s in late]))
+    gap, ctx = float(np.median([s["gap_ms"] for s in steps])), float(np.median([s["context"] for s in steps]))
     return {"a_ms": a, "b_ms_per_token": b, "nodes": nodes, "median_gap_ms": gap, "median_below": gap < a + b * ctx}
 
 
@@ -157,20 +159,25 @@ def lines(doc: dict[str, Any], summary: dict[str, Any]) -> list[str]:
             out.append(f"  {w['against_sweep']['verdict']}")
         if "floor" in w:
             f = w["floor"]
+            ratio = (f"; the measured line is {fit['a_ms'] / f['a_ms']:.1f}x its intercept"
+                     if fit and f["a_ms"] > 0 else "")
             out.append(f"  floor: {f['a_ms']:.3f} ms + {1e3 * f['b_ms_per_token']:.4f} ms per 1k tokens "
-                       f"({f['nodes']:g} tokens a step); the measured line is "
-                       f"{fit['a_ms'] / f['a_ms']:.1f}x its intercept" if fit and f["a_ms"] > 0 else "")
+                       f"({f['nodes']:g} tokens a step){ratio}")
             if f["median_below"]:
                 out.append(f"  WARNING: the median gap ({f['median_gap_ms']:.2f} ms) beats its floor: a wrong model or "
                            "input, or chunks that are not steps")
         if w["approximate"]:
             out.append("  APPROXIMATE: " + "; ".join(w["reasons"]))
-    facts = [r["checks"] for r in doc["requests"] if r["checks"].get("gap_over_engine")]
+    facts = [r["checks"] for r in doc["requests"] if "rounds_equal" in r["checks"]]
+    timed = [f for f in facts if f.get("gap_over_engine")]
     if facts:
-        ratio = float(np.median([f["gap_over_engine"] for f in facts]))
-        p90 = float(np.median([f["jitter_p90_ms"] for f in facts]))
-        out.append(f"- step boundaries: {sum(f['rounds_equal'] for f in facts)}/{len(facts)} requests' steps equal the "
-                   f"server's rounds; median gap / engine step {ratio:.3f}; stream jitter p90 {p90:.2f} ms a step")
+        line = f"- step boundaries: {sum(f['rounds_equal'] for f in facts)}/{len(facts)} requests' steps equal the " \
+               "server's rounds"
+        if timed:
+            line += (f"; median gap / engine step {float(np.median([f['gap_over_engine'] for f in timed])):.3f}; "
+                     f"stream jitter p50 {float(np.median([f['jitter_p50_ms'] for f in timed])):.2f} ms, p90 "
+                     f"{float(np.median([f['jitter_p90_ms'] for f in timed])):.2f} ms a step")
+        out.append(line)
     out.append("")
     out.append(f"avg_commit by workload and generated position (95% bootstrap interval over steps; windows of "
                f"{summary['window']} tokens):")
@@ -199,7 +206,10 @@ def plot(doc: dict[str, Any], summary: dict[str, Any], path: Path, against: Any 
             continue
         x = [s["position"] for s in steps]
         width = max(5, len(steps) // 40)
-        left.plot(x, rolling_median([s["commit"] for s in steps], width), color=f"C{i}", label=label)
+        counted = [(s["position"], s["commit"]) for s in steps if s["commit"] is not None]
+        if counted:
+            left.plot([p for p, _ in counted], rolling_median([c for _, c in counted], width), color=f"C{i}",
+                      label=label)
         right.plot(x, rolling_median([s["gap_ms"] for s in steps], width), color=f"C{i}", alpha=0.8,
                    label=f"{label} step ms")
         w = summary["workloads"][label]

@@ -7,7 +7,7 @@ import logging
 from ddscope.engine import KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
 from ddscope.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
-SPEC_DECODE_LEVELS = ("none", "summary", "detailed")  # as server.responses has them; kept light for --help
+SPEC_DECODE_LEVELS = ("none", "summary", "detailed")  # vLLM's --per-request-spec-decode-metrics levels
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -146,7 +146,8 @@ class Fanout:
 
 
 class ModelMetrics:
-    """The children for one model_name, created eagerly so that every series shows from 0."""
+    """The children for one model_name, created eagerly so that every series shows from 0 (vLLM's accepted tokens
+    per position as each position is first reached)."""
 
     def __init__(self, m: ServerMetrics, model_name: str):
         v, on = m.vllm, (model_name, "0")

@@ -372,6 +372,7 @@ class EngineWorker:
         self.metrics.accepted_tokens.inc(n - 1)
         for position in range(n - 1):
             self.metrics.accepted_per_pos(position).inc()
+
     def _finish(self, job: Job, outcome: Done | Failed) -> None:
         now = time.monotonic()
         status = outcome.status if isinstance(outcome, Failed) else "finished"

@@ -105,12 +105,13 @@ def register(sub: Any) -> None:
                        description="The least time one verify step of a model can take on a card: weights and KV "
                                    "read over memory bandwidth, FLOPs over peak, all-reduces over the link. Prints "
                                    "the floor per context with its parts, its line a + b*ctx, and the break-even "
-                                   "avg_commit below which speculation cannot pay. See docs/limit.md.")
+                                   "avg_commit below which speculation cannot pay. --nodes defaults to 32 here (no "
+                                   "server to ask). See docs/limit.md.")
     add_floor_args(p, ("--model", "--model-config"))
     p.add_argument("--contexts", type=int_list, default=[13, 1663, 3333, 5553],
                    help="context lengths in tokens (default: 13,1663,3333,5553)")
     p.add_argument("--json", action="store_true", help="print JSON: points, line, hardware, model")
-    p.set_defaults(func=cmd_limit, nodes=None)
+    p.set_defaults(func=cmd_limit)
 
 
 def limit_report(req: FloorRequest, contexts: list[int]) -> dict[str, Any]:

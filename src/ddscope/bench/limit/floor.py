@@ -63,11 +63,16 @@ def check_layout(shape: ModelShape, gpus: int) -> None:
         raise FloorError(f"--gpus {gpus} does not divide the {shape.experts} routed experts")
 
 
+def _kv_width(shape: ModelShape, gpus: int) -> float:
+    """KV elements a token holds per layer on one card: an MLA latent whole, grouped-query heads split (or one
+    replicated head where the ranks outnumber them)."""
+    att = shape.attention
+    return att.kv_width if att.kind == "mla" else att.kv_width * max(att.kv_heads / gpus, 1) / att.kv_heads
+
+
 def _kv_elems(shape: ModelShape, context: float, gpus: int) -> float:
     """KV elements one sequence's step reads on one card."""
-    att = shape.attention
-    per_rank = att.kv_width if att.kind == "mla" else att.kv_width * max(att.kv_heads / gpus, 1) / att.kv_heads
-    return sum(min(context, w) if w else context for w in att.windows) * per_rank
+    return sum(min(context, w) if w else context for w in shape.attention.windows) * _kv_width(shape, gpus)
 
 
 def _attention_flops(shape: ModelShape, context: float, tokens: float, batch: int, form: str) -> float:
@@ -105,7 +110,7 @@ def step_floor(shape: ModelShape, hw: Hardware, *, context: float, nodes: float 
         linear += flops_per_token * tokens / ranks
     kv_size = DTYPE_BYTES[kv_dtype or shape.dtype]
     kv_bytes = batch * _kv_elems(shape, context, gpus) * kv_size
-    kv_write = tokens * shape.layers * shape.attention.kv_width * kv_size / (1 if shape.attention.kind == "mla" else gpus)
+    kv_write = tokens * shape.layers * _kv_width(shape, gpus) * kv_size
     attention = _attention_flops(shape, context, tokens, batch, mla) / gpus
     act = DTYPE_BYTES[shape.dtype]  # activations, and the matmul rate attention runs at
     # a ring all-reduce moves 2(G-1)/G of the tensor through each card; two per layer, and the logits gathered

@@ -118,9 +118,9 @@ class Quant:
     ignore: tuple[str, ...] = ()
     dense: float = 2.0       # the unquantized dtype's bytes
 
-    def of(self, module: str, is_linear: bool = True) -> tuple[float, str]:
+    def of(self, module: str) -> tuple[float, str]:
         """(bytes per parameter, the dtype its matmuls run at) for a module's weight."""
-        if not is_linear or any(_matches(p, module) for p in self.ignore):
+        if any(_matches(p, module) for p in self.ignore):
             return self.dense, _dense_flops(self.dense)
         for targets, size, flops in self.rules:
             if any(t == "Linear" or _matches(t, module) for t in targets):
@@ -152,7 +152,7 @@ def read_quant(cfg: dict[str, Any], dense: float) -> Quant:
     method = str(_need(q, "quant_method")).lower()
     if method == "compressed-tensors":
         rules = []
-        for name, group in (_need(q, "config_groups") or {}).items():
+        for group in _need(q, "config_groups").values():
             w = group.get("weights") or {}
             bits = int(_need(w, "num_bits"))
             kind = str(w.get("type", "int"))
@@ -166,12 +166,11 @@ def read_quant(cfg: dict[str, Any], dense: float) -> Quant:
         size = _group_bytes(bits, q.get("group_size", q.get("q_group_size")), 2.0, not q.get("sym", False))
         ignore = tuple(q.get("modules_to_not_convert") or ()) + ("lm_head",)
         return Quant(method, ((("Linear",), size, _dense_flops(dense)),), ignore, dense)
-    if method == "fp8":
+    if method == "fp8":  # activations are quantized too (dynamic or static scales): the matmuls run in fp8
         block = q.get("weight_block_size")
         scale = 4.0 / (block[0] * block[1]) if block else 0.0  # an fp32 scale per block
-        dynamic = q.get("activation_scheme", "dynamic") in ("dynamic", "static")
         ignore = tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ()) + ("lm_head",)
-        return Quant(method, ((("Linear",), 1.0 + scale, "fp8" if dynamic else _dense_flops(dense)),), ignore, dense)
+        return Quant(method, ((("Linear",), 1.0 + scale, "fp8"),), ignore, dense)
     raise ConfigError(f"quantization_config.quant_method {method!r} is not one the floor reads "
                       f"(compressed-tensors, gptq, awq, fp8)")
 
@@ -196,8 +195,18 @@ def _family(cfg: dict[str, Any]) -> str:
     return model_type
 
 
+SLIDING_EVERYWHERE = {"mistral", "mixtral", "ministral", "phi3"}  # a sliding_window applies to every layer
+
+
 def _windows(cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
-    types = cfg.get("layer_types") or ["full_attention"] * layers
+    """Each layer's sliding window, or None: from layer_types; else every layer slides where the family does so
+    (Mistral's, Phi-3's); Qwen's use_sliding_window false means none does; anything else is refused."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) is not False else None
+    types = cfg.get("layer_types")
+    if not types:
+        if window and cfg.get("model_type") not in SLIDING_EVERYWHERE:
+            raise ConfigError("config.json has a sliding_window but no 'layer_types': which layers slide is not known")
+        types = ["sliding_attention" if window else "full_attention"] * layers
     if len(types) != layers:
         raise ConfigError(f"layer_types has {len(types)} entries for {layers} layers")
     odd = sorted(set(types) - ATTENTION_LAYERS)
@@ -282,12 +291,13 @@ def model_shape(cfg: dict[str, Any], name: str = "model", dtype: str | None = No
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 add("mlp", f"{pre}.mlp.{proj}", hidden * dense_width)
             continue
-        add("router", f"{pre}.mlp.gate", hidden * experts, sharded=False)
-        expert = "block_sparse_moe.experts.0" if family == "mixtral" else "mlp.experts.0"
+        moe_block = "block_sparse_moe" if family == "mixtral" else "mlp"
+        add("router", f"{pre}.{moe_block}.gate", hidden * experts, sharded=False)
+        shared_name = "shared_expert" if family == "qwen2_moe" else "shared_experts"
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            add("experts", f"{pre}.{expert}.{proj}", hidden * width * experts)
+            add("experts", f"{pre}.{moe_block}.experts.0.{proj}", hidden * width * experts)
             if shared:
-                add("shared_experts", f"{pre}.mlp.shared_experts.{proj}", hidden * shared)
+                add("shared_experts", f"{pre}.mlp.{shared_name}.{proj}", hidden * shared)
     weights = [Weights(part, n, size, sharded, flops_dtype=flops) for (part, size, sharded, flops), n in groups.items()]
     weights.append(Weights("embedding", vocab * hidden, DTYPE_BYTES[dt], per_token=True))
     head_size, head_flops = quant.of("lm_head")

@@ -124,7 +124,7 @@ def against_floor(a: Analysis, spec: FloorSpec) -> dict[str, Any]:
 def _annotate(a: Analysis, lim_b: float, levers: list[dict[str, Any]]) -> None:
     """Each attribution's verdict, finished against the floor: "context scaling" that is far from its floor is
     the path that reads the context, not the context; and the levers at that point, largest first."""
-    far = a.fit.b_ms_per_token > FAR * lim_b
+    far = lim_b > 0 and a.fit.b_ms_per_token > FAR * lim_b
     for att in a.attributions:
         here = [lv for lv in levers if lv["label"] == att.label and lv["prompt_tokens"] == att.prompt_tokens]
         if not here:
