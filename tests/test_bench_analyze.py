@@ -287,3 +287,9 @@ def test_no_printed_share_is_outside_its_range_without_a_warning():
                       if s is not None]
             assert all(-1.0 <= s <= 2.0 for s in shares) or att.warning
             assert att.warning or shares or abs(att.gap_log) < 1e-12
+
+
+def test_a_share_that_rounds_to_zero_is_never_minus_zero():
+    from ddscope.bench.analyze import _pct
+
+    assert (_pct(-0.004), _pct(0.004), _pct(-0.2), _pct(None)) == ("0%", "0%", "-20%", "n/a")

@@ -333,7 +333,8 @@ def _share_warning(a: Attribution, fit: Fit) -> str | None:
 
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100.0 * x:.0f}%"
+    """A share in whole percent; a share that rounds to zero prints "0%", never "-0%"."""
+    return "n/a" if x is None else f"{round(100.0 * x) + 0:.0f}%"
 
 
 def verdict(a: Attribution) -> str:
