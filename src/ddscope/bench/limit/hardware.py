@@ -7,6 +7,7 @@ which is at least as fast (an fp32 model on a GPU): the floor stays a lower boun
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -162,9 +163,7 @@ def host(threads: int | None = None) -> Hardware:
     except (OSError, ValueError, TypeError):
         pass
     hw = measure_host(threads)
-    try:
+    with contextlib.suppress(OSError):  # an unwritable cache costs a re-measure next time, nothing else
         root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(asdict(hw), indent=1))
-    except OSError:
-        pass  # an unwritable cache costs a re-measure next time, nothing else
     return hw
