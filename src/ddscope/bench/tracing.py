@@ -2,6 +2,7 @@
 trace.png; acceptance by workload with bootstrap intervals. The stream's reading and checks are in trace.py."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -85,8 +86,6 @@ def run(sweep: Any, workloads: list[Any], cfg: dict[str, Any], out: Path, header
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
-    import json
-
     atomic_write_text(path, json.dumps(doc, indent=1))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ddscope.bench.analyze import Analysis, Point
+from ddscope.bench.analyze import Analysis
 from ddscope.bench.limit.floor import Floor, break_even, floor_line, step_floor
 from ddscope.bench.limit.hardware import Hardware
 from ddscope.bench.limit.shape import ModelShape
@@ -50,10 +50,6 @@ class FloorSpec:
                 "routing": self.routing + (" (an estimate: real routing is skewed and touches fewer experts)"
                                            if self.shape.experts and self.routing == "uniform" else ""),
                 "mla": self.mla if self.shape.attention.kind == "mla" else None}
-
-
-def point_nodes(spec: FloorSpec, p: Point) -> float | None:
-    return spec.nodes or p.nodes_per_step
 
 
 def _ratio_words(measured: float, floor: float) -> str:
@@ -95,7 +91,7 @@ def against_floor(a: Analysis, spec: FloorSpec) -> dict[str, Any]:
     floors: dict[int, Floor] = {}
     notes: list[str] = []
     for i, p in enumerate(a.points):
-        nodes = point_nodes(spec, p)
+        nodes = spec.nodes or p.nodes_per_step  # given, else what the server said
         if nodes is None:
             notes.append(f"{p.label} at {p.prompt_tokens:.0f} tokens: the server did not say how many tokens a step "
                          f"verified; pass --nodes for its floor")
