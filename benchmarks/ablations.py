@@ -39,7 +39,7 @@ class RecomputedRope:
 class FullRedecode:
     """Before: the whole completion re-decoded for every token (IncrementalText's interface)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, **decode: bool):
         self.tokenizer, self.ids, self.text = tokenizer, [], ""
 
     def push(self, token: int) -> str:

@@ -131,7 +131,7 @@ def test_first_three_tokens_follow_the_target_law(engine, logits, setting):
 
 def biased_accept(self, tree, logits):
     """A classic bug: take the draft child whenever it is in the target's top-3, else sample."""
-    choices = self.choose(logits, tree.depths)
+    choices = self.choose(logits, tree)
     top3 = logits.topk(3, dim=-1).indices.tolist()
     children = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if i}
     path = [0]

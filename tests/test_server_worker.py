@@ -30,7 +30,7 @@ class SteppingEngine:
         self.seq: SimpleNamespace | None = None
 
     def sequence(self, prompt: list[int], **params: object) -> SimpleNamespace:
-        return SimpleNamespace(outbox=deque(), started=False, preemptions=0,
+        return SimpleNamespace(outbox=deque(), started=False, preemptions=0, error=None,
                                stats=GenerationStats(method="ar", budget=None, prompt_tokens=1))
 
     def add(self, seq: SimpleNamespace) -> None:

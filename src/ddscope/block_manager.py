@@ -103,7 +103,7 @@ class BlockManager:
         out; blocks at or past `features_from` must hold features (None: none needed). Returns its length."""
         if not self.prefix_cache:
             return 0
-        parent, n = b"", 0
+        parent, n = pages.salt, 0
         for start in range(0, (len(tokens) - 1) // self.block * self.block, self.block):
             key = block_key(parent, tokens[start:start + self.block])
             b = self.index.get(key)
@@ -125,7 +125,7 @@ class BlockManager:
             return
         for i in range(len(pages.keys), length // self.block):
             start = i * self.block
-            key = block_key(pages.keys[-1] if pages.keys else b"", tokens[start:start + self.block])
+            key = block_key(pages.keys[-1] if pages.keys else pages.salt, tokens[start:start + self.block])
             pages.keys.append(key)
             b = pages.table[i]
             featured = features_from is not None and start >= features_from

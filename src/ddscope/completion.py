@@ -7,20 +7,25 @@ class Completion:
 
     A verify round commits several tokens at once; feeding them one by one makes the result (tokens,
     text, finish reason) exactly what `ar` gives, wherever the round boundaries fall. The rules are
-    vLLM v1's: EOS ends it and adds no text; a stop string must end in the text of a token past
-    min_tokens; it ends the tokens at the one that completes it and the text before it; when one token
-    completes several, the one that ends first wins, then list order.
+    vLLM v1's (v1/engine/detokenizer.py:96-160 in vLLM 0.32): EOS and stop_token_ids end it and add no
+    text; a stop string must end in the text of a token past min_tokens; it ends the tokens at the one that
+    completes it and the text before it; when one token completes several, the one that ends first wins,
+    then list order. `include_stop`: the ending token's or string's text is kept (include_stop_str_in_output).
     """
 
     def __init__(self, tokenizer, eos: list[int] | tuple[int, ...], max_new: int, min_tokens: int, stop: list[str],
-                 stop_ids: tuple[int, ...] = ()):
-        self.text = IncrementalText(tokenizer)
+                 stop_ids: tuple[int, ...] = (), include_stop: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
+        self.text = IncrementalText(tokenizer, skip_special_tokens=skip_special_tokens,
+                                    spaces_between_special_tokens=spaces_between_special_tokens)
         self.eos, self.max_new, self.min_tokens, self.stop = set(eos), max_new, min_tokens, stop
         self.stop_ids = set(stop_ids) - self.eos
+        self.include_stop = include_stop
         self.count = 0  # tokens kept
         self.cut: int | None = None  # the text's end once a stop string matched
         self.released = 0  # characters handed out
-        self.holdback = max((len(s) for s in stop), default=1) - 1  # what may yet begin a stop string
+        # what may yet begin a stop string (kept text need not wait for the string's end)
+        self.holdback = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self.finish_reason: str | None = None
         self.matched_stop: int | str | None = None
 
@@ -44,16 +49,18 @@ class Completion:
 
     def _add(self, token: int) -> None:
         self.count += 1
-        if token in self.eos:  # the decoder masks EOS before min_tokens
+        ending = token in self.eos or token in self.stop_ids  # the decoder masks both before min_tokens
+        if ending and not self.include_stop:
             self._finish("stop", token)
             return
         old = len(self.text.text)
         text = self.text.push(token)
         hit = first_stop(text, old, self.stop) if self.count > self.min_tokens else None
-        if token in self.stop_ids and hit is None:  # the decoder masks these before min_tokens too
+        if ending and hit is None:
             self._finish("stop", token)
         elif hit is not None:
-            self.cut, string = hit
+            start, string = hit
+            self.cut = start + len(string) if self.include_stop else start
             self._finish("stop", string)
         elif self.count == self.max_new:
             self._finish("length", None)
@@ -81,8 +88,8 @@ class IncrementalText:
     ending in an incomplete UTF-8 character waits for the tokens that complete it.
     """
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, **decode: bool):
+        self.tokenizer, self.decode = tokenizer, {"skip_special_tokens": True, **decode}
         self.ids: list[int] = []
         self.prefix = self.read = 0
         self.text = ""
@@ -99,8 +106,8 @@ class IncrementalText:
             self._decode(final=True)
 
     def _decode(self, final: bool) -> None:
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], **self.decode)
+        after = self.tokenizer.decode(self.ids[self.prefix:], **self.decode)
         if final or (len(after) > len(before) and not after.endswith("\ufffd")):
             self.text += after[len(before):]
             self.prefix, self.read = self.read, len(self.ids)

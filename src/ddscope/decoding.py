@@ -9,17 +9,17 @@ sequence resumed after preemption prefills again every token but its root, and c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ddscope.drafter import Drafter
 from ddscope.kv_pool import BLOCK
+from ddscope.law import Law, LawApplier
 from ddscope.model import ForwardOut, Segment, Target
 from ddscope.proposers import Proposer
 from ddscope.sampling import Noise, SamplingParams, TokenLogprob, token_logprobs
-from ddscope.tree import DraftTree
+from ddscope.tree import DraftTree, root_only
 
 
 SCORE_ROWS = 512  # prompt rows scored at a time (echo with logprobs): bounds the logits to 512 x vocab
@@ -37,50 +37,27 @@ class Clock:
         return time.perf_counter() * 1000
 
 
-@dataclass(frozen=True)
-class Law:
-    """What a request changes in the target's law, at every node of every tree: a logit bias (OpenAI's
-    `logit_bias`, added before temperature) and, below `min_tokens`, the ending tokens made impossible."""
-    bias: dict[int, float] = field(default_factory=dict)
-    ending: tuple[int, ...] = ()  # EOS and stop_token_ids
-    min_tokens: int = 0
-
-    def apply(self, logits: torch.Tensor, index: list[int], bias: torch.Tensor | None) -> torch.Tensor:
-        early = [i for i, n in enumerate(index) if n < self.min_tokens]
-        if bias is None and not (early and self.ending):
-            return logits
-        logits = logits.float() + bias if bias is not None else logits.clone()
-        if early and self.ending:
-            rows, ending = (torch.tensor(x, device=logits.device) for x in (early, self.ending))
-            logits[rows[:, None], ending] = float("-inf")
-        return logits
-
-
 class Decoder:
-    def __init__(self, target: Target, drafter: Drafter | None, proposer: Proposer, cache: Any, draft_cache: Any,
-                 sampling: SamplingParams, generator: torch.Generator | None, law: Law = Law(),
-                 logprobs: int | None = None):
+    def __init__(self, target: Target, drafter: Drafter | None, proposer: Proposer, sampling: SamplingParams,
+                 generator: torch.Generator | None, law: Law = Law(), logprobs: int | None = None):
         self.target, self.drafter, self.proposer = target, drafter, proposer
-        self.cache, self.draft_cache = cache, draft_cache  # KVCache-like: the sequence's own slots
+        self.cache: Any = None  # KVCache-like: the sequence's own slots, attached when it is admitted
+        self.draft_cache: Any = None
         self.sampling, self.noise = sampling, Noise(generator)
-        self.law, self.top_logprobs = law, logprobs  # logprobs: None, or the top N to report with each token
+        self.top_logprobs = logprobs  # logprobs: None, or the top N to report with each token
         self.logprobs: list[TokenLogprob] = []  # one per generated token, when asked for
         self.prompt_logprobs: list[TokenLogprob | None] = []  # one per prompt token (echo), when asked for
         self.capture = drafter.cfg.target_layer_ids if proposer.uses_drafter else ()
         self.device = target.lm_head.weight.device
-        self._bias = self._bias_row(law.bias, target.cfg.vocab_size)
+        self.law = LawApplier(law, target.cfg.vocab_size, self.device)
         self.tokens: list[int] = []
         self.prompt_len = 0
         self.prefill_end = 0  # a prefill caches positions up to here
         self.resumed = False  # a resumed prefill chooses no token: its root is known
         self.features_from = 0  # the drafter's cache holds features from here on (a prefill skips older ones)
 
-    def _bias_row(self, bias: dict[int, float], vocab: int) -> torch.Tensor | None:
-        if not bias:
-            return None
-        row = torch.zeros(vocab, device=self.device)
-        row[list(bias)] = torch.tensor(list(bias.values()), device=self.device)
-        return row
+    def attach(self, cache: Any, draft_cache: Any) -> None:
+        self.cache, self.draft_cache = cache, draft_cache
 
     def begin(self, prompt: list[int] | None, cached: int = 0) -> None:
         """Start a prefill of `prompt`, or (None) a resumed one of every token but the root; the caches may
@@ -98,7 +75,7 @@ class Decoder:
 
     @property
     def prefilling(self) -> bool:
-        return self.cache.length < self.prefill_end
+        return self.cache is not None and self.cache.length < self.prefill_end
 
     def prefill_segment(self, limit: int, scored: bool = False) -> Segment:
         """The next chunk of the prefill, at most `limit` tokens. `scored`: every row's logits (echo with
@@ -130,7 +107,7 @@ class Decoder:
         if self.prefilling or self.resumed:
             return None
         last = out.logits[-1:]
-        first = self.choose(last, [0])[0]
+        first = self.choose(last, root_only(self.tokens[-1]))[0]
         self._record_logprobs(last, [first])
         self.tokens.append(first)  # the root of the first tree
         return first
@@ -174,12 +151,15 @@ class Decoder:
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""
-        choices = self.choose(logits, tree.depths)
+        choices = self.choose(logits, tree)
         return tree.walk(choices), choices
 
-    def choose(self, logits: torch.Tensor, depths: list[int]) -> list[int]:
-        """The target's choice at each node; the node at depth d chooses generated index `generated + d`."""
-        index = [len(self.tokens) - self.prompt_len + d for d in depths]
-        logits = self.law.apply(logits, index, self._bias)
+    def choose(self, logits: torch.Tensor, tree: DraftTree) -> list[int]:
+        """The target's choice at each node, under the law with the node's own history; the node at depth d
+        chooses generated index `generated + d`."""
+        index = [len(self.tokens) - self.prompt_len + d for d in tree.depths]
+        if self.law.active:
+            paths = tree.paths() if self.law.law.reads_history else [[]] * len(index)
+            logits = self.law.apply(logits, index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:], paths)
         noise = None if self.sampling.greedy else self.noise.at(index, logits.shape[-1], logits.device)
         return self.sampling.choose(logits, noise)

@@ -13,7 +13,8 @@ from ddscope.budget import AutoBudget, BatchBudget, Learned, VerifyCost
 from ddscope.config import CheckpointError, eos_ids
 from ddscope.block_manager import BlockManager
 from ddscope.completion import Completion
-from ddscope.decoding import Decoder, Law
+from ddscope.decoding import Decoder
+from ddscope.law import Law, bad_word_ids
 from ddscope.drafter import Drafter
 from ddscope.hf_target import HFTarget, load_target
 from ddscope.lookup import LOOKUP_MAX
@@ -192,33 +193,49 @@ class Engine:
                  min_p: float = 0.0, seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
                  stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                  logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, lookup: bool = True) -> Sequence:
+                 prompt_logprobs: int | None = None, lookup: bool = True, repetition_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, cache_salt: str | None = None,
+                 priority: int = 0) -> Sequence:
         """A validated request, not yet added; raises ValueError on bad input.
 
-        `stop_token_ids` end a generation as EOS does (kept, and their text with them, as vLLM), also under
-        `ignore_eos`; `logit_bias` is added to the target's logits at every node; `logprobs` (top N >= 0)
-        puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
+        `stop_token_ids` end a generation as EOS does (the token kept, its text only with
+        `include_stop_str_in_output`, as vLLM), also under `ignore_eos`. `logit_bias`, `allowed_token_ids`,
+        `bad_words` and the three penalties are the target's law at every node (ddscope.law). `logprobs` (top
+        N >= 0) puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
         (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
-        out of `ddtree` trees (the drafter alone).
+        out of `ddtree` trees (the drafter alone). `cache_salt` keeps its prefix-cache entries apart from other
+        salts'; `priority` orders admission, lower first (vLLM's priority policy).
         """
         ids = self.encode(prompt)
         self._validate(len(ids), max_new_tokens, min_tokens, stop, stop_token_ids, logit_bias, logprobs,
                        prompt_logprobs)
+        eos = () if ignore_eos else tuple(self.eos_ids)
+        stops = tuple(stop_token_ids or ())
+        law = Law(dict(logit_bias or {}), eos + stops, min_tokens,
+                  tuple(allowed_token_ids) if allowed_token_ids is not None else None,
+                  bad_word_ids(self.tokenizer, bad_words or [], self.vocab_size), repetition_penalty,
+                  frequency_penalty, presence_penalty)
+        law.check(self.vocab_size)
         sampling = SamplingParams(temperature, top_p, top_k, seed, min_p)
         proposer = self.proposer(method, budget, sampling, lookup)
         generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
-        eos = () if ignore_eos else tuple(self.eos_ids)
-        stops = tuple(stop_token_ids or ())
-        law = Law(dict(logit_bias or {}), eos + stops, min_tokens)
-        pages = Pages(device=self.device)
-        cache, draft_cache = self._caches(pages, len(ids) + max_new_tokens)
-        decoder = Decoder(self.target, self.drafter, proposer, cache, draft_cache, sampling, generator, law, logprobs)
+        pages = Pages(device=self.device, salt=cache_salt)
+        decoder = Decoder(self.target, self.drafter, proposer, sampling, generator, law, logprobs)
         stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
-        completion = Completion(self.tokenizer, eos, max_new_tokens, min_tokens, stop or [], stops)
-        return Sequence(ids, decoder, completion, stats, pages, prompt_logprobs)
+        completion = Completion(self.tokenizer, eos, max_new_tokens, min_tokens, stop or [], stops,
+                                include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens)
+        seq = Sequence(ids, decoder, completion, stats, pages, prompt_logprobs, priority)
+        seq.caches = lambda: self._caches(pages, len(ids) + max_new_tokens)
+        if self.pool is not None:  # views of its pages, which hold nothing until admission
+            decoder.attach(*seq.caches())
+        return seq
 
     def _caches(self, pages: Pages, length: int) -> tuple:
-        """A sequence's target and drafter caches: its pages of the pool, or (transformers) its own."""
+        """A sequence's target and drafter caches: its pages of the pool, or (transformers) its own, made only
+        when it is admitted (Scheduler._admit), so that a queue holds no memory."""
         if self.pool is not None:
             return self.pool.target_cache(pages), self.pool.drafter_cache(pages) if self.drafter else None
         room = length + MAX_BUDGET + LOOKUP_MAX + 1  # + root, tree, lookup
@@ -230,7 +247,7 @@ class Engine:
 
     def abort(self, seq: Sequence) -> None:
         """Drop `seq` wherever it is (a cancelled request); its blocks go back to the pool."""
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, keep=seq.error is None)
 
     @property
     def busy(self) -> bool:
@@ -261,6 +278,9 @@ class Engine:
         """One batched step over the sequences the scheduler picks; finished ones leave the batch."""
         batch = self.scheduler.schedule()
         report = self.runner.step(batch)
+        for seq, error in report.failed:  # its cache rewound: it leaves, and offers no block to the prefix cache
+            seq.error = error
+            self.scheduler.finish(seq, keep=False)
         for seq in self.scheduler.running[:]:
             if seq.finished:
                 self.scheduler.finish(seq)
@@ -274,6 +294,8 @@ class Engine:
         try:
             while True:
                 while not seq.outbox:
+                    if seq.error is not None:
+                        raise seq.error
                     if seq.finished:
                         return
                     self.step()

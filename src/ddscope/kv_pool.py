@@ -16,8 +16,11 @@ BLOCK = 64  # slots a block; the prefix cache shares whole blocks
 class Pages:
     """A sequence's block table and the slot of each of its positions."""
 
-    def __init__(self, block: int = BLOCK, device: torch.device | str = "cpu"):
+    def __init__(self, block: int = BLOCK, device: torch.device | str = "cpu", salt: str | None = None):
         self.block, self.device = block, torch.device(device)  # the pool's: slot indices live beside it
+        # The prefix-cache key its first block chains from: a tenant's salt keeps its entries apart (vLLM's
+        # cache_salt), since a shared hit is a timing side channel.
+        self.salt = b"" if salt is None else b"salt:" + salt.encode("utf-8")
         self.table: list[int] = []
         self.keys: list[bytes] = []  # the prefix-cache keys of its leading full blocks, once registered
         self._map: torch.Tensor | None = None

@@ -4,7 +4,9 @@ chunk runs lean: its `auto` sequences verify their roots and prompt-lookup branc
 timed for the whole step; each sequence's round reports the step it shared (its step time is the batch's)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,12 +32,27 @@ class StepReport:
     tree_ms: float
     verify_ms: float
     commit_ms: float
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # each left with its cache rewound
 
 
 # Prefill tokens from which a step drafts for no `auto` sequence: the new request's first token waits for the
 # whole step, and beside a long chunk the drafts and trees cost more than they commit (docs/server.md, Lean
 # prefill steps: at c=8, TTFT p50 192 against 227 ms at equal tok/s).
 LEAN_PREFILL = 256
+
+
+@dataclass
+class _Ran:
+    """What a step's forward produced, for its commits."""
+    t: list[float]  # clock at the start, after drafting, after planning, after the forward
+    shared: BatchBudget | None
+    auto_drafts: bool
+    drafted: set[Sequence]
+    trees: list[DraftTree]
+    chunks: list[Any]  # the prefill segments, in batch.prefills' order
+    outs: list[Any]  # the forward's outputs: the chunks', then the trees'
+    shape: list[tuple[int, int]]
+    rows: int
 
 
 class Runner:
@@ -52,10 +69,23 @@ class Runner:
             return self._step(batch, new_tokens, threads)
 
     def _step(self, batch: Batch, new_tokens: int, threads: int) -> StepReport:
+        """All or nothing per sequence: a failure before the commits rewinds every cache and raises; one in a
+        sequence's commit rewinds that sequence's caches and reports it failed, and the others commit."""
+        marks = {s: _mark(s) for s in self._all(batch)}
+        try:
+            ran = self._forward(batch, new_tokens)
+        except Exception:
+            for seq, mark in marks.items():
+                _rewind(seq, mark)
+            raise
+        return self._commit(batch, ran, new_tokens, threads, _Guard([], marks))
+
+    def _forward(self, batch: Batch, new_tokens: int) -> _Ran:
+        """Draft, size and plan the trees, then one target forward over every tree and prefill chunk."""
         t0 = self.clock()
         auto = [s for s in batch.decodes if _policy(s) is not None]
         shared = self.budget if len(batch.decodes) > 1 and auto and self.budget is not None else None
-        lean = new_tokens >= LEAN_PREFILL
+        lean = new_tokens >= LEAN_PREFILL and any(_first_token(s, n) for s, n in batch.prefills)
         auto_drafts = shared.drafts(len(batch.decodes)) and not lean if shared else False
         drafting = [s for s in batch.decodes if not (lean and s in auto) and (
             auto_drafts if shared and s in auto else s.decoder.proposer.drafts(s.decoder.cache.length))]
@@ -70,24 +100,35 @@ class Runner:
         capture = self.drafter.cfg.target_layer_ids if any(s.decoder.capture for s in self._all(batch)) else ()
         shape = [(len(seg.tokens), seg.cache.length) for seg in segments]  # (rows, context) of the forward
         outs = self.target.forward_many(segments, capture) if segments else []
-        t3 = self.clock()
-        committed = [s.decoder.commit(tree, out) for s, (tree, _), out in zip(batch.decodes, plans, outs[len(chunks):])]
-        firsts = [s.decoder.prefilled(seg, out, s.prompt_logprobs)
-                  for (s, _), seg, out in zip(batch.prefills, chunks, outs)]
+        return _Ran([t0, t1, t2, self.clock()], shared, auto_drafts, set(drafts), [t for t, _ in plans], chunks,
+                    outs, shape, sum(len(seg.tokens) for seg in segments))
+
+    def _commit(self, batch: Batch, ran: _Ran, new_tokens: int, threads: int, guard: _Guard) -> StepReport:
+        """Each sequence's commit and delivery, each under the guard."""
+        decode_outs = ran.outs[len(ran.chunks):]
+        committed = {s: guard(s, s.decoder.commit, tree, out) for s, tree, out in zip(batch.decodes, ran.trees,
+                                                                                       decode_outs)}
+        firsts = {s: guard(s, s.decoder.prefilled, seg, out, s.prompt_logprobs if s.scored else None)
+                  for (s, _), seg, out in zip(batch.prefills, ran.chunks, ran.outs)}
+        t0, t1, t2, t3 = ran.t
         t4 = self.clock()
-        if shared:
-            shared.observe(len(batch.decodes), auto_drafts, sum(len(new) for new, _ in committed), t4 - t0, t3 - t2,
-                           shared.predict(shape), chosen=not batch.prefills)
-        for seq, (tree, _), (new, path) in zip(batch.decodes, plans, committed):
-            self._deliver_round(seq, tree, new, path, seq in drafts, (t0, t1, t2, t3, t4), batch.size)
-        for (seq, _), first in zip(batch.prefills, firsts):
+        done = [(s, tree, committed[s]) for s, tree in zip(batch.decodes, ran.trees) if not guard.failed(s)]
+        if ran.shared:
+            ran.shared.observe(len(batch.decodes), ran.auto_drafts, sum(len(c[0]) for _, _, c in done), t4 - t0,
+                               t3 - t2, ran.shared.predict(ran.shape), chosen=not batch.prefills)
+        for seq, tree, (new, path) in done:
+            guard(seq, self._deliver_round, seq, tree, new, path, seq in ran.drafted, (t0, t1, t2, t3, t4),
+                  batch.size)
+        for seq, _ in batch.prefills:
+            if guard.failed(seq):
+                continue
             seq.stats.prefill_ms += t4 - t0
             seq.stats.prefill_threads = max(seq.stats.prefill_threads, threads)
-            if first is not None:
+            if firsts[seq] is not None:
                 seq.stats.from_prefill = 1
-                seq.deliver([first], None)
-        return StepReport(batch.size, len(batch.decodes), new_tokens, sum(len(s.tokens) for s in segments),
-                          t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+                guard(seq, seq.deliver, [firsts[seq]], None)
+        return StepReport(batch.size, len(batch.decodes), new_tokens, ran.rows, t1 - t0, t2 - t1, t3 - t2, t4 - t3,
+                          guard.failures)
 
     def _draft(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         if not seqs:
@@ -126,6 +167,49 @@ class Runner:
     def _all(batch: Batch) -> list[Sequence]:
         return batch.decodes + [s for s, _ in batch.prefills]
 
+
+
+T = TypeVar("T")
+Mark = tuple[int, int | None]
+
+
+def _mark(seq: Sequence) -> Mark:
+    d = seq.decoder
+    return d.cache.length, d.draft_cache.length if d.draft_cache is not None else None
+
+
+def _rewind(seq: Sequence, mark: Mark) -> None:
+    """Back to the lengths before the step: whatever it wrote past them is never read, and is overwritten."""
+    d = seq.decoder
+    d.cache.length = mark[0]
+    if d.draft_cache is not None:
+        d.draft_cache.length = mark[1]
+
+
+class _Guard:
+    """Runs one sequence's part of a step; a failure rewinds that sequence and is recorded, nothing more."""
+
+    def __init__(self, failed: list[tuple[Sequence, Exception]], marks: dict[Sequence, Mark]):
+        self.failures, self.marks = failed, marks
+
+    def __call__(self, seq: Sequence, fn: Callable[..., T], *args: Any) -> T | None:
+        if self.failed(seq):
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:
+            _rewind(seq, self.marks[seq])
+            self.failures.append((seq, e))
+            return None
+
+    def failed(self, seq: Sequence) -> bool:
+        return any(s is seq for s, _ in self.failures)
+
+
+def _first_token(seq: Sequence, chunk: int) -> bool:
+    """Whether this chunk ends a fresh prefill, whose first token (the request's TTFT) waits for the step."""
+    d = seq.decoder
+    return not d.resumed and d.cache.length + chunk == d.prefill_end
 
 
 def _policy(seq: Sequence) -> AutoBudget | None:

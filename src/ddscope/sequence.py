@@ -7,6 +7,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+from collections.abc import Callable
+from typing import Any
 
 from ddscope.completion import Completion
 from ddscope.decoding import SCORE_ROWS, Decoder
@@ -38,19 +40,24 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, prompt: list[int], decoder: Decoder, completion: Completion, stats: GenerationStats,
-                 pages: Pages, prompt_logprobs: int | None = None):
+                 pages: Pages, prompt_logprobs: int | None = None, priority: int = 0):
         self.id = next(_ids)
         self.prompt, self.decoder, self.completion, self.stats = prompt, decoder, completion, stats
         self.prompt_logprobs = prompt_logprobs  # top N scored per prompt token (echo), or None
+        self.priority = priority  # admission order: lower first, then arrival (vLLM's priority policy)
         self.pages = pages  # shared with the decoder's caches
+        self.caches: Callable[[], tuple[Any, Any]] | None = None  # makes the decoder's caches at admission
         self.status = Status.WAITING
         self.outbox: deque[Step] = deque()
         self.preemptions = 0
         self.arrival = time.monotonic()
+        self.error: Exception | None = None  # why a step failed it
 
     @property
     def scored(self) -> bool:
-        return self.prompt_logprobs is not None
+        """Whether its prefill scores the prompt: a fresh one with prompt logprobs asked for (a resumed one
+        has them already)."""
+        return self.prompt_logprobs is not None and not self.started
 
     @property
     def finished(self) -> bool:
@@ -85,7 +92,7 @@ class Sequence:
             rnd.committed = len(kept)
             self.stats.rounds.append(rnd)
         logprobs = d.logprobs[done:done + len(kept)] if d.top_logprobs is not None else None
-        first = rnd is None and self.scored
+        first = rnd is None and self.prompt_logprobs is not None
         self.outbox.append(Step(kept, c.release(), rnd, self.stats, c.finish_reason, c.matched_stop, logprobs,
                                 d.prompt_logprobs if first else None))
         if c.finish_reason:

@@ -41,6 +41,13 @@ class DraftTree:
             node = parents[node]
         return vis
 
+    def paths(self) -> list[list[int]]:
+        """Each node's tokens below the root, down to and including its own (the root's is empty)."""
+        out: list[list[int]] = [[]]
+        for i in range(1, len(self.tokens)):
+            out.append(out[self.parents[i]] + [self.tokens[i]])
+        return out
+
     def _children(self) -> dict[tuple[int, int], int]:
         """(parent, token) -> node: tokens are unique among siblings."""
         return {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i}

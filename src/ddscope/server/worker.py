@@ -212,7 +212,8 @@ class EngineWorker:
         try:
             while self._take():
                 self._step()
-            for a in list(self._active):  # stopped: whoever is still running is told
+            for a in list(self._active):  # stopped: whoever is still running is told, and leaves the engine
+                self.engine.abort(a.seq)
                 self._end(a, Failed(a.job.cancel_reason or "cancelled", self._shutdown_error()))
         except BaseException as e:  # a bug outside any one generation: no request would ever be served
             self._die(e)
@@ -284,6 +285,9 @@ class EngineWorker:
                 log.exception("request %s failed outside the engine", a.job.request_id)
                 self.engine.abort(a.seq)
                 outcome = Failed("error", e)
+            if outcome is None and a.seq.error is not None:  # the step failed it alone; the engine let it go
+                log.error("request %s failed in its commit", a.job.request_id, exc_info=a.seq.error)
+                outcome = Failed("error", a.seq.error)
             if outcome is None:
                 if now > a.job.deadline:
                     a.job.cancel("timeout")
@@ -343,6 +347,11 @@ class EngineWorker:
         log.critical("the engine worker died; failing every request in flight and in the queue", exc_info=error)
         with self._ready:
             self.dead, self._stopped = error, True
+            for a in self._active:  # the engine may serve again (another worker): it holds none of them
+                try:
+                    self.engine.abort(a.seq)
+                except Exception:
+                    log.exception("request %s: could not leave the engine", a.job.request_id)
             jobs = [a.job for a in self._active] + list(self._queue)
             self._queue.clear()
             self._active.clear()
