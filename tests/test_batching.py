@@ -36,7 +36,7 @@ def _summary(g) -> dict:
 
 def _rounded(logprobs: list | None) -> list | None:
     """Log-probs to 4 places: a batch computes the same rows among others' (last-bit differences)."""
-    return [(round(lp, 4), [(t, round(x, 4)) for t, x in top]) for lp, top in logprobs] if logprobs else None
+    return [(round(lp, 4), [(t, round(x, 4)) for t, x in top]) for lp, top, _ in logprobs] if logprobs else None
 
 
 def _together(engine: Engine, join_every: int = 2, requests: list[tuple[str, dict]] = REQUESTS

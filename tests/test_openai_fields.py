@@ -46,7 +46,7 @@ def test_logprobs_are_the_targets_own_and_equal_under_every_method(oracle):
     ref = reference_logprobs(oracle, prompt + outs["ar"].token_ids)
     for m, out in outs.items():
         assert len(out.logprobs) == len(out.token_ids)
-        for k, (token, (lp, top)) in enumerate(zip(out.token_ids, out.logprobs)):
+        for k, (token, (lp, top, _)) in enumerate(zip(out.token_ids, out.logprobs)):
             row = ref[len(prompt) - 1 + k]
             assert lp == pytest.approx(row[token].item(), abs=1e-4), (m, k)
             assert [i for i, _ in top] == row.topk(3).indices.tolist()
@@ -61,7 +61,8 @@ def test_prompt_logprobs_score_every_prompt_token_under_its_prefix(oracle, repea
     ref = reference_logprobs(oracle, prompt)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for i in range(1, len(prompt)):
-        lp, top = out.prompt_logprobs[i]
+        lp, top, rank = out.prompt_logprobs[i]
+        assert rank == int((ref[i - 1] >= ref[i - 1, prompt[i]]).sum())
         assert lp == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
         assert len(top) == 2
     assert out.token_ids == oracle.generate(prompt, max_new_tokens=24, method="ar", ignore_eos=True).token_ids

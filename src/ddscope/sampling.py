@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -59,18 +60,23 @@ class SamplingParams:
         return first_max(scores).tolist()
 
 
-TokenLogprob = tuple[float, list[tuple[int, float]]]  # (the token's log-prob, the top N as (id, log-prob))
+class TokenLogprob(NamedTuple):
+    logprob: float  # the token's
+    top: list[tuple[int, float]]  # the top N as (id, log-prob)
+    rank: int  # 1 + the tokens likelier than it (vLLM's: v1/sample/ops/logprobs.py)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Each row's log-prob of its token and its `top` likeliest, from the raw log-softmax of the logits:
     before temperature, filters and biases, as vLLM's default `logprobs_mode` (raw_logprobs)."""
     lp = logits.float().log_softmax(-1)
-    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])
+    ranks = (lp >= chosen).sum(-1).tolist()
+    chosen = chosen[:, 0].tolist()
     if not top:
-        return [(c, []) for c in chosen]
+        return [TokenLogprob(c, [], r) for c, r in zip(chosen, ranks)]
     values, ids = lp.topk(top, dim=-1)
-    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+    return [TokenLogprob(c, list(zip(i, v)), r) for c, i, v, r in zip(chosen, ids.tolist(), values.tolist(), ranks)]
 
 
 def first_max(scores: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ from ddscope.training.drafter_ckpt import drafter_config, pick_layer_ids, save_d
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 _CORPUS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog. ",
            "Distributed systems require careful reasoning about consistency and failure. ",
            "for i in range(10):\n    print(i * i)\n", "Hello, how are you today? I am fine, thanks!"]

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddscope.server.metrics import ServerMetrics
 from ddscope.model import KVCacheFull
-from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_request_metrics, sse
+from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_request_metrics, prompt_logprobs, sse
 from ddscope.server.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -162,7 +162,9 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
         arrival = time.monotonic()
         req = await _parse(request, state, CompletionRequest)
         engine = _engine(state)
-        prompts = [await state.tokenize(_prompt_ids, state.tokenizer, engine, p) for p in req.prompts]
+        special = req.add_special_tokens is not False  # vLLM's default for completions: True
+        prompts = [_truncate(await state.tokenize(_prompt_ids, state.tokenizer, engine, p, special), req, engine)
+                   for p in req.prompts]
         reply = Reply(chat=False, model=engine.model_name, include_usage=req.include_usage)
         return await _generate(request, state, req, prompts, reply, arrival)
 
@@ -171,7 +173,7 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
         arrival = time.monotonic()
         req = await _parse(request, state, ChatCompletionRequest)
         engine = _engine(state)
-        ids = await state.tokenize(_chat_ids, state.tokenizer, engine, [m.template_dict() for m in req.messages])
+        ids = _truncate(await state.tokenize(_chat_ids, state.tokenizer, engine, req), req, engine)
         reply = Reply(chat=True, model=engine.model_name, include_usage=req.include_usage)
         return await _generate(request, state, req, [ids], reply, arrival)
 
@@ -240,14 +242,28 @@ async def _parse(request: Request, state: ServerState, model: type[R]) -> R:
 PROMPT_CHARS_PER_TOKEN = 32  # a text prompt longer than this x max_model_len cannot fit: refused before tokenizing
 
 
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, prompt: str | list[int]) -> list[int]:
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, prompt: str | list[int],
+                special: bool = False) -> list[int]:
     if isinstance(prompt, list):
         bad = [t for t in prompt if not 0 <= t < engine.vocab_size]
         if bad:
             raise APIError(400, f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}", param="prompt",
                            code="invalid_token_id")
         return prompt
-    return _encode_text(tokenizer, prompt, "prompt", engine.max_model_len)
+    return _encode_text(tokenizer, prompt, "prompt", engine.max_model_len, special)
+
+
+def _truncate(ids: list[int], req: SamplingRequest, engine: Engine) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last N tokens (after the chat template); -1 is max_model_len - 1."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return ids
+    n = engine.max_model_len - 1 if n == -1 else n
+    if not 0 < n <= engine.max_model_len:
+        raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} must be -1 or in "
+                            f"[1, max_model_len = {engine.max_model_len}]", param="truncate_prompt_tokens",
+                       code="invalid_parameter")
+    return ids[-n:]
 
 
 def _check_text(text: str, param: str, max_model_len: int) -> None:
@@ -262,27 +278,33 @@ def _check_text(text: str, param: str, max_model_len: int) -> None:
                        code="invalid_parameter") from None
 
 
-def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str, max_model_len: int) -> list[int]:
+def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str, max_model_len: int,
+                 special: bool) -> list[int]:
     _check_text(text, param, max_model_len)
-    # Exactly as Engine.encode. A chat template spells out its own special tokens, so none are added.
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    # Too long to fit is refused first, so the tokenizer's own too-long warning never fires; `special`: the
+    # request's add_special_tokens (a chat template spells out its own, so chat's default adds none).
+    ids = tokenizer.encode(text, add_special_tokens=special, verbose=False)
     if not ids:
         raise APIError(400, f"{param}: tokenizes to no tokens", param=param, code="empty_prompt")
     return ids
 
 
-def _chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, messages: list[dict[str, str]]) -> list[int]:
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, req: ChatCompletionRequest) -> list[int]:
     if not tokenizer.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")
+    messages = [m.template_dict() for m in req.messages]
     for m in messages:
         _check_text(m["content"], "messages", engine.max_model_len)
+    # vLLM's merge: the request's template variables, then the top-level flags over them
+    kwargs = {**(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
+              "continue_final_message": req.continue_final_message}
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except (TemplateError, ValueError, TypeError) as e:  # a template's raise_exception, or a bad conversation
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages",
                        code="invalid_messages") from None
-    return _encode_text(tokenizer, text, "messages", engine.max_model_len)
+    return _encode_text(tokenizer, text, "messages", engine.max_model_len, bool(req.add_special_tokens))
 
 
 def _engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) -> dict[str, Any]:
@@ -310,13 +332,36 @@ def _engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) ->
         if any(not 0 <= t < engine.vocab_size for t in ids):
             raise APIError(400, f"{name}: token ids must be in [0, {engine.vocab_size})", param=name,
                            code="invalid_token_id")
+    for name, ids in (("allowed_token_ids", req.allowed_token_ids or []),):
+        if any(not 0 <= t < engine.vocab_size for t in ids):
+            raise APIError(400, f"{name}: token ids must be in [0, {engine.vocab_size})", param=name,
+                           code="invalid_token_id")
     logprobs = req.top_logprobs_wanted()
-    echo = isinstance(req, CompletionRequest) and req.echo
+    if req.best_of is not None and req.best_of > req.n and logprobs is None:
+        logprobs = 0  # best_of ranks its choices by their tokens' log-probs
     return {"max_new_tokens": max_tokens, "method": method, "budget": budget, "temperature": req.temperature,
             "top_p": req.top_p, "top_k": max(req.top_k, 0), "min_p": req.min_p, "seed": req.seed,
             "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "stop": req.stop,
             "stop_token_ids": req.stop_token_ids, "logit_bias": bias or None, "logprobs": logprobs,
-            "prompt_logprobs": logprobs if echo else None}
+            "prompt_logprobs": _prompt_logprobs_wanted(req), "repetition_penalty": req.repetition_penalty,
+            "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+            "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
+            "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens,
+            "spaces_between_special_tokens": req.spaces_between_special_tokens, "cache_salt": req.cache_salt,
+            "priority": req.priority}
+
+
+def _prompt_logprobs_wanted(req: SamplingRequest) -> int | None:
+    """vLLM: the field, or on a completions echo the logprobs asked for (completion/protocol.py:373-375)."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
+
+
+def _child(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """The `index`-th of a request's n choices: seeded at seed + index, as vLLM's parallel sampling."""
+    return params if params["seed"] is None else {**params, "seed": params["seed"] + index}
 
 
 def _failure(event: Failed, timeout: float) -> APIError:
@@ -370,9 +415,12 @@ def _submit(state: ServerState, job: Job) -> None:
 async def _generate(request: Request, state: ServerState, req: SamplingRequest, prompts: list[list[int]],
                     reply: Reply, arrival: float) -> Response:
     params = [_engine_params(state, req, len(ids)) for ids in prompts]  # all checked before any runs
-    jobs = [Job(f"{reply.id}-{i}" if len(prompts) > 1 else reply.id, ids, p, deadline=arrival + state.config.request_timeout,
-                return_rounds=req.return_rounds, stream=bool(req.stream), arrival=arrival)
-            for i, (ids, p) in enumerate(zip(prompts, params))]
+    k = req.choices  # sequences per prompt: choice p * k + c is prompt p's c-th
+    many = len(prompts) * k > 1
+    jobs = [Job(f"{reply.id}-{p * k + c}" if many else reply.id, ids, _child(ps, c),
+                deadline=arrival + state.config.request_timeout, return_rounds=req.return_rounds,
+                stream=bool(req.stream), arrival=arrival)
+            for p, (ids, ps) in enumerate(zip(prompts, params)) for c in range(k)]
     submitted: list[Job] = []
     watcher = asyncio.create_task(_watch_disconnect(request, state.worker, submitted))
     try:
@@ -380,27 +428,42 @@ async def _generate(request: Request, state: ServerState, req: SamplingRequest, 
             _submit(state, job)
             submitted.append(job)
             request.state.reached_engine = True  # requests_total counts it from here on, not rejected_requests
-        # Wait for the first event before answering, so that a failure is still a proper status code.
+        # Wait for each first event before answering, so that a failure is still a proper status code.
         if req.stream:
-            event = await _next_event(jobs[0])
-            if isinstance(event, Failed):
-                raise _failure(event, state.config.request_timeout)
-            stream = _stream(state, jobs[0], req, reply, event, watcher)
+            firsts = [await _next_event(job) for job in jobs]
+            for event in firsts:
+                if isinstance(event, Failed):
+                    raise _failure(event, state.config.request_timeout)
+            stream = _stream(state, jobs, req, reply, firsts, watcher)
             watcher = None  # owned by the stream from here on
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outcomes = [await _outcome(job, state) for job in jobs]
-        choices = [await _choice(state, req, reply, i, job.prompt, done) for i, (job, done) in
-                   enumerate(zip(jobs, outcomes))]
-        metrics = per_request_metrics([d.records for d in outcomes], state.config.spec_decode_metrics,
+        kept = [i for p in range(len(prompts)) for i in _best(outcomes, p * k, k, req.n)]
+        choices = [await _choice(state, req, reply, index, jobs[i].prompt, outcomes[i])
+                   for index, i in enumerate(kept)]
+        metrics = per_request_metrics([outcomes[i].records for i in kept], state.config.spec_decode_metrics,
                                       state.config.per_request_metrics)
-        return JSONResponse(reply.response(choices, [d.stats for d in outcomes], metrics))
+        return JSONResponse(reply.response(choices, [outcomes[i].stats for i in kept], metrics,
+                                           **await _chat_extras(state, req, prompts[0], outcomes[0])))
     finally:
         if watcher is not None:
             watcher.cancel()
             for job in submitted:
                 job.cancel()  # no-op once the job is done; stops it on any early exit
                 state.worker.withdraw(job)
+
+
+def _best(outcomes: list[Done], first: int, k: int, n: int) -> list[int]:
+    """The n of one prompt's k sequences to answer with: all of them, or (best_of) the n with the highest
+    log-prob per token (OpenAI's rule; vLLM 0.32 ignores best_of), in the order they ran."""
+    run = list(range(first, first + k))
+    if k == n:
+        return run
+    def per_token(i: int) -> float:
+        lps = outcomes[i].logprobs or []
+        return sum(lp.logprob for lp in lps) / max(len(lps), 1)
+    return sorted(sorted(run, key=per_token, reverse=True)[:n])
 
 
 async def _outcome(job: Job, state: ServerState) -> Done:
@@ -411,50 +474,134 @@ async def _outcome(job: Job, state: ServerState) -> Done:
     return event
 
 
+async def _chat_extras(state: ServerState, req: SamplingRequest, prompt: list[int], done: Done) -> dict[str, Any]:
+    """Chat's top-level vLLM fields: prompt_token_ids and prompt_logprobs (completions put them in each choice)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return {}
+    extras: dict[str, Any] = {}
+    if req.return_token_ids:
+        extras["prompt_token_ids"] = prompt
+    if done.prompt_logprobs is not None:
+        extras["prompt_logprobs"] = await state.tokenize(prompt_logprobs, state.tokenizer, prompt,
+                                                         done.prompt_logprobs)
+    return extras
+
+
 async def _choice(state: ServerState, req: SamplingRequest, reply: Reply, index: int, prompt: list[int],
                   done: Done) -> dict[str, Any]:
-    text, parts = done.text, []
-    if isinstance(req, CompletionRequest) and req.echo:
-        head = await state.tokenize(state.tokenizer.decode, prompt)
-        text = head + text
-        if done.prompt_logprobs is not None:
-            parts.append(await state.tokenize(Logprobs(state.tokenizer, False).render, prompt, done.prompt_logprobs))
+    text, parts, extra = done.text, [], {}
+    if req.return_token_ids:
+        extra["token_ids"] = done.token_ids
+    if isinstance(req, ChatCompletionRequest):
+        text = req.echoed + text
+    else:
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = prompt
+        if done.prompt_logprobs is not None and req.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = await state.tokenize(prompt_logprobs, state.tokenizer, prompt,
+                                                            done.prompt_logprobs)
+        if req.echo:
+            # vLLM: with return_token_ids the prompt comes back as ids, and its echoed text is "" (serving.py:536)
+            head = "" if req.return_token_ids else await state.tokenize(state.tokenizer.decode, prompt)
+            text = head + text
+            if done.prompt_logprobs is not None and req.logprobs is not None:
+                parts.append(await state.tokenize(Logprobs(state.tokenizer, False).render, prompt,
+                                                  done.prompt_logprobs))
     if req.top_logprobs_wanted() is not None:
         offset = len(text) - len(done.text)
         parts.append(await state.tokenize(Logprobs(state.tokenizer, reply.chat, offset).render, done.token_ids,
                                           done.logprobs))
-    return reply.choice(text, done.finish_reason, done.matched_stop, merge_logprobs(parts), index)
+    return reply.choice(text, done.finish_reason, done.matched_stop, merge_logprobs(parts), index, **extra)
 
 
-async def _stream(state: ServerState, job: Job, req: SamplingRequest, reply: Reply, event: Event,
-                  watcher: asyncio.Task) -> AsyncIterator[str]:
-    timeout = state.config.request_timeout
-    logprobs = Logprobs(state.tokenizer, reply.chat) if req.top_logprobs_wanted() is not None else None
+async def _events(jobs: list[Job], firsts: list[Event]) -> AsyncIterator[tuple[int, Event]]:
+    """Every job's events as they come, tagged with the job's index: the firsts, then the rest."""
+    for i, event in enumerate(firsts):
+        yield i, event
+    pending = {i: asyncio.ensure_future(_next_event(job)) for i, (job, event) in enumerate(zip(jobs, firsts))
+               if not isinstance(event, (Done, Failed))}
     try:
-        if reply.chat:
-            yield sse(reply.chunk("", role=True))
-        if isinstance(req, CompletionRequest) and req.echo:
-            head = await state.tokenize(state.tokenizer.decode, job.prompt)
-            scored = await state.tokenize(logprobs.render, job.prompt, event.prompt_logprobs) if logprobs else None
-            yield sse(reply.chunk(head, logprobs=scored))
-        while not isinstance(event, (Done, Failed)):
+        while pending:
+            done, _ = await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
+            for i in sorted(i for i, f in pending.items() if f in done):
+                event = pending.pop(i).result()
+                yield i, event
+                if not isinstance(event, (Done, Failed)):
+                    pending[i] = asyncio.ensure_future(_next_event(jobs[i]))
+    finally:
+        for f in pending.values():
+            f.cancel()
+
+
+async def _stream(state: ServerState, jobs: list[Job], req: SamplingRequest, reply: Reply, firsts: list[Event],
+                  watcher: asyncio.Task) -> AsyncIterator[str]:
+    """SSE chunks of every choice, each chunk one choice (vLLM's shape for n > 1)."""
+    timeout = state.config.request_timeout
+    wanted = req.top_logprobs_wanted() is not None
+    logprobs = [Logprobs(state.tokenizer, reply.chat) if wanted else None for _ in jobs]
+    ids = (lambda t: {"token_ids": t}) if req.return_token_ids else (lambda t: {})
+    finished: dict[int, Done] = {}
+    try:
+        for i, job in enumerate(jobs):
+            async for chunk in _stream_head(state, req, reply, i, job, firsts[i], logprobs[i]):
+                yield chunk
+        async for i, event in _events(jobs, firsts):
+            if isinstance(event, Failed):  # headers are sent: report in the stream, as OpenAI-compatible servers do
+                yield sse(_failure(event, timeout).body())
+                break
+            if isinstance(event, Done):
+                finished[i] = event
+                chunks = [reply.chunk(None, event.finish_reason, matched_stop=event.matched_stop, index=i)]
+                if len(finished) == len(jobs):
+                    chunks += _stream_tail(state, reply, [finished[j] for j in range(len(jobs))], chunks[0])
+                for chunk in chunks:
+                    yield sse(chunk)
+                continue
             # A step may hold back text (a partial UTF-8 character, a possible stop string): nothing to send yet,
-            # unless its tokens' logprobs are asked for.
-            if event.text or (logprobs and event.token_ids):
-                rendered = await state.tokenize(logprobs.render, event.token_ids, event.logprobs) if logprobs else None
-                yield sse(reply.chunk(event.text, logprobs=rendered))
-            event = await _next_event(job)
-        if isinstance(event, Done):
-            metrics = per_request_metrics([event.records], state.config.spec_decode_metrics,
-                                          state.config.per_request_metrics)
-            for chunk in reply.final_chunks(event.finish_reason, event.stats, event.matched_stop, metrics):
-                yield sse(chunk)
-        else:  # headers are sent: report in the stream, as OpenAI-compatible servers do
-            yield sse(_failure(event, timeout).body())
+            # unless its tokens' logprobs or ids are asked for.
+            if event.text or ((wanted or req.return_token_ids) and event.token_ids):
+                lp = logprobs[i]
+                rendered = await state.tokenize(lp.render, event.token_ids, event.logprobs) if lp else None
+                yield sse(reply.chunk(event.text, logprobs=rendered, index=i, **ids(event.token_ids)))
         yield sse("[DONE]")
     finally:  # runs on normal end, on client disconnect (task cancelled) and on shutdown
         watcher.cancel()
-        job.cancel()
+        for job in jobs:
+            job.cancel()
+
+
+async def _stream_head(state: ServerState, req: SamplingRequest, reply: Reply, index: int, job: Job, first: Event,
+                       logprobs: Logprobs | None) -> AsyncIterator[str]:
+    """What opens a choice's stream: chat's role chunk (with the prompt's ids) and its echo, or the completions
+    echo of the prompt."""
+    if reply.chat:
+        top = {"prompt_token_ids": job.prompt} if req.return_token_ids else {}
+        chunk = reply.chunk("", role=True, index=index)
+        yield sse({**chunk, **top})
+        if req.echoed:
+            yield sse(reply.chunk(req.echoed, index=index))
+        return
+    extra = {"prompt_token_ids": job.prompt} if req.return_token_ids else {}
+    if req.echo:
+        head = "" if req.return_token_ids else await state.tokenize(state.tokenizer.decode, job.prompt)
+        scored = (await state.tokenize(logprobs.render, job.prompt, first.prompt_logprobs)
+                  if logprobs and first.prompt_logprobs is not None else None)
+        yield sse(reply.chunk(head, logprobs=scored, index=index, **extra))
+    elif extra:
+        yield sse(reply.chunk("", index=index, **extra))
+
+
+def _stream_tail(state: ServerState, reply: Reply, done: list[Done], last: dict[str, Any]) -> list[dict[str, Any]]:
+    """After the `last` finish chunk: the usage chunk (with include_usage). The `ddscope` extension rides on
+    whichever ends the stream."""
+    stats = [d.stats for d in done]
+    tail = []
+    if reply.include_usage:
+        metrics = per_request_metrics([d.records for d in done], state.config.spec_decode_metrics,
+                                      state.config.per_request_metrics)
+        tail.append(reply.usage_chunk(stats, metrics))
+    (tail or [last])[-1]["ddscope"] = stats[0] if len(stats) == 1 else stats
+    return tail
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -132,47 +132,61 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def choice(self, text: str, finish_reason: str, matched_stop: int | str | None = None,
-               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, index: int = 0, **extra: Any) -> dict[str, Any]:
+        """One final choice; `extra`: vLLM's per-choice fields asked for (token_ids, prompt_token_ids, ...)."""
         if self.chat:
             body = {"index": index, "message": {"role": "assistant", "content": text}}
         else:
             body = {"index": index, "text": text}
-        return {**body, "logprobs": logprobs, "finish_reason": finish_reason, "matched_stop": matched_stop}
+        return {**body, "logprobs": logprobs, "finish_reason": finish_reason, "matched_stop": matched_stop, **extra}
 
     def response(self, choices: list[dict[str, Any]], stats: list[dict[str, Any]],
-                 metrics: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The whole answer; the `ddscope` extension is one choice's stats, or a list for a batch of prompts;
-        `metrics` is vLLM's per-request object, at the body's root."""
-        return {**self._envelope(True, choices), "usage": total_usage(stats),
+                 metrics: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        """The whole answer; the `ddscope` extension is one choice's stats, or a list for several; `metrics` is
+        vLLM's per-request object, at the body's root, as are `extra` (chat's prompt_token_ids, ...)."""
+        return {**self._envelope(True, choices), "usage": total_usage(stats), **extra,
                 **({"metrics": metrics} if metrics is not None else {}),
                 "ddscope": stats[0] if len(stats) == 1 else stats}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
-              matched_stop: int | str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+              matched_stop: int | str | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
+              **extra: Any) -> dict[str, Any]:
+        """One streamed chunk of choice `index`; `extra` goes on the choice (token_ids, prompt_token_ids)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason:
             choice["matched_stop"] = matched_stop
-        body = self._envelope(False, [choice])
+        body = self._envelope(False, [{**choice, **extra}])
         if self.include_usage:  # as OpenAI: usage is null on every chunk but the last
             body["usage"] = None
         return body
 
-    def final_chunks(self, finish_reason: str, stats: dict[str, Any], matched_stop: int | str | None = None,
-                     metrics: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """The finish_reason chunk, then (with include_usage) the usage chunk with no choices, which carries vLLM's
-        per-request `metrics` as vLLM's does (completion/serving.py:458-490 in vLLM 0.32).
+    def usage_chunk(self, stats: list[dict[str, Any]], metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The chunk with no choices that ends an include_usage stream; it carries vLLM's per-request `metrics`
+        as vLLM's does (completion/serving.py:458-490 in vLLM 0.32)."""
+        return {**self._envelope(False, []), "usage": total_usage(stats),
+                **({"metrics": metrics} if metrics is not None else {})}
 
-        The `ddscope` extension rides on whichever of them is last before `[DONE]`.
-        """
-        chunks = [self.chunk(None, finish_reason, matched_stop=matched_stop)]
-        if self.include_usage:
-            chunks.append({**self._envelope(False, []), "usage": usage(stats),
-                           **({"metrics": metrics} if metrics is not None else {})})
-        chunks[-1]["ddscope"] = stats
-        return chunks
+
+def prompt_logprobs(tokenizer: PreTrainedTokenizerBase, ids: list[int], lps: list[TokenLogprob | None]
+                    ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` (logprobs.py:165-209 in 0.32): null for the first token, then per token a map of
+    id -> {logprob, rank, decoded_token}, the prompt's own token first and then the top N; -inf as -9999.0."""
+    def entry(token: int, value: float, rank: int) -> dict[str, Any]:
+        return {"logprob": max(value, -9999.0), "rank": rank, "decoded_token": tokenizer.decode([token])}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token, lp in zip(ids, lps):
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = {str(token): entry(token, lp.logprob, lp.rank)}
+        for rank, (other, value) in enumerate(lp.top, 1):
+            ranked.setdefault(str(other), entry(other, value, rank))
+        out.append(ranked)
+    return out

@@ -10,11 +10,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddscope.engine import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from ddscope.sampling import GREEDY_BELOW
 
 MAX_SEED = 2**63 - 1
 MAX_PROMPTS = 64  # a batched /v1/completions prompt list
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries, as OpenAI's cap on logit_bias is per token
+MAX_N = 16  # choices a request may ask for (n, best_of); each is a sequence of the batch
+MAX_BAD_WORDS = 128  # strings; vLLM caps their token sequences at VLLM_MAX_NUM_BAD_WORDS (128)
+MAX_SALT = 128  # cache_salt characters, vLLM's (entrypoints/generate/base/protocol.py:38-58 in 0.32)
 
 
 class APIError(Exception):
@@ -57,20 +61,12 @@ def validation_error(exc: ValidationError) -> APIError:
 
 # Fields that would change the output and are not honoured, each with the values that mean "off" (accepted).
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
     "suffix": (None,),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -79,14 +75,12 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "prediction": (None,),
     "use_beam_search": (None, False),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,),
+    "length_penalty": (None, 1, 1.0),  # beam search's
+    "truncation_side": (None, "left"),
 }
 # Accepted and ignored: bookkeeping that changes no token.
 IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-           "parallel_tool_calls")
-
+           "parallel_tool_calls", "request_id")
 
 def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
     """400 for a refused field set to anything but "off"; the body without the ignored fields."""
@@ -124,6 +118,23 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extensions (entrypoints/openai/completion/protocol.py in vLLM 0.32), and OpenAI's n, best_of and penalties.
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    add_special_tokens: bool | None = None  # None: each endpoint's default (vLLM: True for completions)
+    cache_salt: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # ddscope extensions.
     method: str | None = None
     budget: int | Literal["auto"] | None = None
@@ -160,11 +171,32 @@ class SamplingRequest(BaseModel):
             raise ValueError("budget must be >= 1 or 'auto'")
         return budget
 
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, salt: str | None) -> str | None:
+        if salt is not None and (not salt or len(salt) > MAX_SALT or any(c in salt for c in "@/\\\0")):
+            raise ValueError(f"must be a non-empty string of at most {MAX_SALT} characters without '@', '/', "
+                             "'\\' or NUL (as vLLM's)")
+        return salt
+
     @model_validator(mode="after")
     def _consistent(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of cannot be streamed: the best choices are known only at the end (as OpenAI)")
+        if self.choices > 1 and self.temperature < GREEDY_BELOW:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.choices} (vLLM's rule)")
+        if self.prompt_logprobs and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
         return self
+
+    @property
+    def choices(self) -> int:
+        """Sequences run per prompt: best_of (the best n returned), else n."""
+        return self.best_of or self.n
 
     @property
     def include_usage(self) -> bool:
@@ -246,12 +278,31 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's chat extensions (entrypoints/openai/chat_completion/protocol.py:312-372 in 0.32)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
 
     @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+    def _chat_consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("cannot set both continue_final_message and add_generation_prompt to true (as vLLM)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        for key in ("chat_template", "tokenize"):
+            if key in (self.chat_template_kwargs or {}):
+                raise ValueError(f"chat_template_kwargs: {key!r} is not a template variable ddscope passes on")
         return self
+
+    @property
+    def echoed(self) -> str:
+        """chat `echo`: the last message's content when it is in the answer's role (vLLM's rule), else ""."""
+        role = "assistant" if self.add_generation_prompt else self.messages[-1].role
+        last = self.messages[-1]
+        return last.template_dict()["content"] if self.echo and last.role == role else ""
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
