@@ -13,6 +13,23 @@ def _own_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _installs_are_announced(pytestconfig):
+    """A peer's first install takes minutes: say so on the terminal, past pytest's output capture."""
+    from ddscope import venvs
+
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    terminal = pytestconfig.pluginmanager.getplugin("terminalreporter")
+
+    def say(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            terminal.write_line(f"ddscope: {message}")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(venvs, "announce", say)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(target_dir, drafter_dir): a random Qwen3 target and a z-lab-layout drafter, block size 8."""

@@ -25,7 +25,7 @@ def test_generate_defaults_to_ar_without_a_drafter_and_ddtree_with_one(lone_targ
     target, drafter = tiny_pair
     assert main(["generate", "hello", "--target", str(target), "--drafter", str(drafter), "--max-tokens", "4",
                  "--threads", "1"]) == 0
-    assert stats_line(capsys).startswith("[ddtree budget=32] 4 tokens")
+    assert stats_line(capsys).startswith("[ddtree budget=auto] 4 tokens")
 
 
 def test_a_server_for_a_target_alone_defaults_to_ar(lone_target):

@@ -133,7 +133,7 @@ def test_eval_acceptance_reports_tau_per_context(tmp_path, tiny_pair):
     report = tmp_path / "r.json"
     assert run_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
                  f"file:{tmp_path / 'p.jsonl'}", "--methods", "ar,ddtree:4,ddtree:auto", "--temperatures", "0",
-                 "--prompts", "2", "--max-tokens", "8", "--contexts", "0,40,200", "--json", str(report)]) == 0
+                 "--prompts", "2", "--max-tokens", "8", "--contexts", "0,40,200", "--out", str(report)]) == 0
     data = json.loads(report.read_text())
     assert data["mismatches"] == []
     assert {(r["context"], r["method"]) for r in data["results"]} == {

@@ -157,7 +157,7 @@ def test_eval_acceptance_reports_tau_and_checks_lossless(tmp_path, tiny_pair, ca
     report_path = tmp_path / "report.json"
     assert run_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
                  f"file:{tmp_path / 'prompts.jsonl'}", "--methods", "ar,dflash,ddtree:4", "--temperatures", "0,1",
-                 "--prompts", "2", "--max-tokens", "12", "--json", str(report_path)]) == 0
+                 "--prompts", "2", "--max-tokens", "12", "--out", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     # 2 prompts x (dflash, ddtree:4, ddtree:4 without its lookup branch)
     assert report["mismatches"] == [] and report["lossless_checked"] == 2 * 3
@@ -177,7 +177,7 @@ def test_eval_acceptance_reports_the_drafters_own_tau_beside_the_combined_one(tm
     report_path = tmp_path / "report.json"
     assert run_cli(["eval-acceptance", "--target", str(target), "--drafter", str(drafter), "--workloads",
                     f"file:{prompts}", "--methods", "ar,dflash,ddtree:4", "--temperatures", "0", "--prompts", "1",
-                    "--max-tokens", "32", "--json", str(report_path)]) == 0
+                    "--max-tokens", "32", "--out", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     rows = {r["method"]: r for r in report["results"]}
     assert rows["ddtree:4"]["tau"] > 2.0 and rows["ddtree:4"]["tau_drafter"] == 1.0

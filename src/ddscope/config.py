@@ -28,6 +28,14 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return raw.get("text_config") or raw
 
 
+def kv_bytes_per_token(cfg: dict[str, Any], dtype_bytes: int) -> int:
+    """K and V over every layer for one token, from a text config (dense attention; an upper bound for MLA)."""
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * dtype_bytes
+
+
 def token_ids(value: Any) -> tuple[int, ...]:
     """An `eos_token_id` field (absent, one id or a list) as a tuple."""
     return () if value is None else tuple(int(v) for v in (value if isinstance(value, list) else [value]))

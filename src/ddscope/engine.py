@@ -133,7 +133,7 @@ class Engine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
         else:
             ids = list(prompt)
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]

@@ -19,7 +19,7 @@ from pathlib import Path
 from ddscope.config import read_json, text_config
 from ddscope.training.cli import int_list
 from ddscope.training.drafter_ckpt import check_layer_ids
-from ddscope.vllm_peer import PLUGIN_DIR, PeerUnavailable, ensure_installed, with_plugins
+from ddscope.vllm_peer import PLUGIN_DIR, PeerUnavailable, flag_value, ensure_installed, kv_cache_args, with_plugins
 
 CONNECTOR = "DdscopeHiddenStatesConnector"
 CONNECTOR_MODULE = "ddscope_hidden_states"
@@ -50,14 +50,18 @@ def layer_ids_for(target: Path, requested: list[int] | None) -> list[int]:
     return ids
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _python(args: argparse.Namespace) -> str:
     if args.vllm_python:
         return args.vllm_python
     if args.print_command:
         return "python"  # the user's own vLLM environment
-    import torch
-
-    if torch.cuda.is_available():
+    if _cuda():
         raise ValueError("pass --vllm-python: the python of the environment holding your (CUDA) vLLM")
 
     try:
@@ -72,12 +76,18 @@ def _run(args: argparse.Namespace) -> int:
     ids = layer_ids_for(target, args.layer_ids)
     storage = Path(args.storage or Path(tempfile.gettempdir()) / f"ddscope-features-{args.port}").resolve()
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    cmd = command(_python(args), target, ids, storage, args.host, args.port, extra)
+    python = _python(args)
+    extra = [*extra, *(kv_cache_args(target, extra) if not _cuda() else [])]  # CPU: sized, not 92% of RAM
+    cmd = command(python, target, ids, storage, args.host, args.port, extra)
     env_line = f"PYTHONPATH={shlex.quote(str(PLUGIN_DIR))}${{PYTHONPATH:+:$PYTHONPATH}}"
     if args.print_command:
         print(f"{env_line} {shlex.join(cmd)}")
         return 0
     storage.mkdir(parents=True, exist_ok=True)
+    sized = flag_value(extra, "--kv-cache-memory-bytes")
+    if sized:
+        print(f"features-server: KV cache {int(sized) >> 20} MiB (pass --kv-cache-memory-bytes or "
+              f"--gpu-memory-utilization after -- to size it yourself)", file=sys.stderr)
     print(f"features-server: z-lab layer ids {ids} (vLLM {vllm_layer_ids(ids)}), files in {storage}; train with "
           f"ddscope train-drafter --features-url http://{args.host}:{args.port} --target-layer-ids "
           f"<a subset of {','.join(map(str, ids))}>", file=sys.stderr)

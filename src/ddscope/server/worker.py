@@ -102,7 +102,11 @@ class DecodeWindow:
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
-        self.start, self.steps, self.committed, self.tokens = now, 0, 0, 0
+        self.start, self.steps, self.committed, self.tokens, self.busy_s = now, 0, 0, 0, 0.0
+
+    def busy(self, seconds: float) -> None:
+        """Time the engine spent stepping: tok/s is over this, not over idle time between requests."""
+        self.busy_s += seconds
 
     def record(self, tokens: int, verified: bool) -> None:
         """`tokens` completion tokens, committed by a verify step unless they are a prefill's first token."""
@@ -117,9 +121,9 @@ class DecodeWindow:
         if elapsed < self.interval:
             return
         if self.tokens:
-            log.info("decode window_s=%.1f steps=%d avg_commit=%.3f gen_tok_s=%.1f running=%d waiting=%d",
+            log.info("decode window_s=%.1f steps=%d avg_commit=%.3f gen_tok_s=%.1f busy_s=%.1f running=%d waiting=%d",
                      elapsed, self.steps, self.committed / self.steps if self.steps else 0.0,
-                     self.tokens / elapsed, running, waiting)
+                     self.tokens / self.busy_s if self.busy_s else 0.0, self.busy_s, running, waiting)
         self._reset(now)
 
 
@@ -258,6 +262,7 @@ class EngineWorker:
         """One engine step; then each running job gets its new steps, or its end."""
         if not self._active:
             return
+        began = time.monotonic()
         try:
             report = self.engine.step()
         except Exception as e:  # an engine bug fails the batch it hit, not the worker
@@ -266,6 +271,7 @@ class EngineWorker:
                 self.engine.abort(a.seq)
                 self._end(a, Failed("error", e))
             return
+        self._window.busy(time.monotonic() - began)
         self.metrics.batch_size.observe(report.sequences)
         self.metrics.engine_steps.inc()
         self.metrics.preemptions.inc(self.engine.preemptions - self._preemptions)

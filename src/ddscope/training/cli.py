@@ -106,9 +106,12 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
     engine = Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype,
                          target_backend=args.target_backend, device_map=args.target_device_map)
     report = evaluate(engine, spec)
-    print_table(report)
     if args.json:
-        atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    if args.out:
+        atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
     if report["mismatches"]:
         print(f"ddscope: LOSSLESS CHECK FAILED on {len(report['mismatches'])} prompt(s): greedy output differs "
               "from ar (details in the JSON 'mismatches')", file=sys.stderr)
@@ -217,7 +220,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--steps", type=int, help="optimizer steps (the schedule ends at --steps or the time budget; "
                                              "give one or both) (default: none)")
     t.add_argument("--time-budget-min", type=float,
-                   help="training minutes, summed over resumes (distillation not included) (default: none)")
+                   help="training minutes, summed over resumes (distillation not included) (default: 30 when "
+                        "--steps is not given either, else none)")
     t.add_argument("--batch-seqs", type=int, default=8,
                    help="sequences per step, over all ranks (default: %(default)s)")
     t.add_argument("--grad-accum", type=int, default=1,
@@ -259,5 +263,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--warmup", type=int, default=1,
                    help="untimed generations per method before measuring, so tok/s and 'vs ar' exclude one-off "
                         "allocation and kernel selection (default: %(default)s)")
-    e.add_argument("--json", type=Path, help="also write the full report here (default: none)")
+    e.add_argument("--json", action="store_true", help="print the full report as JSON instead of the table")
+    e.add_argument("--out", type=Path, help="also write the full report (JSON) here (default: none)")
     e.set_defaults(func=_eval_acceptance)

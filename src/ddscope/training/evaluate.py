@@ -176,7 +176,7 @@ def _summarise(totals: dict[Key, dict[str, float]], alone: dict[Key, dict[str, f
 
 def print_table(report: dict[str, Any]) -> None:
     from rich import box
-    from rich.console import Console
+    from ddscope.options import stdout_console
     from rich.table import Table
 
     # Compact, so that a row holds on one line of an 80-column terminal.
@@ -189,7 +189,7 @@ def print_table(report: dict[str, Any]) -> None:
         alone = f"{r['tau_drafter']:.2f}" if r["tau_drafter"] is not None else "-"
         table.add_row(r["workload"], str(r["context"] or "as is"), f"{r['temperature']:g}", r["method"],
                       f"{r['tau']:.2f}", alone, f"{r['tok_per_s']:.1f}", speedup, str(r["prompts"]), str(r["tokens"]))
-    console = Console(stderr=False)
+    console = stdout_console()
     console.print(table)
     console.print(report["legend"], highlight=False)
     checked, failed = report["lossless_checked"], len(report["mismatches"])

@@ -41,11 +41,19 @@ class Plan:
     mix: tuple[Bucket, ...] | None  # --train-context-lengths
 
 
+DEFAULT_BUDGET_MIN = 30.0  # with neither --steps nor --time-budget-min: a run that ends, said up front
+
+
 def train_spec(args: argparse.Namespace) -> TrainSpec:
+    minutes = args.time_budget_min
+    if minutes is None and args.steps is None:
+        minutes = DEFAULT_BUDGET_MIN
+        print(f"train-drafter: no --steps or --time-budget-min given: training for {minutes:g} minutes",
+              file=sys.stderr)
     return TrainSpec(block_size=args.block_size, layers=args.layers, sliding_window=args.sliding_window,
                      batch_seqs=args.batch_seqs, grad_accum=args.grad_accum, anchors=args.anchors, lr=args.lr,
-                     gamma=args.gamma, steps=args.steps,
-                     time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed)
+                     gamma=args.gamma, steps=args.steps, time_budget_s=minutes * 60 if minutes else None,
+                     seed=args.seed)
 
 
 def plan(args: argparse.Namespace) -> Plan:
