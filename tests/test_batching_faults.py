@@ -97,11 +97,19 @@ def test_a_failed_forward_rewinds_every_cache(oracle, monkeypatch):
     assert_pool_empty(oracle)
 
 
+def submitted(engine: Engine) -> tuple[EngineWorker, list[Job]]:
+    """A worker on `engine` running JOBS, long enough to be caught mid-generation (call inside a running loop)."""
+    worker = EngineWorker(engine, ServerMetrics().bind("m"), max_queue=8, log_interval=3600)
+    jobs = [Job(f"r{i}", engine.encode(p), dict(kw, max_new_tokens=400), deadline=time.monotonic() + 60)
+            for i, (p, kw) in enumerate(JOBS)]
+    for j in jobs:
+        worker.submit(j)
+    return worker, jobs
+
+
 def test_a_dead_worker_leaves_nothing_in_the_engine(oracle):
     async def run() -> list:
-        worker = EngineWorker(oracle, ServerMetrics().bind("m"), max_queue=8, log_interval=3600)
-        jobs = [Job(f"r{i}", oracle.encode(p), dict(kw, max_new_tokens=400), deadline=time.monotonic() + 60)
-                for i, (p, kw) in enumerate(JOBS)]
+        worker, jobs = submitted(oracle)
         steps = [0]
 
         def dies(*_: object) -> None:  # a bug outside any one request: the thread dies mid-generation
@@ -110,8 +118,6 @@ def test_a_dead_worker_leaves_nothing_in_the_engine(oracle):
                 raise RuntimeError("worker bug")
 
         worker._window.maybe_log = dies
-        for j in jobs:
-            worker.submit(j)
         outcomes = [await asyncio.wait_for(j.events.get(), 60) for j in jobs]
         worker.close()
         return outcomes
@@ -123,11 +129,7 @@ def test_a_dead_worker_leaves_nothing_in_the_engine(oracle):
 
 def test_a_closed_worker_leaves_nothing_in_the_engine(oracle):
     async def run() -> None:
-        worker = EngineWorker(oracle, ServerMetrics().bind("m"), max_queue=8, log_interval=3600)
-        jobs = [Job(f"r{i}", oracle.encode(p), dict(kw, max_new_tokens=400), deadline=time.monotonic() + 60)
-                for i, (p, kw) in enumerate(JOBS)]
-        for j in jobs:
-            worker.submit(j)
+        worker, _ = submitted(oracle)
         await asyncio.sleep(0.2)
         await asyncio.to_thread(worker.close)
 
