@@ -301,7 +301,8 @@ def test_sweep_keeps_the_floor_and_analyze_reads_it_back(tiny_pair, tmp_path, ca
     target, drafter = tiny_pair
     out = tmp_path / "out"
     assert main(["bench", "sweep", "--target", str(target), "--drafter", str(drafter), "--contexts", "8,128,512",
-                 "--max-tokens", "16", "--repeats", "2", "--warmup", "0", "--hardware", "host", "--out", str(out)]) == 0
+                 "--max-tokens", "16", "--repeats", "2", "--warmup", "0", "--budget", "32", "--hardware", "host",
+                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "floor ms" in printed and "overhead-bound" in printed
     doc = json.loads((out / "results.json").read_text())

@@ -328,11 +328,8 @@ def _engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) ->
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
                        param="min_tokens", code="invalid_parameter")
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-    for name, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", bias)):
-        if any(not 0 <= t < engine.vocab_size for t in ids):
-            raise APIError(400, f"{name}: token ids must be in [0, {engine.vocab_size})", param=name,
-                           code="invalid_token_id")
-    for name, ids in (("allowed_token_ids", req.allowed_token_ids or []),):
+    for name, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", bias),
+                      ("allowed_token_ids", req.allowed_token_ids or [])):
         if any(not 0 <= t < engine.vocab_size for t in ids):
             raise APIError(400, f"{name}: token ids must be in [0, {engine.vocab_size})", param=name,
                            code="invalid_token_id")
