@@ -25,7 +25,7 @@ MALFORMED = [
     {"prompt": [1, 10**7]},
     {"prompt": "x", "max_tokens": 0},
     {"prompt": "x", "tempreature": 0.5},
-    {"prompt": "x", "presence_penalty": 1.0},
+    {"prompt": "x", "presence_penalty": 3.0},
     {"messages": "hi"},
 ]
 

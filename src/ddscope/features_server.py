@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     storage = Path(args.storage or Path(tempfile.gettempdir()) / f"ddscope-features-{args.port}").resolve()
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     python = _python(args)
-    extra = [*extra, *(kv_cache_args(target, extra) if not _cuda() else [])]  # CPU: sized, not 92% of RAM
+    extra = [*extra, *(kv_cache_args(target, extra) if not (args.print_command or _cuda()) else [])]  # CPU: sized
     cmd = command(python, target, ids, storage, args.host, args.port, extra)
     env_line = f"PYTHONPATH={shlex.quote(str(PLUGIN_DIR))}${{PYTHONPATH:+:$PYTHONPATH}}"
     if args.print_command:
