@@ -50,13 +50,19 @@ def assert_pool_empty(engine: Engine) -> None:
     assert blocks.used == 0 and all(r == 0 for r in blocks.refs), "blocks leaked"
 
 
-def test_a_failed_commit_fails_its_sequence_alone(oracle):
-    alone = [oracle.generate(p, **kw).token_ids for p, kw in JOBS]
-    seqs = [oracle.sequence(p, **kw) for p, kw in JOBS]
+def running(engine: Engine, steps: int) -> tuple[list[list[int]], list]:
+    """JOBS' outputs alone, then JOBS added to `engine` together and `steps` steps into their decoding."""
+    alone = [engine.generate(p, **kw).token_ids for p, kw in JOBS]
+    seqs = [engine.sequence(p, **kw) for p, kw in JOBS]
     for s in seqs:
-        oracle.add(s)
-    for _ in range(4):
-        oracle.step()
+        engine.add(s)
+    for _ in range(steps):
+        engine.step()
+    return alone, seqs
+
+
+def test_a_failed_commit_fails_its_sequence_alone(oracle):
+    alone, seqs = running(oracle, 4)
     bad = seqs[1]
     calls = [0]
 
@@ -75,12 +81,7 @@ def test_a_failed_commit_fails_its_sequence_alone(oracle):
 
 
 def test_a_failed_forward_rewinds_every_cache(oracle, monkeypatch):
-    alone = [oracle.generate(p, **kw).token_ids for p, kw in JOBS]
-    seqs = [oracle.sequence(p, **kw) for p, kw in JOBS]
-    for s in seqs:
-        oracle.add(s)
-    for _ in range(3):
-        oracle.step()
+    alone, seqs = running(oracle, 3)
     target = oracle.runner.target
     real = target.forward_many
 
