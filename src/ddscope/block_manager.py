@@ -8,6 +8,7 @@ zero-copy. Blocks nobody holds stay registered until they are needed, least rece
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -23,20 +24,76 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+class FreeRuns:
+    """Disjoint runs [start, end) of free block ids, merged as blocks come back, lowest first: the lowest free
+    block and the lowest run of a length cost the runs, not the blocks (a GPU pool has 100k of them)."""
+
+    def __init__(self, n: int):
+        self.starts: list[int] = [0] if n else []
+        self.end: dict[int, int] = {0: n} if n else {}  # start -> end
+        self.start_of: dict[int, int] = {n: 0} if n else {}  # end -> start
+        self.count = n
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __contains__(self, b: int) -> bool:
+        i = bisect.bisect_right(self.starts, b) - 1
+        return i >= 0 and b < self.end[self.starts[i]]
+
+    def lowest(self) -> int | None:
+        return self.starts[0] if self.starts else None
+
+    def first_fit(self, length: int) -> int | None:
+        """The start of the lowest run of at least `length` free blocks."""
+        return next((a for a in self.starts if self.end[a] - a >= length), None)
+
+    def add(self, b: int) -> None:
+        a, e = self.start_of.pop(b, b), self.end.pop(b + 1, b + 1)  # merge with the runs either side
+        if a != b:
+            del self.end[a]
+        else:
+            bisect.insort(self.starts, b)
+        if e != b + 1:
+            self.starts.remove(b + 1)
+            del self.start_of[e]
+        self._set(a, e)
+        self.count += 1
+
+    def take(self, a: int, n: int = 1) -> None:
+        """Remove [a, a + n), which must be free and inside one run."""
+        i = bisect.bisect_right(self.starts, a) - 1
+        start = self.starts[i]
+        end = self.end.pop(start)
+        del self.start_of[end]
+        if start < a:
+            self._set(start, a)
+        else:
+            del self.starts[i]
+        if a + n < end:
+            bisect.insort(self.starts, a + n)
+            self._set(a + n, end)
+        self.count -= n
+
+    def _set(self, a: int, e: int) -> None:
+        self.end[a], self.start_of[e] = e, a
+
+
 class BlockManager:
     def __init__(self, blocks: int, block: int = BLOCK, prefix_cache: bool = True):
         self.blocks, self.block, self.prefix_cache = blocks, block, prefix_cache
         self.refs = [0] * blocks
-        self.empty = set(range(blocks))  # free, holding nothing anyone can reuse
+        self.plain = FreeRuns(blocks)  # free, holding nothing anyone can reuse, kept for nobody
         self.cached: OrderedDict[int, None] = OrderedDict()  # free but registered, least recently freed first
         self.index: dict[bytes, int] = {}  # key -> block
         self.key_of: dict[int, bytes] = {}
         self.featured: set[int] = set()  # registered blocks whose drafter features are valid
         self.soft: dict[int, int] = {}  # empty block -> the pages (id) it is kept for, to grow into in a row
+        self.kept: dict[int, tuple[int, set[int]]] = {}  # pages (id) -> (its run's start, the blocks still kept)
 
     @property
     def free(self) -> int:
-        return len(self.empty) + len(self.cached)
+        return len(self.plain) + len(self.soft) + len(self.cached)
 
     @property
     def used(self) -> int:
@@ -57,38 +114,38 @@ class BlockManager:
             self._keep_run(pages, -(-expect // self.block))
         new: list[int] = []
         for _ in range(n):
-            new.append(self._take((new or pages.table or [self._run_start(pages) - 1])[-1] + 1, id(pages)))
+            start = self.kept[id(pages)][0] if id(pages) in self.kept else 0
+            new.append(self._take((new or pages.table or [start - 1])[-1] + 1, id(pages)))
         pages.extend(new)
 
     def _keep_run(self, pages: Pages, length: int) -> None:
-        """Mark the lowest run of `length` empty blocks nobody else keeps as `pages`' to grow into."""
-        start, count, last = 0, 0, -2
-        for b in sorted(self.empty):
-            if b in self.soft:
-                count = 0
-                continue
-            start, count = (start, count + 1) if count and b == last + 1 else (b, 1)
-            last = b
-            if count == length:
-                self.soft.update(dict.fromkeys(range(start, start + length), id(pages)))
-                return
-
-    def _run_start(self, pages: Pages) -> int:
-        return min((b for b, owner in self.soft.items() if owner == id(pages)), default=0)
+        """Keep the lowest run of `length` empty blocks nobody else keeps for `pages` to grow into."""
+        start = self.plain.first_fit(length)
+        if start is None:
+            return
+        self.plain.take(start, length)
+        run = set(range(start, start + length))
+        self.soft.update(dict.fromkeys(run, id(pages)))
+        self.kept[id(pages)] = (start, run)
 
     def _take(self, wanted: int, owner: int) -> int:
         """A free block: `wanted` if it is empty and nobody else keeps it, else the lowest such empty block,
-        else any empty one, else the least recently freed registered one, unregistered."""
-        if wanted in self.empty and self.soft.get(wanted, owner) == owner:
+        else one kept for another, else the least recently freed registered one, unregistered."""
+        if self.soft.get(wanted) == owner or (wanted not in self.soft and wanted in self.plain):
             b = wanted
-        elif self.empty:
-            b = min((b for b in self.empty if b not in self.soft), default=None)
-            b = min(self.empty) if b is None else b
+        elif len(self.plain):
+            b = self.plain.lowest()
+        elif self.soft:
+            b = next(iter(self.soft))
         else:
             b, _ = self.cached.popitem(last=False)
             self._forget(b)
-        self.empty.discard(b)
-        self.soft.pop(b, None)
+            self.refs[b] = 1
+            return b
+        if b in self.soft:
+            self.kept[self.soft.pop(b)][1].discard(b)
+        else:
+            self.plain.take(b)
         self.refs[b] = 1
         return b
 
@@ -136,15 +193,17 @@ class BlockManager:
                 self._forget(old)
                 if old in self.cached:
                     del self.cached[old]
-                    self.empty.add(old)
+                    self.plain.add(old)
             self.index[key], self.key_of[b] = b, key
             if featured:
                 self.featured.add(b)
 
     def release(self, pages: Pages) -> None:
         """Drop `pages`' hold on its blocks: registered ones stay reusable, the rest become empty."""
-        for b in [b for b, owner in self.soft.items() if owner == id(pages)]:
+        _, still = self.kept.pop(id(pages), (0, set()))
+        for b in still:
             del self.soft[b]
+            self.plain.add(b)
         for b in pages.table:
             self.refs[b] -= 1
             if self.refs[b] == 0:
@@ -152,7 +211,7 @@ class BlockManager:
                     self.cached[b] = None
                 else:
                     self.featured.discard(b)
-                    self.empty.add(b)
+                    self.plain.add(b)
         pages.clear()
 
     def clear_cache(self) -> None:
@@ -160,4 +219,4 @@ class BlockManager:
         for b in list(self.cached):
             del self.cached[b]
             self._forget(b)
-            self.empty.add(b)
+            self.plain.add(b)
