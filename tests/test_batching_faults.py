@@ -15,6 +15,7 @@ from ddscope.engine import Engine
 from ddscope.server.metrics import ServerMetrics
 from ddscope.server.worker import EngineWorker, Failed, Job
 from ddscope.testing import oracle_engine
+from pool_check import assert_pool_empty
 
 JOBS = [("def add(a, b):", dict(method="ddtree", budget=16, max_new_tokens=40, ignore_eos=True)),
         ("class Stack:\n    def", dict(method="dflash", max_new_tokens=40, ignore_eos=True)),
@@ -42,12 +43,6 @@ def drain(engine: Engine, seqs: list, limit: int = 2000) -> dict[int, list[int]]
                 if s.decoder.commit.__name__ == "boom":
                     engine.abort(s)
     raise AssertionError("the engine did not finish")
-
-
-def assert_pool_empty(engine: Engine) -> None:
-    blocks = engine.scheduler.blocks
-    assert not engine.busy
-    assert blocks.used == 0 and all(r == 0 for r in blocks.refs), "blocks leaked"
 
 
 def running(engine: Engine, steps: int) -> tuple[list[list[int]], list]:

@@ -26,6 +26,7 @@ from ddscope.server import cli
 from ddscope.server.app import attach_engine, create_app
 from ddscope.server.launch import serve_in_background
 from ddscope.testing import oracle_engine
+from pool_check import assert_pool_empty
 
 COUNTERS = ("verify_steps", "committed_tokens", "draft_nodes_verified", "prompt_tokens", "generation_tokens")
 
@@ -465,6 +466,7 @@ def test_streaming_disconnect_cancels_the_generation(paced):
     assert moved(before, after, "ddscope:verify_steps_total") == engine.steps - steps0 - 1  # 1: the prefill's token
     assert moved(before, after, "ddscope:requests_total", status="finished") == 0
     assert after[("ddscope:num_requests_running", ())] == 0
+    assert_pool_empty(engine)
 
 
 def test_non_streaming_disconnect_cancels_the_generation(paced):
@@ -482,6 +484,7 @@ def test_non_streaming_disconnect_cancels_the_generation(paced):
     assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="cancelled") == 1, 60)
     assert engine.steps - steps0 < LONG["max_tokens"]
     assert moved(before, scrape(url), "ddscope:requests_total", status="finished") == 0
+    assert_pool_empty(engine)
 
 
 def test_full_queue_answers_503_with_retry_after(paced):
@@ -517,6 +520,7 @@ def test_full_queue_answers_503_with_retry_after(paced):
     after = scrape(url)
     assert after[("ddscope:num_requests_waiting", ())] == 0 and after[("ddscope:num_requests_running", ())] == 0
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert_pool_empty(paced[0])
 
 
 def test_request_timeout_running_streamed_and_queued(paced):
@@ -538,6 +542,7 @@ def test_request_timeout_running_streamed_and_queued(paced):
     assert queued.json()["error"]["type"] == "timeout_error" and queued.json()["error"]["code"] == "timeout"
     assert lines[-1] == "data: [DONE]" and '"timeout_error"' in lines[-2]
     assert wait_for(lambda: moved(before, scrape(url), "ddscope:requests_total", status="timeout") == 2)
+    assert_pool_empty(paced[0])
 
 
 def test_shutdown_cancels_in_flight_work(tiny_pair):
@@ -563,6 +568,7 @@ def test_shutdown_cancels_in_flight_work(tiny_pair):
     stopped_at = engine.steps
     time.sleep(0.2)
     assert engine.steps == stopped_at < LONG["max_tokens"]
+    assert_pool_empty(engine)
 
 
 # --- the CLI process ----------------------------------------------------------------------------

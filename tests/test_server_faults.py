@@ -16,6 +16,7 @@ from ddscope.server.launch import serve_in_background
 from ddscope.server.worker import EngineWorker
 from ddscope.testing import make_tiny_pair
 
+from pool_check import assert_pool_empty
 from test_server import LONG, PacedEngine, scrape, scrape_text, wait_for
 
 
@@ -55,6 +56,7 @@ def test_a_dead_worker_fails_everything_at_once_and_health_turns_503(tiny_engine
         assert health.status_code == 503 and "RuntimeError" in health.json()["message"]
         again = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
         assert again.status_code == 503 and again.json()["error"]["type"] == "server_error"
+    assert_pool_empty(tiny_engine)
 
 
 def test_kv_cache_exhaustion_is_503_with_retry_after_and_the_worker_goes_on(tiny_pair, monkeypatch):
@@ -80,6 +82,7 @@ def test_kv_cache_exhaustion_is_503_with_retry_after_and_the_worker_goes_on(tiny
     assert r.status_code == 503, r.text
     assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "kv_cache_full"
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    assert_pool_empty(engine)
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
@@ -126,6 +129,7 @@ def test_a_queued_request_whose_client_left_frees_its_slot_at_once(tiny_pair):
                 return freed and taken
 
         assert asyncio.run(run())
+    assert_pool_empty(engine)
 
 
 def answer_across_shutdown(tiny_pair, body: dict, grace: float) -> httpx.Response:
@@ -142,6 +146,7 @@ def answer_across_shutdown(tiny_pair, body: dict, grace: float) -> httpx.Respons
         assert wait_for(lambda: scrape(url)[("ddscope:num_requests_running", ())] == 1)
     client.join(grace + 30)
     assert answers, "no answer"
+    assert_pool_empty(engine)
     return answers[0]
 
 
