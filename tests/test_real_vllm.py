@@ -300,3 +300,30 @@ def test_analyze_reads_aiperf_runs_of_vllm_at_three_prompt_lengths(vllm, tmp_pat
             assert 1000 * row["avg_commit"] / row["tok_per_s"] == pytest.approx(sum(gaps) / len(gaps), rel=0.05)
         assert abs(point["prompt_tokens"] / sorted(r["prompt_tokens"] for r in rows)[len(rows) // 2] - 1) <= 0.03
         assert point["avg_commit"] > 1.2  # drafts were accepted
+
+
+FIELDS = {  # vLLM's request fields, each answered by the real vLLM (DFlash on) and by ddscope serve alike
+    "stop_token_ids": {"stop_token_ids": [576]},
+    "stop_token_ids kept": {"stop_token_ids": [576], "include_stop_str_in_output": True},
+    "penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4},
+    "bad_words": {"bad_words": ["return", " self"]},
+    "allowed_token_ids": {"allowed_token_ids": list(range(200, 700))},
+    "token ids and echo": {"return_token_ids": True, "echo": True},
+    "truncated": {"truncate_prompt_tokens": 3, "return_token_ids": True},
+}
+
+
+@pytest.mark.parametrize("name", list(FIELDS))
+def test_vllms_request_fields_get_vllms_answer_from_ddscope(vllm, name):
+    """Text, token ids, finish reason and usage equal vLLM's own, greedy, for each field vLLM clients send."""
+    from ddscope.server.launch import serve_in_background
+
+    body = {"prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0, **FIELDS[name]}
+    keys = ("text", "finish_reason", "token_ids", "prompt_token_ids")
+    with serve_in_background(budget=32) as ours, httpx.Client(timeout=300) as client:
+        model = client.get(f"{vllm[0]}/v1/models").json()["data"][0]["id"]
+        theirs = client.post(f"{vllm[0]}/v1/completions", json={**body, "model": model}).json()
+        mine = client.post(f"{ours}/v1/completions", json=body).json()
+    assert {k: theirs["choices"][0].get(k) for k in keys} == {k: mine["choices"][0].get(k) for k in keys}, name
+    assert theirs["usage"]["prompt_tokens"] == mine["usage"]["prompt_tokens"]
+    assert mine["ddscope"]["avg_commit"] > 1.2 or name in ("allowed_token_ids", "bad_words")  # trees accepted
