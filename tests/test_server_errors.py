@@ -96,6 +96,7 @@ CASES = [
     ("budget-huge", completion(budget=10**6), 400, "budget"),
     ("n-two-greedy", completion(n=2, temperature=0), 400, None),
     ("n-over-cap", completion(n=17), 400, "n"),
+    ("prompts-times-n-over-cap", completion(prompt=["a"] * 8, n=9), 400, None),
     ("logprobs-over-20", completion(logprobs=21), 400, "logprobs"),
     ("chat-continue-and-generation-prompt", chat(continue_final_message=True), 400, None),
     ("chat-template-kwargs-tokenize", chat(chat_template_kwargs={"tokenize": True}), 400, None),

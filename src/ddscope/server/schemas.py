@@ -250,6 +250,9 @@ class CompletionRequest(SamplingRequest):
     def _one_stream(self) -> CompletionRequest:
         if self.stream and len(self.prompts) > 1:
             raise ValueError("a batch of prompts cannot be streamed: send them as separate requests")
+        if len(self.prompts) * self.choices > MAX_PROMPTS:
+            raise ValueError(f"{len(self.prompts)} prompts x {self.choices} choices: at most {MAX_PROMPTS} sequences "
+                             "a request")
         return self
 
     def top_logprobs_wanted(self) -> int | None:
