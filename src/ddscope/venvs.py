@@ -61,23 +61,27 @@ def announce(message: str) -> None:
 
 
 def ensure_venv(venv: Path, requirements: Sequence[str], check: str, *, remove: Sequence[str] = (),
-                timeout_s: float = 900, say: Callable[[str], None] | None = None) -> Path:
-    """The venv's python, after `pip install requirements`, `pip uninstall remove` and `python -c check`,
-    unless a complete install is cached. `say` (default: `announce`) hears the install begin."""
+                no_deps: Sequence[str] = (), timeout_s: float = 900, say: Callable[[str], None] | None = None) -> Path:
+    """The venv's python, after `pip install requirements`, `pip install --no-deps no_deps` (a package whose
+    own requirements cannot all install here), `pip uninstall remove` and `python -c check`, unless a complete
+    install is cached. `say` (default: `announce`) hears the install begin."""
     say = say or announce
     python = venv / "bin" / "python"
     with _install_lock(venv):
         if (venv / READY).is_file() and python.is_file():
             return python
         shutil.rmtree(venv, ignore_errors=True)
-        say(f"installing {' '.join(requirements)} into {venv} (once)")
+        say(f"installing {' '.join([*requirements, *no_deps])} into {venv} (once)")
         deadline = time.monotonic() + timeout_s
         _run([sys.executable, "-m", "venv", str(venv)], "python -m venv", deadline, timeout_s)
         _run([str(python), "-m", "pip", "install", "-q", *requirements], f"pip install {' '.join(requirements)}",
              deadline, timeout_s)
+        if no_deps:
+            _run([str(python), "-m", "pip", "install", "-q", "--no-deps", *no_deps],
+                 f"pip install --no-deps {' '.join(no_deps)}", deadline, timeout_s)
         if remove:
             _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *remove], f"pip uninstall {' '.join(remove)}",
                  deadline, timeout_s)
         _run([str(python), "-c", check], f"python -c {check!r}", deadline, timeout_s)
-        atomic_write_text(venv / READY, "\n".join(requirements) + "\n")
+        atomic_write_text(venv / READY, "\n".join([*requirements, *no_deps]) + "\n")
     return python

