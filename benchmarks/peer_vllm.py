@@ -2,8 +2,8 @@
 
 Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens) at its default threads and with its worker
 bound to all cores, vLLM plain, SGLang 0.5.23 DFLASH and plain (ddscope.sglang_peer: its CPU engine, torch_native
-attention), and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run for the whole benchmark, each in
-its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
+attention), and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run
+for the whole benchmark, each in its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
 at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one sweep per arm (arms
 in a rotated order), `ddscope bench sweep --url` in a process of its own with one warm-up and 2-5 timed
 requests (`PASSES`); each (round, pass) sends real prompts no earlier one sent (`--first-prompt`), so

@@ -64,7 +64,8 @@ CASES = [
     # app, backend, source name, kind, approximate, delivered avg_commit, the server's own figure
     (lambda: sglang_app(), "sglang", "sglang.sglext", "per_request", False, delivered, planted),
     (lambda: sglang_app(sglext=False), "sglang", "sglang.generate", "per_request", False, delivered, planted),
-    (lambda: sglang_app(sglext=False, generate=False), "sglang", "sglang.counters", "counter_delta", False, delivered, planted),
+    (lambda: sglang_app(sglext=False, generate=False), "sglang", "sglang.counters", "counter_delta", False, delivered,
+     planted),
     (lambda: sglang_app(sglext=False, generate=False, counters=False), "sglang", "sglang.gauge", "windowed_gauge", True,
      None, lambda n: 7.7),
     (lambda: sglang_app(sglext=False, generate=False, metrics=False), "sglang", "sglang.server_info", "lifetime", True,

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.cli import main
@@ -50,7 +51,10 @@ def generate(url: str, ids: list[int], tokens: int = TOKENS) -> dict[str, Any]:
 
 
 def test_plain_and_dflash_greedy_equal_ddscopes_ar_in_as_many_steps(dflash, engine, tmp_path):
-    ids = [engine.encode(p) for p in PROMPTS]
+    """Short prompts, and one past the drafter's 512-position window, where a drafter that saw the whole
+    context would accept less (the plugin's windowed block)."""
+    long = engine.encode("\n".join(load_workload("code").prompts))[:1600]
+    ids = [engine.encode(p) for p in PROMPTS] + [long]
     ar = [engine.generate(i, max_new_tokens=TOKENS, method="ar", ignore_eos=True) for i in ids]
     ours = [engine.generate(i, max_new_tokens=TOKENS, method="dflash", ignore_eos=True) for i in ids]
     spec = [generate(dflash[0], i) for i in ids]
@@ -194,3 +198,28 @@ def test_diagnose_against_sglang(dflash, tmp_path, capsys):
     floored = [p for p in points if p["floor_step_ms"] is not None]
     assert floored and all(p["step_ms"] >= p["floor_step_ms"] for p in floored), points
     assert points[-1]["verdict"]
+
+
+# The target alone; DFLASH names the capture convention, no draft runs (srt/arg_groups/validation_hook.py:697-740)
+FEATURE_FLAGS = ("--speculative-algorithm", "DFLASH", "--enable-return-hidden-states",
+                 "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", "1", "2",
+                 "--disable-radix-cache", "--chunked-prefill-size", "8192")
+
+
+def test_served_features_equal_the_in_process_capture(engine, tmp_path):
+    """`train-drafter --features-url` against the real SGLang (docs/training.md's flags): the aux hidden states it
+    answers are the target's own at the layers asked, for short and long sequences, concurrently."""
+    from ddscope.model import Target
+    from ddscope.training.served_features import ServedFeatures
+    from ddscope.training.train_drafter import target_features
+
+    seqs = [engine.encode(p) for p in PROMPTS] + [engine.encode(" ".join(PROMPTS) * 40)[:1500]]
+    try:
+        with sglang_server(TARGET, None, tmp_path / "features.log", extra=FEATURE_FLAGS) as url:
+            got = ServedFeatures(url, [1, 2], tmp_path / "work").features(seqs)
+    except PeerUnavailable as e:
+        unavailable(e, "SGLang")
+    target = Target.load(TARGET, torch.device("cpu"), torch.float32)
+    for ids, served in zip(seqs, got):
+        want = target_features(target, target.new_cache(len(ids)), ids, (1, 2))
+        torch.testing.assert_close(served, want, rtol=1e-4, atol=1e-4)

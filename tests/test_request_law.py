@@ -57,7 +57,8 @@ def test_penalties_equal_ar_and_a_plain_reference(oracle, name):
     outs = {m: run(oracle, m, **kw) for m in ("ar", "dflash", "ddtree")}
     plain = run(oracle, "ar").token_ids
     assert outs["ar"].token_ids != plain, "the penalty changed nothing: the test would prove nothing"
-    rep, freq, pres = kw.get("repetition_penalty", 1.0), kw.get("frequency_penalty", 0.0), kw.get("presence_penalty", 0.0)
+    rep, freq = kw.get("repetition_penalty", 1.0), kw.get("frequency_penalty", 0.0)
+    pres = kw.get("presence_penalty", 0.0)
     assert outs["ar"].token_ids == reference(oracle, oracle.encode(PROMPT), 32, rep, freq, pres)
     for m in ("dflash", "ddtree"):
         assert outs[m].token_ids == outs["ar"].token_ids, m
@@ -99,7 +100,8 @@ def test_bad_words_are_never_completed(oracle):
 def test_bad_words_tokenize_as_vllm(oracle):
     tok = oracle.tokenizer
     ids = bad_word_ids(tok, ["fox"], oracle.vocab_size)
-    bare, spaced = tuple(tok.encode("fox", add_special_tokens=False)), tuple(tok.encode(" fox", add_special_tokens=False))
+    bare = tuple(tok.encode("fox", add_special_tokens=False))
+    spaced = tuple(tok.encode(" fox", add_special_tokens=False))
     assert ids[0] == bare
     assert (spaced in ids) == (spaced[0] != bare[0] and len(spaced) == len(bare))
     with pytest.raises(ValueError, match="empty"):

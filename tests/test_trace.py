@@ -24,7 +24,8 @@ def test_a_trace_of_ddscope_equals_its_rounds_and_its_engine_steps(tmp_path, cap
     target = make_target(tmp_path / "target", hidden=512, layers=8)
     drafter = make_drafter(tmp_path / "drafter", target)
     out = tmp_path / "trace"
-    assert trace("--target", str(target), "--drafter", str(drafter), "--max-tokens", "256", "--repeats", "2", "--budget", "32",
+    assert trace("--target", str(target), "--drafter", str(drafter), "--max-tokens", "256", "--repeats", "2",
+                 "--budget", "32",
                  "--out", str(out)) == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["status"] == "complete" and doc["backend"]["name"] == "ddscope"
@@ -43,11 +44,13 @@ def test_a_trace_of_ddscope_equals_its_rounds_and_its_engine_steps(tmp_path, cap
 def test_workloads_by_position_and_the_prompt_sweeps_line(tiny_pair, tmp_path, capsys):
     target, drafter = tiny_pair
     assert main(["bench", "sweep", "--target", str(target), "--drafter", str(drafter), "--contexts", "16,64,128",
-                 "--max-tokens", "16", "--repeats", "1", "--warmup", "0", "--budget", "32", "--out", str(tmp_path / "sweep")]) == 0
+                 "--max-tokens", "16", "--repeats", "1", "--warmup", "0", "--budget", "32",
+                 "--out", str(tmp_path / "sweep")]) == 0
     capsys.readouterr()
     out = tmp_path / "trace"
     assert trace("--target", str(target), "--drafter", str(drafter), "--workload", "padding,code,reasoning",
-                 "--max-tokens", "64", "--repeats", "2", "--budget", "32", "--against", str(tmp_path / "sweep/results.json"),
+                 "--max-tokens", "64", "--repeats", "2", "--budget", "32",
+                 "--against", str(tmp_path / "sweep/results.json"),
                  "--json", "--out", str(out)) == 0
     summary = json.loads(capsys.readouterr().out)
     assert set(summary["workloads"]) == {"padding", "code", "reasoning"}

@@ -50,7 +50,8 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=("ddtree", "dflash", "ar"),
                    help="decoding method (default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=budget_arg, default="auto",
-                   help="DDTree node budget, or auto (sized each step from measured costs, as serve) (default: %(default)s)")
+                   help="DDTree node budget, or auto (sized each step from measured costs, as serve) "
+                        "(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=200, help="new tokens to generate (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")

@@ -11,7 +11,10 @@ unmodified. Four patches (file:line in the sglang 0.5.23 wheel):
    where `extend_prefix_lens` is None and `seq_lens` is the prefix without the block, so `_run_sdpa_forward_extend`
    fails its assert (srt/layers/attention/torch_native_backend.py:101). A block is an extend of n tokens over the
    prefix: the batch is given those lengths for the call, and torch_native's own extend runs it (causal for the
-   target's layers, not for the drafter's encoder-only ones, as torch_native decides).
+   target's layers, not for the drafter's encoder-only ones). torch_native's extend drops the sliding window of a
+   layer that is not causal (:325-333), as a DFlash drafter's `sliding_attention` layers are (`is_causal: false`;
+   srt/models/dflash.py:157-190): for those the block runs with the window kept, each query seeing the keys at most
+   `window_left` before it (the window flashinfer keeps on CUDA, flashinfer_backend.py:1427), all later ones.
 3. `Tensor.record_stream` raises on a CPU tensor (srt/speculative/dflash_worker_v2.py:2481): a no-op there.
 4. `ModelRunner._extend_forward_kwargs` casts input embeddings to bfloat16 (srt/model_executor/model_runner.py:1772)
    whatever the serving dtype; on a CPU they are cast to the runner's dtype instead, from the original tensor.
@@ -70,9 +73,45 @@ def _block_as_extend(original, self, q, k, v, layer, forward_batch, save_kv_cach
     saved = batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens
     batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens = prefix + block, prefix, block
     try:
+        if _windowed_bidirectional(layer):
+            return _windowed_block(self, q, k, v, layer, batch, save_kv_cache)
         return original(self, q, k, v, layer, batch, save_kv_cache, **kwargs)
     finally:
         batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens = saved
+
+
+def _windowed_bidirectional(layer) -> bool:
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    window = layer.sliding_window_size
+    return layer.attn_type == AttentionType.ENCODER_ONLY and window is not None and window > -1
+
+
+def _windowed_block(backend, q, k, v, layer, batch, save_kv_cache: bool):
+    """torch_native's extend of a non-causal layer, its sliding window kept: keys from `window_left` before each
+    query on, later ones included."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    if save_kv_cache:
+        backend.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
+    out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+    backend._make_sliding_window_mask = _left_window  # this call only: the instance shadows the static method
+    try:
+        backend._run_sdpa_forward_extend(
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), out.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            backend.token_to_kv_pool.get_value_buffer(layer.layer_id), backend.req_to_token_pool.req_to_token,
+            batch.req_pool_indices, batch.seq_lens, batch.extend_prefix_lens, batch.extend_seq_lens, None,
+            scaling=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num, causal=False,
+            is_cross_attn=False, sliding_window_size=layer.sliding_window_size)
+    finally:
+        del backend._make_sliding_window_mask
+    return out
+
+
+def _left_window(*, q_len: int, kv_len: int, sliding_window_size: int, device, query_offset: int = 0):
+    q_pos = torch.arange(query_offset, query_offset + q_len, device=device).unsqueeze(1)
+    return torch.arange(kv_len, device=device).unsqueeze(0) >= q_pos - sliding_window_size
 
 
 def _record_stream_off_cpu(original, self, *args, **kwargs):
