@@ -23,7 +23,7 @@ from ddscope.cli import main
 
 # format -> (fake server, idle gap): vLLM stamps whole seconds, so its windows need more than 1 s apart.
 FORMATS = {
-    "sglang": (lambda log: sglang_app(generate=False, metrics=False, log=log), 0.6),
+    "sglang": (lambda log: sglang_app(sglext=False, generate=False, metrics=False, log=log), 0.6),
     "vllm": (lambda log: plain_app("vllm", log=log), 1.4),
     "llamacpp": (lambda log: llamacpp_app(counters=False, timings_draft=False, log=log), 0.6),
     "kv": (lambda log: plain_app(log=log), 0.6),
@@ -243,7 +243,7 @@ def test_sglang_default_format_on_stderr_end_to_end(tmp_path):
     path = tmp_path / "server.log"
     path.touch()
     writer = LogWriter(path, "sglang_default", interval_s=0.5)
-    with serve(sglang_app(generate=False, metrics=False, log=writer)) as url:
+    with serve(sglang_app(sglext=False, generate=False, metrics=False, log=writer)) as url:
         doc = sweep(url, tmp_path / "out", "--log-cmd", f"tail -n 0 -s 0.05 -F {path} 1>&2", "--log-gap", "1.4")
     assert doc["acceptance_source"]["name"] == "server_log"
     for r in doc["records"]:
