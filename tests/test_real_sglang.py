@@ -206,7 +206,16 @@ FEATURE_FLAGS = ("--speculative-algorithm", "DFLASH", "--enable-return-hidden-st
                  "--disable-radix-cache", "--chunked-prefill-size", "8192")
 
 
-def test_served_features_equal_the_in_process_capture(engine, tmp_path):
+@pytest.fixture
+def features_url(tmp_path) -> Iterator[str]:
+    try:
+        with sglang_server(TARGET, None, tmp_path / "features.log", extra=FEATURE_FLAGS) as url:
+            yield url
+    except PeerUnavailable as e:
+        unavailable(e, "SGLang")
+
+
+def test_served_features_equal_the_in_process_capture(features_url, engine, tmp_path):
     """`train-drafter --features-url` against the real SGLang (docs/training.md's flags): the aux hidden states it
     answers are the target's own at the layers asked, for short and long sequences, concurrently."""
     from ddscope.model import Target
@@ -214,11 +223,7 @@ def test_served_features_equal_the_in_process_capture(engine, tmp_path):
     from ddscope.training.train_drafter import target_features
 
     seqs = [engine.encode(p) for p in PROMPTS] + [engine.encode(" ".join(PROMPTS) * 40)[:1500]]
-    try:
-        with sglang_server(TARGET, None, tmp_path / "features.log", extra=FEATURE_FLAGS) as url:
-            got = ServedFeatures(url, [1, 2], tmp_path / "work").features(seqs)
-    except PeerUnavailable as e:
-        unavailable(e, "SGLang")
+    got = ServedFeatures(features_url, [1, 2], tmp_path / "work").features(seqs)
     target = Target.load(TARGET, torch.device("cpu"), torch.float32)
     for ids, served in zip(seqs, got):
         want = target_features(target, target.new_cache(len(ids)), ids, (1, 2))
