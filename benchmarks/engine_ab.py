@@ -19,6 +19,7 @@ from pathlib import Path
 from statistics import median
 
 from concurrency import WORK, abba, baseline_tree
+
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine
 
@@ -27,7 +28,7 @@ WORKER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from ddscope.budget import VerifyCost
+from ddscope.policy.cost import VerifyCost
 from ddscope.bench.workloads import load_workload
 from ddscope.engine import Engine
 torch.set_num_threads(1)

@@ -21,8 +21,8 @@ from statistics import median
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.sweep import cpu_model
 from ddscope.config import DrafterConfig
-from ddscope.engine import DEMO_DIR
-from ddscope.vllm_peer import VLLM_CPU, vllm_server
+from ddscope.engine.limits import DEMO_DIR
+from ddscope.peers.vllm import VLLM_CPU, vllm_server
 
 
 def sweep(url: str, workload: str, contexts: str, max_tokens: int, out: Path) -> dict[int, float]:

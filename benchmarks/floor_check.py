@@ -39,7 +39,7 @@ VLLM_BATCHES = (1, 4, 8)
 
 
 def build(root: Path) -> tuple[Path, Path]:
-    from ddscope.testing import make_drafter, make_target
+    from ddscope.bench.synthetic import make_drafter, make_target
 
     target = make_target(root / "target", "qwen3", hidden=1024, layers=24, max_len=8192)
     return target, make_drafter(root / "drafter", target, block_size=16)
@@ -149,7 +149,7 @@ def main() -> int:
                             "--kv-cache-mb", "2048", "--max-num-seqs", "8"], Path(tmp) / "ddscope.log") as url:
             rows += ddscope_rows(url, "target", contexts, floors)
         if not args.skip_vllm:
-            from ddscope.vllm_peer import vllm_server
+            from ddscope.peers.vllm import vllm_server
 
             with vllm_server(target, None, Path(tmp) / "vllm.log", extra=("--max-num-seqs", "8")) as url:
                 rows += vllm_rows(url, str(target), contexts, floors)

@@ -52,7 +52,7 @@ def measure_card() -> dict[str, float]:
 def build(root: Path, device: str, geometry: dict) -> tuple[Path, Path]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ddscope.testing import make_drafter, save_tiny_tokenizer
+    from ddscope.bench.synthetic import make_drafter, save_tiny_tokenizer
 
     target = root / "target"
     save_tiny_tokenizer(target)
@@ -103,8 +103,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("floor-gpu.json"))
     ap.add_argument("--dry-run", action="store_true", help="a small model on the CPU: checks the script, times nothing")
     args = ap.parse_args()
+    from ddscope.bench.synthetic import oracle_engine
     from ddscope.engine import Engine
-    from ddscope.testing import oracle_engine
 
     hw = CARDS[args.hardware]
     device, geometry = ("cpu", {**GEOMETRY, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

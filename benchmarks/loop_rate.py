@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import sys
 
+from engine_args import load_engine, parser
 from tqdm import tqdm
 
-from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
 
 

@@ -1,7 +1,7 @@
 """ddscope against a real vLLM and a real SGLang on the same pair, with every arm measured side by side.
 
 Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens) at its default threads and with its worker
-bound to all cores, vLLM plain, SGLang 0.5.23 DFLASH and plain (ddscope.sglang_peer: its CPU engine, torch_native
+bound to all cores, vLLM plain, SGLang 0.5.23 DFLASH and plain (ddscope.peers.sglang: its CPU engine, torch_native
 attention), and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run
 for the whole benchmark, each in its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
 at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one sweep per arm (arms
@@ -35,9 +35,9 @@ from statistics import median
 
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.sweep import cpu_model
-from ddscope.engine import DEMO_DIR
-from ddscope.sglang_peer import SGLANG, sglang_server
-from ddscope.vllm_peer import VLLM_CPU, all_cores, vllm_server
+from ddscope.engine.limits import DEMO_DIR
+from ddscope.peers.sglang import SGLANG, sglang_server
+from ddscope.peers.vllm import VLLM_CPU, all_cores, vllm_server
 
 Server = Callable[[Path], AbstractContextManager[str]]  # log path -> a running server's URL
 VLLM_METRICS = ("--enable-per-request-metrics",)

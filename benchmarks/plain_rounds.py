@@ -15,12 +15,12 @@ import sys
 import time
 
 import torch
-
 from engine_args import parser
+
 from ddscope import Engine
-from ddscope.model import KVCache
 from ddscope.bench.sweep import cpu_model
 from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.models.target import KVCache
 
 ARMS = {"ar": {"method": "ar"}, "auto": {"method": "ddtree", "budget": "auto"}}
 

@@ -14,11 +14,11 @@ import sys
 import time
 from collections.abc import Callable
 
-
 from engine_args import load_engine, parser
+
 from ddscope.bench.workloads import fit_ids, load_workload
-from ddscope.budget import AutoBudget
-from ddscope.proposers import DDTree
+from ddscope.policy.auto import AutoBudget
+from ddscope.spec.proposers import DDTree
 
 TIMED = {"tree": (DDTree, "tree"), "drafts": (AutoBudget, "drafts"), "observe": (AutoBudget, "observe")}
 

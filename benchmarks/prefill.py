@@ -18,10 +18,10 @@ import time
 from collections.abc import Iterator
 
 import torch
+from engine_args import load_engine, parser
 
 from ddscope import Engine
 from ddscope.bench.sweep import cpu_model
-from engine_args import load_engine, parser
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from pathlib import Path
 from statistics import median
 
 from concurrency import WORK, abba, baseline_server, load, model_of, prompts_for
+
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine

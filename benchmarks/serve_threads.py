@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from ddscope.bench.sweep import cpu_model
-from ddscope.options import default_threads
+from ddscope.util.options import default_threads
 
 CONDITIONS = ("alone", "busy", "busy-cpu0")
 PROMPT = "def fib(n):"

@@ -20,8 +20,8 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from engine_args import load_engine, parser
+
 from ddscope import Engine
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.training.train_drafter import block_mask, target_features

@@ -25,12 +25,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from engine_args import load_engine, parser
 from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
-from engine_args import load_engine, parser
 from ddscope.bench.workloads import fit_ids, load_workload
-from ddscope.budget import VerifyCost
+from ddscope.policy.cost import VerifyCost
 
 
 @dataclass

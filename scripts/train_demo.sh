@@ -146,7 +146,7 @@ features_up() {  # a features server of the whole target (real vLLM), started on
   done
 }
 # what a trainer beside a sharded 1T target has: no decoder
-[ -d "$RUN/target-head" ] || python -c "import sys; from pathlib import Path; from ddscope.testing import head_only; \
+[ -d "$RUN/target-head" ] || python -c "import sys; from pathlib import Path; from ddscope.training.head import head_only; \
 head_only(Path(sys.argv[1]), Path(sys.argv[2]))" "$ASSETS/target" "$RUN/target-head"
 portable() {  # portable OUT WORK INIT MIX MINUTES LR SEED: fine-tune INIT on WORK's records from vLLM's features
   local resume=()

@@ -1,13 +1,13 @@
 import pytest
 
-from ddscope.testing import make_tiny_pair
+from ddscope.bench.synthetic import make_tiny_pair
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _own_cache(tmp_path_factory):
     """DDSCOPE_CACHE (auto's verify-cost calibrations) in this session's temp dir: no test reads what an
     earlier run measured, under another load or code. The vLLM peer's venv is not kept there
-    (ddscope.vllm_peer.venv_dir), so it stays installed across runs."""
+    (ddscope.peers.vllm.venv_dir), so it stays installed across runs."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DDSCOPE_CACHE", str(tmp_path_factory.mktemp("ddscope-cache")))
         yield
@@ -16,7 +16,7 @@ def _own_cache(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _installs_are_announced(pytestconfig):
     """A peer's first install takes minutes: say so on the terminal, past pytest's output capture."""
-    from ddscope import venvs
+    from ddscope.peers import venvs
 
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     terminal = pytestconfig.pluginmanager.getplugin("terminalreporter")
@@ -51,9 +51,9 @@ def _one_thread():
 
 @pytest.fixture
 def virtual_time(monkeypatch):
-    """Time that passes only in target forwards and drafts, at fixed prices (tests/virtual_time.py): for tests
+    """Time that passes only in target forwards and drafts, at fixed prices (tests/support/virtual_time.py): for tests
     of what `auto` decides, which must not depend on this machine's speed."""
-    from virtual_time import VirtualTime
+    from support.virtual_time import VirtualTime
 
     clock = VirtualTime(monkeypatch)
     clock.install()

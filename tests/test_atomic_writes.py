@@ -85,15 +85,15 @@ def test_dropping_a_torn_line_killed_midway_keeps_the_records(tmp_path, monkeypa
 
 def killed_inside_replacing(path: Path) -> None:
     """A writer in a child process that dies (os._exit: no cleanup) inside `replacing(path)`."""
-    code = ("import os, sys; from pathlib import Path; from ddscope.atomic import replacing\n"
+    code = ("import os, sys; from pathlib import Path; from ddscope.util.atomic import replacing\n"
             "with replacing(Path(sys.argv[1])) as tmp:\n    tmp.write_text('half'); os._exit(9)")
     subprocess.run([sys.executable, "-c", code, str(path)], check=False)
 
 
 def test_a_temp_file_a_killed_bench_writer_left_does_not_block_the_next_run(tmp_path):
-    from ddscope.bench.cli import _foreign  # the --out check: it refuses folders holding files of the user's
+    from ddscope.bench.runs import foreign_files  # the --out check: it refuses folders holding files of the user's
 
     (tmp_path / "results.json").write_text("{}")
     killed_inside_replacing(tmp_path / "results.json")
     assert len(list(tmp_path.iterdir())) == 2  # the killed writer's temp file stayed
-    assert _foreign(tmp_path) == []
+    assert foreign_files(tmp_path) == []

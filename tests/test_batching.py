@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddscope.bench.synthetic import oracle_engine
 from ddscope.engine import Engine
-from ddscope.kv_pool import KVPool, Pages
-from ddscope.model import KVCache, Segment
-from ddscope.testing import oracle_engine
-from pool_check import assert_pool_empty
+from ddscope.models.kv_pool import KVPool, Pages
+from ddscope.models.target import KVCache, Segment
+from support.pool_check import assert_pool_empty
 
 REQUESTS = [  # (prompt, kwargs): different lengths, methods, samplers and stops
     ("def add(a, b):", dict(method="ddtree", max_new_tokens=40, ignore_eos=True)),
@@ -148,7 +148,7 @@ def test_lookup_branches_win_rows_in_the_batchs_budget_and_change_nothing(demo, 
 def test_a_step_with_a_long_prefill_drafts_for_no_auto_sequence_and_changes_nothing(demo):
     """Three `auto` requests decode; a 600-token prompt joins. The step that prefills it verifies their roots
     (and lookup branches) undrafted, the steps after it draft again, and every output equals its run alone."""
-    from ddscope.runner import LEAN_PREFILL
+    from ddscope.engine.runner import LEAN_PREFILL
     decoding = [(p, dict(method="ddtree", budget="auto", max_new_tokens=48, ignore_eos=True))
                 for p in ("def add(a, b):", "class Stack:\n    def", "for i in range(10):")]
     long = demo.tokenizer.decode(demo.encode("import json\nimport re\n" * 200)[:600])  # no other test's head

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from ddscope.decoding import Decoder
+from ddscope.bench.synthetic import oracle_engine
 from ddscope.engine import Engine
 from ddscope.server.metrics import ServerMetrics
 from ddscope.server.worker import EngineWorker, Failed, Job
-from ddscope.testing import oracle_engine
-from pool_check import assert_pool_empty
+from ddscope.spec.decoder import Decoder
+from support.pool_check import assert_pool_empty
 
 JOBS = [("def add(a, b):", dict(method="ddtree", budget=16, max_new_tokens=40, ignore_eos=True)),
         ("class Stack:\n    def", dict(method="dflash", max_new_tokens=40, ignore_eos=True)),

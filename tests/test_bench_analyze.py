@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddscope.bench.analyze import AnalysisError, acceptance_windows, analyze, robust_fit
+from ddscope.bench.analyze import acceptance_windows, analyze
+from ddscope.bench.fit import AnalysisError, robust_fit
 from ddscope.cli import main
 
 A_MS, B_MS = 20.0, 0.004  # the true step curve: 20 ms + 4 ms per 1k tokens
@@ -290,6 +291,6 @@ def test_no_printed_share_is_outside_its_range_without_a_warning():
 
 
 def test_a_share_that_rounds_to_zero_is_never_minus_zero():
-    from ddscope.bench.analyze import _pct
+    from ddscope.bench.attribution import _pct
 
     assert (_pct(-0.004), _pct(0.004), _pct(-0.2), _pct(None)) == ("0%", "0%", "-20%", "n/a")

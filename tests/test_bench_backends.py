@@ -1,6 +1,6 @@
 """`ddscope bench sweep --url` against in-process fake SGLang, vLLM and llama.cpp servers.
 
-The fakes (tests/bench_fakes.py) are built from the released servers' sources; acceptance is
+The fakes (tests/support/bench_fakes.py) are built from the released servers' sources; acceptance is
 planted per prompt length (2.5 at context 16, 4.0 at 48), so every record is checked against the
 value planted for its own request.
 """
@@ -13,23 +13,11 @@ from typing import Any
 
 import pytest
 from fastapi.responses import JSONResponse
-from bench_fakes import (
-    TOKENS,
-    app_with,
-    completion,
-    delivered,
-    llamacpp_app,
-    openai_error,
-    plain_app,
-    planted,
-    serve,
-    sglang_app,
-    usage,
-    vllm_app,
-)
 
 from ddscope.bench.backends import parse_metrics
 from ddscope.cli import main
+from support.bench_fakes import (TOKENS, app_with, completion, delivered, llamacpp_app, openai_error, plain_app,
+                                 planted, serve, sglang_app, usage, vllm_app)
 
 
 def run(flags: list[str]) -> int:
@@ -197,7 +185,7 @@ def test_no_acceptance_means_tok_per_s_only(tmp_path, capsys):
 
 
 def test_exact_token_id_prompts_with_tokenizer(tmp_path, capsys):
-    from ddscope.testing import save_tiny_tokenizer
+    from ddscope.bench.synthetic import save_tiny_tokenizer
 
     tok_dir = tmp_path / "tok"
     save_tiny_tokenizer(tok_dir)
@@ -306,7 +294,7 @@ def test_rounding_is_read_from_the_printed_digits():
 def test_prompts_differ_across_warmups_repeats_and_first_prompt(tmp_path):
     """Timed real prompts never repeat a warm-up's (a prefix cache would serve them), and sweeps with other
     --first-prompt values send other prompts; every record carries a digest of its text."""
-    from ddscope.testing import save_tiny_tokenizer
+    from ddscope.bench.synthetic import save_tiny_tokenizer
 
     tok_dir = tmp_path / "tok"
     save_tiny_tokenizer(tok_dir)

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from ddscope.cli import main
-from ddscope.engine import DEMO_DIR
+from ddscope.engine.limits import DEMO_DIR
 
 LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/opt/llama/src"))
 LLAMA_SERVER = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server") or "/opt/llama/build/bin/llama-server"

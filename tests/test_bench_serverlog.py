@@ -1,6 +1,6 @@
 """Acceptance from the server's own log lines: `--server-log PATH` and `--log-cmd CMD`.
 
-The fakes write each engine's real log line (tests/bench_fakes.py cites the format strings) while a
+The fakes write each engine's real log line (tests/support/bench_fakes.py cites the format strings) while a
 request decodes. Windowed formats print on their own schedule, so the first line of every request
 also covers the end of the one before: it carries a wrong value (9.9) and must be dropped and counted.
 """
@@ -9,17 +9,17 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from datetime import datetime
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_fakes import TOKENS, LogWriter, llamacpp_app, plain_app, planted, serve, sglang_app, vllm_app
 
 from ddscope.bench.report import setup_lines
 from ddscope.bench.serverlog import END_SLACK_S, POLL_S, ServerLog
 from ddscope.cli import main
+from support.bench_fakes import TOKENS, LogWriter, llamacpp_app, plain_app, planted, serve, sglang_app, vllm_app
 
 # format -> (fake server, idle gap): vLLM stamps whole seconds, so its windows need more than 1 s apart.
 FORMATS = {

@@ -8,9 +8,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from bench_fakes import TOKENS, serve, vllm_app
-
 from ddscope.cli import main
+from support.bench_fakes import TOKENS, serve, vllm_app
 
 
 def sweep(url: str, out: Path) -> int:

@@ -9,8 +9,8 @@ from statistics import median
 
 import pytest
 
+from ddscope.bench.synthetic import make_drafter, make_target
 from ddscope.cli import main
-from ddscope.testing import make_drafter, make_target
 
 CONTEXTS, MAX_TOKENS, REPEATS = (8, 64, 128), 24, 2
 
@@ -213,7 +213,7 @@ def test_concurrency_levels_are_sent_together_and_read_per_request(tiny_pair, tm
 
 def test_a_counter_source_is_not_read_under_concurrency(tmp_path):
     """vLLM's counters differenced around a request take in the other requests in flight: no value, and why."""
-    from bench_fakes import serve, vllm_app
+    from support.bench_fakes import serve, vllm_app
 
     with serve(vllm_app()) as url:
         code = bench("sweep", "--url", url, "--contexts", "16", "--max-tokens", "8", "--repeats", "1",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 import tracemalloc
 
-from ddscope.block_manager import BlockManager, FreeRuns
-from ddscope.kv_pool import Pages
+from ddscope.engine.block_manager import BlockManager, FreeRuns
+from ddscope.models.kv_pool import Pages
 
 
 def test_free_runs_answer_as_a_set_does():

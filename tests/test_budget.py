@@ -3,17 +3,18 @@ import math
 
 import numpy as np
 import pytest
-
 import torch
 
-from ddscope.budget import (MAX_AUTO_BUDGET, NODE_GRID, Acceptance, AutoBudget, BatchBudget, Learned, SizeRatio,
-                            VerifyCost)
-from ddscope.lookup import LOOKUP_MAX
-from ddscope.proposers import DDTree
-from ddscope.sampling import SamplingParams
-from ddscope.stats import RoundStats
-from ddscope.testing import oracle_engine
-from ddscope.tree import DraftTree
+from ddscope.bench.synthetic import oracle_engine
+from ddscope.policy.auto import AutoBudget
+from ddscope.policy.batch import BatchBudget
+from ddscope.policy.cost import NODE_GRID, VerifyCost
+from ddscope.policy.learn import Acceptance, Learned, SizeRatio
+from ddscope.spec.lookup import LOOKUP_MAX
+from ddscope.spec.proposers import MAX_AUTO_BUDGET, DDTree
+from ddscope.spec.sampling import SamplingParams
+from ddscope.spec.stats import RoundStats
+from ddscope.spec.tree import DraftTree
 
 
 def cost(slope_per_node: float, slope_per_ctx: float = 0.0) -> VerifyCost:
@@ -218,7 +219,7 @@ def test_auto_skips_drafts_for_a_useless_drafter_and_stays_lossless(tiny_engine,
 
 
 def test_auto_drafts_for_an_accepted_drafter_and_stays_lossless(tiny_engine, virtual_time):
-    """An oracle always right, at a real drafter's price (tests/virtual_time.py): drafting pays, and `auto`
+    """An oracle always right, at a real drafter's price (tests/support/virtual_time.py): drafting pays, and `auto`
     drafts all but the plain rounds it runs to measure them."""
     prompt = [5, 6, 7, 8]
     ref = tiny_engine.generate(prompt, max_new_tokens=120, method="ar", ignore_eos=True)

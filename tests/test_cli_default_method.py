@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from ddscope.bench.synthetic import make_target
 from ddscope.cli import main
 from ddscope.server.launch import serve_in_background
-from ddscope.testing import make_target
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from ddscope.cli import build_parser
-from ddscope.options import default_threads
+from ddscope.util.options import default_threads
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

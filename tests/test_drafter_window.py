@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from ddscope import Engine
+from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
 from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
-from ddscope.drafter import Draft, Drafter
-from ddscope.kv_pool import BLOCK
-from ddscope.sequence import Sequence
-from ddscope.testing import (TINY_PROMPTS, make_drafter, make_target, oracle_engine, run_cli,
-                             write_prompts)
+from ddscope.engine.sequence import Sequence
+from ddscope.models.drafter import Draft, Drafter
+from ddscope.models.kv_pool import BLOCK
 from ddscope.training.contexts import parse_context_lengths, select_mix
 from ddscope.training.distill import read_cache
 from ddscope.training.train_drafter import TrainSpec, block_mask
+from support.runs import TINY_PROMPTS, run_cli, write_prompts
 
 B = 8
 
@@ -112,7 +112,7 @@ def test_window_hides_exactly_the_positions_out_of_reach(target_dir, tmp_path):
 def test_a_draft_projects_only_the_positions_in_reach(target_dir, tmp_path):
     """Every layer slides: a draft over 30 positions of features takes in only those within the window of
     its block, and drafts what taking them all in would."""
-    from ddscope.model import Target
+    from ddscope.models.target import Target
 
     target = Target.load(target_dir, torch.device("cpu"), torch.float32)
     d, full = drafter(target_dir, tmp_path, window=12), drafter(target_dir, tmp_path, window=None)

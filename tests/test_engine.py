@@ -3,9 +3,9 @@ import json
 
 import pytest
 
+from ddscope.bench.synthetic import oracle_engine
 from ddscope.cli import main
-from ddscope.lookup import LOOKUP_MAX
-from ddscope.testing import oracle_engine
+from ddscope.spec.lookup import LOOKUP_MAX
 
 
 def test_stats_are_consistent(tiny_engine):

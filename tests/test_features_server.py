@@ -18,15 +18,16 @@ import pytest
 import torch
 
 from ddscope.cli import main as ddscope_main
-from ddscope.engine import DEMO_DIR, Engine
-from ddscope.model import Target
-from ddscope.testing import head_only
+from ddscope.engine import Engine
+from ddscope.engine.limits import DEMO_DIR
+from ddscope.models.target import Target
+from ddscope.peers.vllm import INSTALL_TIMEOUT_S, STARTUP_TIMEOUT_S, PeerUnavailable, features_server
 from ddscope.training.distill import DistillSpec, distill
+from ddscope.training.head import head_only
 from ddscope.training.served_features import ServedFeatures
 from ddscope.training.train import main as train_main
 from ddscope.training.train_drafter import target_features
-from ddscope.vllm_peer import INSTALL_TIMEOUT_S, STARTUP_TIMEOUT_S, PeerUnavailable, features_server
-from real_peer import unavailable
+from support.real_peer import unavailable
 
 pytestmark = pytest.mark.timeout(INSTALL_TIMEOUT_S + STARTUP_TIMEOUT_S + 600)
 TARGET = DEMO_DIR / "target"

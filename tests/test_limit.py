@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddscope.bench.limit import (CARDS, ConfigError, FloorError, HardwareError, break_even, experts_touched,
-                                 floor_line, hardware_named, model_shape, step_floor)
+from ddscope.bench.limit import (CARDS, ConfigError, FloorError, HardwareError, break_even, experts_touched, floor_line,
+                                 hardware_named, model_shape, step_floor)
 from ddscope.bench.limit.hardware import Hardware, parse_custom
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def test_parameter_counts_equal_a_real_models(tmp_path, arch):
     """Every matrix of an instantiated HF model is counted (1-D norms and biases are left out of the floor)."""
     import torch
 
-    from ddscope.testing import make_target
+    from ddscope.bench.synthetic import make_target
 
     directory = make_target(tmp_path / arch, arch)
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(str(directory))
@@ -273,8 +273,8 @@ def test_no_measured_step_beats_its_host_floor(tmp_path):
     verify forward alone, takes at least its floor on this machine as `host` measures it."""
     from ddscope.bench.limit.hardware import host
     from ddscope.bench.limit.shape import load_shape
+    from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
     from ddscope.engine import Engine
-    from ddscope.testing import make_drafter, make_target, oracle_engine
 
     target = make_target(tmp_path / "target", "qwen3", hidden=1024, layers=8)
     drafter = make_drafter(tmp_path / "drafter", target, block_size=8)

@@ -2,7 +2,7 @@
 with one generate_until task and one loglikelihood task on local data. Its generations equal the engine's
 own, and its loglikelihoods (from `echo` + `logprobs`) equal the target's log-probs computed in-process.
 
-lm-eval lives in a cached venv of its own (ddscope.venvs, about 1 GB, a few minutes the first time); under
+lm-eval lives in a cached venv of its own (ddscope.peers.venvs, about 1 GB, a few minutes the first time); under
 CI=true a failed install fails the test, elsewhere it skips, saying why.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddscope.peers.venvs import InstallFailed, cache_root, ensure_venv, in_ci
 from ddscope.server.launch import serve_in_background
-from ddscope.venvs import InstallFailed, cache_root, ensure_venv, in_ci
 
 LM_EVAL = "lm-eval[api]==0.4.13"
 INSTALL_S = 900

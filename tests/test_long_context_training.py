@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from ddscope.model import Target
-from ddscope.testing import TINY_PROMPTS, make_drafter, run_cli, write_prompts
+from ddscope.bench.synthetic import make_drafter
+from ddscope.models.target import Target
 from ddscope.training.contexts import parse_context_lengths, sample_length, select_mix
 from ddscope.training.distill import DistillSpec, build_prompts, distill, read_cache
 from ddscope.training.train_drafter import TrainSpec, make_blocks, new_drafter
+from support.runs import TINY_PROMPTS, run_cli, write_prompts
 
 MIX = "16-64:0.5,64-256:0.3,256-1024:0.2"
 PROMPTS = TINY_PROMPTS
@@ -101,7 +102,7 @@ def test_init_drafter_starts_from_its_weights_and_refuses_a_mismatch(tmp_path, t
     spec = TrainSpec(block_size=cfg["block_size"], layers=cfg["num_hidden_layers"], steps=1, seed=9)
     fresh, _ = new_drafter(target_dir, target, spec, mask, layer_ids)
     tuned, _ = new_drafter(target_dir, target, spec, mask, layer_ids, init=drafter_dir)
-    from ddscope.drafter import drafter_state
+    from ddscope.models.drafter import drafter_state
     init = drafter_state(drafter_dir)
     assert all(torch.equal(tuned.state_dict()[k], v) for k, v in init.items())
     assert not all(torch.equal(fresh.state_dict()[k], v) for k, v in init.items())

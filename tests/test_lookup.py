@@ -1,11 +1,11 @@
 """Prompt lookup: the copied continuation, its branch in the tree, and what it does to a real generation."""
 import torch
-from virtual_time import DEMO
 
-from ddscope.lookup import LOOKUP_MAX, Lookup
-from ddscope.proposers import DDTree
-from ddscope.sampling import SamplingParams
-from ddscope.tree import chain
+from ddscope.spec.lookup import LOOKUP_MAX, Lookup
+from ddscope.spec.proposers import DDTree
+from ddscope.spec.sampling import SamplingParams
+from ddscope.spec.tree import chain
+from support.virtual_time import DEMO
 
 
 def test_copies_what_followed_the_last_ngram():
@@ -60,7 +60,8 @@ def test_the_demo_targets_code_loop_is_drafted_by_lookup(virtual_time):
     short-context drafter commits about 2 tokens a step on (the bundled one, trained on long code, drafts it
     well); the lookup branch commits nearly whole blocks, and the output is still `ar`'s."""
     from ddscope.bench.workloads import fit_ids, load_workload
-    from ddscope.engine import DEMO_DIR, Engine
+    from ddscope.engine import Engine
+    from ddscope.engine.limits import DEMO_DIR
 
     engine = virtual_time.use(Engine.load(DEMO_DIR / "target", DEMO_DIR / "drafter-short"), DEMO)
     prompt = fit_ids(load_workload("code"), 0, 1663, engine.tokenizer)
@@ -98,7 +99,7 @@ def test_lookup_is_scored_against_the_committed_tokens_grafted_or_not():
     """With the lookup gain spent, a plain round verifies the root alone, whatever lookup proposes; the
     tokens the round commits score the proposal all the same (those right before the first miss), and
     once they match, the next round grafts a branch for real."""
-    from ddscope.stats import RoundStats
+    from ddscope.spec.stats import RoundStats
 
     proposer = DDTree(budget=4)
     proposer.lookup_gain = 0.0

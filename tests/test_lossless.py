@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from ddscope.model import rope
-from ddscope.testing import oracle_engine
+from ddscope.bench.synthetic import oracle_engine
+from ddscope.models.layers import rope
 
 
 def prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -28,7 +28,7 @@ def oracle(tiny_engine):
 
 @pytest.fixture(scope="module")
 def perfect(tiny_engine):
-    """Always right, for `auto`: under virtual time (tests/virtual_time.py), at a real drafter's price,
+    """Always right, for `auto`: under virtual time (tests/support/virtual_time.py), at a real drafter's price,
     drafting then pays, so its trees are tested; at its own price (block - 1 target forwards) it could at
     best break even, and what `auto` chose went with this machine's load."""
     return oracle_engine(tiny_engine)

@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddscope.model import Target
-from ddscope.testing import make_target
+from ddscope.bench.synthetic import make_target
+from ddscope.models.target import Target
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

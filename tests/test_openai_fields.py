@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
+from ddscope.bench.synthetic import oracle_engine
 from ddscope.server.launch import serve_in_background
-from ddscope.testing import oracle_engine
 
 METHODS = ("ar", "dflash", "ddtree")
 PROMPT = "def add(a, b):"

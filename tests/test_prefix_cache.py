@@ -2,8 +2,8 @@
 by a key that stands for their whole prefix, kept while free until the pool needs them."""
 from __future__ import annotations
 
-from ddscope.block_manager import BlockManager, block_key
-from ddscope.kv_pool import BLOCK, Pages
+from ddscope.engine.block_manager import BlockManager, block_key
+from ddscope.models.kv_pool import BLOCK, Pages
 
 
 def _held(manager: BlockManager, tokens: list[int], length: int, features_from: int | None = 0) -> Pages:

@@ -1,4 +1,4 @@
-"""A real SGLang 0.5.23 on this CPU (ddscope.sglang_peer): plain decoding without ddscope's plugin and DFLASH with it
+"""A real SGLang 0.5.23 on this CPU (ddscope.peers.sglang): plain decoding without ddscope's plugin and DFLASH with it
 give the same greedy tokens as ddscope's `ar`; DFLASH verifies in as many steps as ddscope's `dflash` with the same
 drafter; and `ddscope bench` (sweep through each acceptance source, trace, diagnose) is exact against SGLang's own
 per-request `meta_info`. Fails under CI where SGLang is unavailable, skips elsewhere (real_peer.py)."""
@@ -17,10 +17,11 @@ import torch
 
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.cli import main
-from ddscope.engine import DEMO_DIR, Engine
-from ddscope.peers import PeerUnavailable
-from ddscope.sglang_peer import INSTALL_TIMEOUT_S, STARTUP_TIMEOUT_S, sglang_server
-from real_peer import unavailable
+from ddscope.engine import Engine
+from ddscope.engine.limits import DEMO_DIR
+from ddscope.peers.peer import PeerUnavailable
+from ddscope.peers.sglang import INSTALL_TIMEOUT_S, STARTUP_TIMEOUT_S, sglang_server
+from support.real_peer import unavailable
 
 pytestmark = pytest.mark.timeout(INSTALL_TIMEOUT_S + 2 * STARTUP_TIMEOUT_S + 600)
 TARGET, DRAFTER = DEMO_DIR / "target", DEMO_DIR / "drafter"
@@ -218,7 +219,7 @@ def features_url(tmp_path) -> Iterator[str]:
 def test_served_features_equal_the_in_process_capture(features_url, engine, tmp_path):
     """`train-drafter --features-url` against the real SGLang (docs/training.md's flags): the aux hidden states it
     answers are the target's own at the layers asked, for short and long sequences, concurrently."""
-    from ddscope.model import Target
+    from ddscope.models.target import Target
     from ddscope.training.served_features import ServedFeatures
     from ddscope.training.train_drafter import target_features
 

@@ -26,10 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.cli import main
-from ddscope.engine import DEMO_DIR, Engine
-from ddscope.vllm_peer import (INSTALL_TIMEOUT_S, PLUGIN_DIR, STARTUP_TIMEOUT_S, PeerUnavailable, ensure_installed,
-                                 vllm_server)
-from real_peer import unavailable
+from ddscope.engine import Engine
+from ddscope.engine.limits import DEMO_DIR
+from ddscope.peers.vllm import (INSTALL_TIMEOUT_S, PLUGIN_DIR, STARTUP_TIMEOUT_S, PeerUnavailable, ensure_installed,
+                                vllm_server)
+from support.real_peer import unavailable
 
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
 CROSS_PROMPTS = ("def fibonacci(n):", "The history of distributed systems", "Question: what is 17 * 3?\nAnswer:")
@@ -259,10 +260,10 @@ def test_analyze_reads_aiperf_runs_of_vllm_at_three_prompt_lengths(vllm, tmp_pat
     """AIPerf 0.13 against the real vLLM DFlash at three prompt lengths (c=4, 4 requests each, streamed, T=0):
     `ddscope bench analyze` on the three folders gives one point each, a fit and a verdict, and its acceptance
     pooled over each run equals vLLM's own counters' (drafts, read here apart from AIPerf and the bench)."""
-    from aiperf_peer import profile, write_prompts
     from transformers import AutoTokenizer
 
     from ddscope.bench import aiperf
+    from support.aiperf_peer import profile, write_prompts
 
     url, _ = vllm
     tok = AutoTokenizer.from_pretrained(str(DEMO_DIR / "target"))

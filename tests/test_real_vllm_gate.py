@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddscope import sglang_peer, venvs, vllm_peer
+from ddscope.peers import sglang as sglang_peer
+from ddscope.peers import venvs
+from ddscope.peers import vllm as vllm_peer
 
 pytest_plugins = ("pytester",)
 HERE = Path(__file__).parent

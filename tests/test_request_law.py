@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddscope.law import bad_word_ids
-from ddscope.testing import oracle_engine
-from ddscope.tree import DraftTree
+from ddscope.bench.synthetic import oracle_engine
+from ddscope.spec.law import bad_word_ids
+from ddscope.spec.tree import DraftTree
 
 PROMPT = "def add(a, b):"
 LAWS = {

@@ -16,8 +16,8 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
-from ddscope.decoding import Decoder
-from ddscope.testing import make_drafter, make_target, oracle_engine
+from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
+from ddscope.spec.decoder import Decoder
 
 V, PROMPT, N = 32, [5, 9, 7], 250
 METHODS = [("ar", None), ("dflash", None), ("ddtree", 1), ("ddtree", 16), ("ddtree", "auto")]

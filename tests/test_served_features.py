@@ -11,18 +11,18 @@ import httpx
 import pytest
 import torch
 
-from bench_fakes import serve
+from ddscope.bench.synthetic import make_target
 from ddscope.cli import main as ddscope_main
 from ddscope.config import CheckpointError
-from ddscope.features_server import vllm_layer_ids
-from ddscope.model import Target
-from ddscope.testing import head_only, make_target
+from ddscope.models.target import Target
+from ddscope.peers.features_server import vllm_layer_ids
 from ddscope.training.drafter_ckpt import check_layer_ids, pick_layer_ids
-from ddscope.training.head import TargetHead, has_decoder
+from ddscope.training.head import TargetHead, has_decoder, head_only
 from ddscope.training.served_features import Journal, ServedFeatures
 from ddscope.training.train import main as train_main
 from ddscope.training.train_drafter import target_features
-from features_fakes import sglang_app, vllm_features_app
+from support.bench_fakes import serve
+from support.features_fakes import sglang_app, vllm_features_app
 
 LAYERS = [0, 1]  # of a 3-layer target: all but the last
 

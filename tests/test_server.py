@@ -21,12 +21,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from ddscope.bench.synthetic import oracle_engine
 from ddscope.engine import Engine
 from ddscope.server import cli
 from ddscope.server.app import attach_engine, create_app
 from ddscope.server.launch import serve_in_background
-from ddscope.testing import oracle_engine
-from pool_check import assert_pool_empty
+from support.pool_check import assert_pool_empty
 
 COUNTERS = ("verify_steps", "committed_tokens", "draft_nodes_verified", "prompt_tokens", "generation_tokens")
 
@@ -229,7 +229,7 @@ def test_extension_is_consistent_for_every_method(server, method):
     if method == "ar":
         assert ext["avg_commit"] == 1.0 and ext["nodes_verified"] == 0
     if method == "ddtree":
-        from ddscope.lookup import LOOKUP_MAX  # budget 8 caps the drafter's tree; a lookup branch comes on top
+        from ddscope.spec.lookup import LOOKUP_MAX  # budget 8 caps the drafter's tree; a lookup branch comes on top
         assert all(x["nodes"] <= 8 + LOOKUP_MAX for x in rounds)
 
 

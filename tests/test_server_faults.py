@@ -9,15 +9,14 @@ import time
 
 import httpx
 import pytest
+from test_server import LONG, PacedEngine, scrape, scrape_text, wait_for
 
-from ddscope.budget import VerifyCost
+from ddscope.bench.synthetic import make_tiny_pair
 from ddscope.engine import Engine
+from ddscope.policy.cost import VerifyCost
 from ddscope.server.launch import serve_in_background
 from ddscope.server.worker import EngineWorker
-from ddscope.testing import make_tiny_pair
-
-from pool_check import assert_pool_empty
-from test_server import LONG, PacedEngine, scrape, scrape_text, wait_for
+from support.pool_check import assert_pool_empty
 
 
 def test_auto_is_calibrated_at_load_never_on_the_event_loop(tiny_pair, tmp_path, monkeypatch):
@@ -62,7 +61,7 @@ def test_a_dead_worker_fails_everything_at_once_and_health_turns_503(tiny_engine
 def test_kv_cache_exhaustion_is_503_with_retry_after_and_the_worker_goes_on(tiny_pair, monkeypatch):
     """A step that runs out of cache (the pool is sized so that it cannot: this one is made to) fails the
     requests in it with a 503 the client may retry, not a 500, and the next request is served."""
-    from ddscope.model import KVCacheFull
+    from ddscope.models.target import KVCacheFull
 
     engine = Engine.load(*tiny_pair)
     real = engine.runner.step
@@ -168,7 +167,7 @@ def test_a_lookup_commit_near_the_context_limit_fits_the_drafters_buffer(tmp_pat
 
 
 def test_a_bug_around_one_request_fails_it_and_the_worker_goes_on(tiny_engine, monkeypatch):
-    from ddscope.stats import GenerationStats
+    from ddscope.spec.stats import GenerationStats
 
     to_dict, calls = GenerationStats.to_dict, []
 

@@ -14,7 +14,7 @@ import pytest
 from ddscope.engine import Step
 from ddscope.server.metrics import ServerMetrics
 from ddscope.server.worker import EngineWorker, Failed, Job, ShuttingDown
-from ddscope.stats import GenerationStats, RoundStats
+from ddscope.spec.stats import GenerationStats, RoundStats
 
 WAIT_S = 60  # generous: only a hang reaches it
 

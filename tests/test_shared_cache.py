@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddscope import venvs, vllm_peer
-from ddscope.budget import NODE_GRID, VerifyCost
+from ddscope.peers import venvs
+from ddscope.peers import vllm as vllm_peer
+from ddscope.policy.cost import NODE_GRID, VerifyCost
 
 MAX_CTX = 1000  # calibrated at contexts 0, 512 and 1000
 

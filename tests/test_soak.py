@@ -10,11 +10,11 @@ import random
 
 import httpx
 import pytest
-
-from ddscope.server.launch import serve_in_background
-from ddscope.testing import TINY_PROMPTS, oracle_engine
-
 from test_server import scrape
+
+from ddscope.bench.synthetic import oracle_engine
+from ddscope.server.launch import serve_in_background
+from support.runs import TINY_PROMPTS
 
 CONCURRENCY, REQUESTS = 16, 208
 DEADLINE_S = 240  # the whole soak, its isolated reruns aside

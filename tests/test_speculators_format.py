@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ddscope.config import CheckpointError, DrafterConfig
-from ddscope.drafter import Drafter
 from ddscope.engine import Engine
+from ddscope.models.drafter import Drafter
 
 FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "speculators-dflash-demo"
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from ddscope import threads
-from ddscope.threads import PARALLEL_PREFILL_MIN, idle_cpus, step_threads, torch_threads
+from ddscope.engine import threads
+from ddscope.engine.threads import PARALLEL_PREFILL_MIN, idle_cpus, step_threads, torch_threads
 
 
 def test_a_fixed_setting_is_kept_and_a_lone_round_stays_on_the_decode_threads(monkeypatch):

@@ -10,9 +10,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from bench_fakes import serve
+from ddscope.bench.synthetic import make_drafter, make_target
 from ddscope.cli import main
-from ddscope.testing import make_drafter, make_target
+from support.bench_fakes import serve
 
 
 def trace(*argv: str) -> int:

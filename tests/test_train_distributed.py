@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+from ddscope.bench.synthetic import make_target
 from ddscope.cli import main as ddscope_main
-from ddscope.testing import make_target
 from ddscope.training import train_drafter
 from ddscope.training.train import main as train_main
 from ddscope.training.train_drafter import TrainSpec, batch_indices

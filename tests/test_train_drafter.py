@@ -5,12 +5,13 @@ import os
 import pytest
 import torch
 
+from ddscope.bench.synthetic import make_drafter, make_target
 from ddscope.cli import main
 from ddscope.engine import Engine
-from ddscope.testing import TINY_PROMPTS, make_drafter, make_target, run_cli, write_prompts
 from ddscope.training import corpus
 from ddscope.training.distill import read_cache
 from ddscope.training.train_drafter import block_mask, sample_anchors
+from support.runs import TINY_PROMPTS, run_cli, write_prompts
 
 PROMPTS = TINY_PROMPTS
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from ddscope.bench.synthetic import make_target, save_tiny_tokenizer
 from ddscope.server.launch import serve_in_background
-from ddscope.testing import TINY_PROMPTS, make_target, run_cli, save_tiny_tokenizer, write_prompts
 from ddscope.training.distill import DistillSpec, distill, read_cache
 from ddscope.training.remote_distill import ATTEMPTS, remote_distill
+from support.runs import TINY_PROMPTS, run_cli, write_prompts
 
 PROMPTS = TINY_PROMPTS[:4]
 

@@ -9,8 +9,8 @@ import json
 import httpx
 import pytest
 
+from ddscope.bench.synthetic import oracle_engine
 from ddscope.server.launch import serve_in_background
-from ddscope.testing import oracle_engine
 
 PROMPT = "def add(a, b):"
 CHAT = [{"role": "user", "content": "Hello, how are"}]
@@ -154,8 +154,9 @@ def test_cache_salt_keeps_tenants_apart(url, oracle):
 
 
 def test_priority_orders_admission(oracle):
-    from ddscope.engine import Engine
     from pathlib import Path
+
+    from ddscope.engine import Engine
     engine = Engine(oracle.target, oracle.drafter, oracle.tokenizer, Path(oracle.source), oracle.max_model_len,
                     max_num_seqs=1)
     seqs = [engine.sequence(PROMPT, method="ar", max_new_tokens=2, ignore_eos=True, priority=p) for p in (5, -1, 0)]

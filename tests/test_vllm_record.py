@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
+from ddscope.bench.synthetic import oracle_engine
 from ddscope.server.launch import serve_in_background
-from ddscope.testing import oracle_engine
 
 BODY = {"prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
 

@@ -1,5 +1,16 @@
-"""ddscope: DDTree speculative decoding you can see into."""
-from ddscope.engine import Engine, Generation, Step
+"""ddscope: DDTree speculative decoding you can see into.
+
+`Engine`, `Generation` and `Step` load on first use, so that `ddscope --help` imports no torch."""
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Engine", "Generation", "Step"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from ddscope import engine
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,25 +4,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
 
 from ddscope.config import CheckpointError
-from ddscope.options import (add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, load_engine,
-                             set_threads)
-
-if TYPE_CHECKING:
-    from ddscope.engine import Engine
-
-
-def default_method(engine: Engine) -> str:
-    """ddtree where the engine has a drafter, else ar: the one method a target alone can run."""
-    return "ddtree" if "ddtree" in engine.methods else "ar"
+from ddscope.engine.limits import default_method
+from ddscope.util.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from ddscope.engine import load_engine  # torch and transformers: only once a command runs
+
     set_threads(args.threads)
     engine = load_engine(args)
-    method = args.method or default_method(engine)
+    method = args.method or default_method(engine.methods)
     out = engine.generate(args.prompt, max_new_tokens=args.max_tokens, method=method, budget=args.budget,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           ignore_eos=args.ignore_eos)
@@ -64,7 +57,7 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from ddscope.bench.cli import register as register_bench
-    from ddscope.features_server import register as register_features
+    from ddscope.peers.cli import register as register_features
     from ddscope.server.cli import register as register_serve
     from ddscope.training.cli import register as register_training
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from ddscope.bench.analyze import AnalysisError
 from ddscope.bench.backends import cut_commits
+from ddscope.bench.fit import AnalysisError
 
 EXPORT = "profile_export.jsonl"
 TO_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3, "sec": 1e3}

@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
-from ddscope.atomic import replaced_name
 from ddscope.bench.limit.cli import FloorRequest, add_floor_args
 from ddscope.bench.limit.cli import register as register_limit
+from ddscope.bench.runs import (BenchError, Stopped, folder_name, kept_floor, like_for_like, merge_aiperf, overlaid,
+                                overlay, staged, tags_of, warn)
 from ddscope.bench.serverlog import END_SLACK_S
-from ddscope.options import add_model_args, at_least, budget_arg, int_list, number_in, stdout_console
+from ddscope.util.options import add_model_args, at_least, budget_arg, int_list, number_in, stdout_console
 
 # The issue's experiment. On the embedded demo pair (a 2-core CPU) the output is shorter, so the
 # main job ends in about two minutes; contexts that do not fit max_model_len shrink to fit.
@@ -22,14 +21,6 @@ CONTEXTS = "13,1663,3333,5553"
 URL_MAX_TOKENS = 600
 EMBEDDED_MAX_TOKENS = 128
 BACKEND_CHOICES = ("auto", "ddscope", "sglang", "vllm", "llamacpp", "openai")
-
-
-class BenchError(Exception):
-    """A bad flag or unusable input: printed as one line, exit code 2."""
-
-
-class Stopped(BenchError):
-    """A sweep that stopped early (the server lost, Ctrl-C): printed as one line, exit code 1."""
 
 
 MAX_CONCURRENCY = 256
@@ -226,7 +217,7 @@ def _tokenizer(args: argparse.Namespace, base_url: str, client: Any) -> tuple[An
 
     directory = args.tokenizer
     if directory is None and not args.url:
-        from ddscope.engine import DEMO_DIR
+        from ddscope.engine.limits import DEMO_DIR
 
         directory = args.target or DEMO_DIR / "target"
     if directory is None:
@@ -306,7 +297,7 @@ def _on_server(args: argparse.Namespace, root: Path, work: Callable[[str, Any, A
 
     import httpx
 
-    from ddscope.bench.embedded import ServerFailed
+    from ddscope.util.process import ServerFailed
 
     server = contextlib.nullcontext(args.url) if args.url else _embedded(args, root / "server.log")
     try:
@@ -330,7 +321,7 @@ def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
 
     tokenizer, origin = _tokenizer(args, base_url, client)
     if tokenizer is None:
-        _warn("no tokenizer for exact prompt lengths (the server has no /tokenize and /v1/models names no "
+        warn("no tokenizer for exact prompt lengths (the server has no /tokenize and /v1/models names no "
               "local model directory): prompts are sized from a probe, so lengths will be off; the rows "
               "show the lengths the server counted. Pass --tokenizer DIR for exact ones.")
     paths = []
@@ -361,17 +352,19 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
             floor: FloorRequest | None = None) -> int:
     """Analyse results files (plus --point rows), print, and write outputs to `out`; with floor options (given,
     or kept in the first results file), each point beside its physical floor."""
-    from ddscope.bench.analyze import NothingMeasured, analyze, load_rows, parse_point, parse_prediction
+    from ddscope.bench.analyze import analyze
+    from ddscope.bench.fit import NothingMeasured
     from ddscope.bench.intervals import sweep_matrix
+    from ddscope.bench.records import load_rows, parse_point, parse_prediction
     from ddscope.bench.report import print_report, write_outputs
 
     rows: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     errors: dict[str, int] = {}
-    loaded, tags = _merge_aiperf([load_rows(path) for path in paths], _tags(paths))
-    notes = _like_for_like(loaded, tags, allow_mismatch)
-    if _overlaid(loaded):
-        baseline, meta["runs"] = _overlay(loaded, tags, baseline)
+    loaded, tags = merge_aiperf([load_rows(path) for path in paths], tags_of(paths))
+    notes = like_for_like(loaded, tags, allow_mismatch)
+    if overlaid(loaded):
+        baseline, meta["runs"] = overlay(loaded, tags, baseline)
     for file_rows, file_meta in loaded:
         rows += file_rows
         for msg, count in (file_meta.pop("errors", None) or {}).items():
@@ -387,7 +380,7 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     analysis.notes[:0] = notes
     analysis.by_category = sweep_matrix(rows)
     kept = floor is None
-    floor = floor or _kept_floor(meta)
+    floor = floor or kept_floor(meta)
     if floor is not None:
         from ddscope.bench.limit import ConfigError, FloorError, HardwareError
         from ddscope.bench.limit.cli import FloorArgsError, floor_spec
@@ -410,132 +403,6 @@ def _report(paths: list[Path], out: Path | None, baseline: str | None, window: i
     return 0
 
 
-def _folder(workload: str, index: int) -> str:
-    """A sweep's folder in a run of several workloads: its name, or file-N for a file's prompts."""
-    return f"file-{index}" if workload.startswith("file:") else workload
-
-
-def _merge_aiperf(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]],
-                  tags: list[str]) -> tuple[list[tuple[list[dict[str, Any]], dict[str, Any]]], list[str]]:
-    """AIPerf runs, one per prompt length, as one sweep: their rows together under the first one's setup."""
-    runs = [i for i, (_, meta) in enumerate(loaded) if (meta.get("backend") or {}).get("name") == "aiperf"]
-    if len(runs) < 2:
-        return loaded, tags
-    rows = [row for i in runs for row in loaded[i][0]]
-    errors: dict[str, int] = {}
-    for i in runs:
-        for msg, n in (loaded[i][1].get("errors") or {}).items():
-            errors[msg] = errors.get(msg, 0) + n
-    merged = (rows, {**loaded[runs[0]][1], "errors": errors})
-    keep = [i for i in range(len(loaded)) if i not in runs[1:]]
-    return [merged if i == runs[0] else loaded[i] for i in keep], ["aiperf" if i == runs[0] else tags[i] for i in keep]
-
-
-def _kept_floor(meta: dict[str, Any]) -> FloorRequest | None:
-    """The floor options a run kept in its results (None where it kept none, or a shape this version cannot read)."""
-    kept = (meta.get("config") or {}).get("floor")
-    try:
-        return FloorRequest(**kept) if isinstance(kept, dict) else None
-    except TypeError:
-        return None
-
-
-def _like_for_like(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]], tags: list[str],
-                   allow_mismatch: bool) -> list[str]:
-    """Refuse files whose runs differ in a setting that moves tok/s or acceptance by itself, unless allowed
-    (then a warning, kept as the report's first note); and notes on the settings a file does not record."""
-    from ddscope.bench.analyze import run_differences
-
-    if len(loaded) < 2:
-        return []
-    differ, unknown = run_differences([(tag, meta, {row["label"] for row in rows})
-                                       for (rows, meta), tag in zip(loaded, tags)])
-    if not differ:
-        return unknown
-    what = f"runs differ in {', '.join(differ)}"
-    if not allow_mismatch:
-        raise BenchError(f"{what}: {' and '.join(tags)} are not like for like (--allow-mismatch compares them "
-                         f"anyway)")
-    warning = f"{what}: compared anyway (--allow-mismatch), so a gap between them is not like for like"
-    _warn(warning)
-    return [f"WARNING: {warning}", *unknown]
-
-
-def _overlaid(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]]) -> bool:
-    """Several files that share a workload label: runs to overlay (e.g. old and new drafter)."""
-    seen: set[str] = set()
-    for rows, _ in loaded:
-        labels = {r["label"] for r in rows}
-        if labels & seen:
-            return True
-        seen |= labels
-    return False
-
-
-def _overlay(loaded: list[tuple[list[dict[str, Any]], dict[str, Any]]], tags: list[str],
-             baseline: str | None) -> tuple[str | None, dict[str, dict[str, Any]]]:
-    """Label each file's rows `label [tag]`; returns the baseline as a tagged label (default: the
-    first file's first curve) and each file's acceptance and tok/s setup by tag."""
-    for (rows, _), tag in zip(loaded, tags):
-        for row in rows:
-            row["label"] = f"{row['label']} [{tag}]"
-    labels = {row["label"] for rows, _ in loaded for row in rows}
-    if baseline is None:
-        baseline = next((row["label"] for row in loaded[0][0]), None)
-    elif baseline not in labels:  # untagged ("padding"): the first file's curve of that name
-        baseline = next((f"{baseline} [{t}]" for t in tags if f"{baseline} [{t}]" in labels), baseline)
-    runs = {tag: {k: meta.get(k) for k in ("acceptance_source", "acceptance_refused", "tok_per_s")}
-            for (_, meta), tag in zip(loaded, tags)}
-    return baseline, runs
-
-
-def _tags(paths: list[Path]) -> list[str]:
-    """A short distinct name per file: its folder (old/results.json -> old), else its path."""
-    names = [p.resolve().parent.name or p.stem for p in paths]
-    return names if len(set(names)) == len(names) else [str(p) for p in paths]
-
-
-OUTPUTS = ("results.json", "results.csv", "sweep.png", "trace.png", "report.md", "server.log")
-
-
-def _foreign(folder: Path, depth: int = 1) -> list[str]:
-    """What in `folder` no bench run writes: anything but OUTPUTS (and their temp files) and, `depth`
-    levels down, folders of them (diagnose's sweeps)."""
-    if not folder.is_dir():
-        return [folder.name] if folder.exists() else []
-    return [entry.name for entry in sorted(folder.iterdir())
-            if not (entry.is_file() and (replaced_name(entry.name) or entry.name) in OUTPUTS
-                    or depth and entry.is_dir() and not _foreign(entry, depth - 1))]
-
-
-@contextmanager
-def _staged(out: Path) -> Iterator[Path]:
-    """A folder beside `out`, OUT.partial, to write a run into. It replaces `out` when the block ends
-    without an exception, so a run that fails or stops early leaves the last complete one in place,
-    and its own files in OUT.partial."""
-    out = out.resolve()
-    stage = out.with_name(f"{out.name}.partial")
-    for folder in (out, stage):  # both are replaced: never one that holds files of the user's
-        if foreign := _foreign(folder):
-            raise BenchError(f"{folder} holds files no bench run writes ({', '.join(foreign[:5])}): it would be "
-                             "replaced; pick another --out")
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
-    try:
-        yield stage
-    except BaseException:
-        if any(stage.iterdir()):
-            kept = f"; {out} keeps the last complete run" if out.is_dir() and any(out.iterdir()) else ""
-            print(f"ddscope bench: the run did not complete: its files are in {stage}{kept}", file=sys.stderr)
-        else:
-            stage.rmdir()
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    stage.rename(out)
-    names = ", ".join(e.name + "/" * e.is_dir() for e in sorted(out.iterdir()))
-    print(f"ddscope bench: files in {out}: {names}", file=sys.stderr)
-
-
 def _check_floor(req: FloorRequest) -> None:
     """The floor options' errors now: the hardware (host measured here, before a server competes for the CPUs),
     and the model and layout where the model is known before the run (--model-config, or the embedded server's)."""
@@ -549,14 +416,10 @@ def _check_floor(req: FloorRequest) -> None:
         spec.floor(1, req.nodes or 1)  # the layout: --gpus against the heads and experts
 
 
-def _warn(message: str) -> None:
-    print(f"ddscope bench: warning: {message}", file=sys.stderr)
-
-
 def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Turn expected failures into one clear line and exit code 2 (1: nothing measured)."""
     def run(args: argparse.Namespace) -> int:
-        from ddscope.bench.analyze import AnalysisError, NothingMeasured
+        from ddscope.bench.fit import AnalysisError, NothingMeasured
         from ddscope.bench.limit import ConfigError, FloorError, HardwareError
         from ddscope.bench.limit.cli import FloorArgsError
         from ddscope.bench.workloads import WorkloadError
@@ -585,8 +448,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     point was measured or the sweep stopped early (its files then stay in OUT.partial)."""
     _check_sweep_args(args)
     workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
-    with _staged(args.out) as stage:  # several workloads: one sweep each, in OUT/<workload>, reported together
-        dirs = [stage] if len(workloads) == 1 else [stage / _folder(w, i) for i, w in enumerate(workloads)]
+    with staged(args.out) as stage:  # several workloads: one sweep each, in OUT/<workload>, reported together
+        dirs = [stage] if len(workloads) == 1 else [stage / folder_name(w, i) for i, w in enumerate(workloads)]
         paths, stopped = _run_sweeps(args, stage, workloads, dirs)
         baseline = "padding" if "padding" in workloads else None
         code = _report(paths, stage, baseline, args.window, as_json=False, floor=args.floor)
@@ -640,7 +503,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     args.contexts, args.concurrency, args.clamp_contexts = [args.prompt_tokens], (1,), False
     if args.max_tokens is None:
         args.max_tokens = TRACE_EMBEDDED_MAX_TOKENS if not args.url else TRACE_URL_MAX_TOKENS
-    with _staged(args.out) as stage:
+    with staged(args.out) as stage:
         doc = _on_server(args, stage, lambda url, client, _: _trace(args, workloads, stage, url, client))
         return _trace_report(args, doc, stage, args.against)
 
@@ -667,7 +530,7 @@ def _trace_report(args: argparse.Namespace, doc: dict, stage: Path | None, again
     from ddscope.bench import tracing
     from ddscope.bench.limit.cli import floor_spec
 
-    floor = args.floor or _kept_floor(doc)
+    floor = args.floor or kept_floor(doc)
     summary = tracing.summarize(doc, against, floor_spec(floor, doc.get("backend")) if floor else None)
     if stage is not None:
         stage.mkdir(parents=True, exist_ok=True)
@@ -691,7 +554,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.workload == "padding":
         raise BenchError("diagnose compares a workload with padding: pick --workload code|math|chat|file:PATH")
     label = args.workload.split(":", 1)[0]
-    with _staged(args.out) as stage:
+    with staged(args.out) as stage:
         paths, stopped = _run_sweeps(args, stage, ["padding", args.workload], [stage / "padding", stage / label])
         if stopped:
             raise Stopped(stopped)

@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ddscope.atomic import atomic_write_text, replacing
-from ddscope.bench.analyze import Analysis, Point
+from ddscope.bench.analyze import Analysis
+from ddscope.bench.fit import Point
+from ddscope.util.atomic import atomic_write_text, replacing
 
 
 def _pm(value: float | None, sd: float, digits: int) -> str:

@@ -22,26 +22,15 @@ from typing import Any
 
 import httpx
 
-from ddscope.atomic import atomic_write_text
 from ddscope.bench.acceptance import AcceptanceReader, Observation
-from ddscope.bench.backends import (
-    Server,
-    Reading,
-    cached_of,
-    decoding_method,
-    delivered,
-    engine_step_ms,
-    nodes_per_step,
-    server_decode,
-    server_prefill_s,
-    step_commits,
-    text_digest,
-    usage_of,
-)
+from ddscope.bench.backends import (Reading, Server, cached_of, decoding_method, delivered, engine_step_ms,
+                                    nodes_per_step, server_decode, server_prefill_s, step_commits, text_digest,
+                                    usage_of)
 from ddscope.bench.serverlog import ServerLog, WindowReading
 from ddscope.bench.sources import Acceptance
 from ddscope.bench.tokens import TokenizerError
 from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
+from ddscope.util.atomic import atomic_write_text
 
 SCHEMA = "ddscope.bench.results/1"
 CSV_FIELDS = ("label", "context", "concurrency", "repeat", "prompt_tokens", "cached_tokens", "completion_tokens", "latency_s", "prefill_s",

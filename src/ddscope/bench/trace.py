@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from ddscope.bench.analyze import Fit, robust_fit
 from ddscope.bench.backends import Scrape
+from ddscope.bench.fit import Fit, robust_fit
 
 SCHEMA = "ddscope.bench.trace/1"
 SKIP_STEPS = 2  # the first steps after the prefill carry warm-up (allocation, the drafter's first pass)

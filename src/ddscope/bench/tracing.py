@@ -9,11 +9,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ddscope.atomic import atomic_write_text, replacing
-from ddscope.bench.analyze import AnalysisError, analyze, load_rows
+from ddscope.bench.analyze import analyze
+from ddscope.bench.fit import AnalysisError
 from ddscope.bench.intervals import category_matrix
+from ddscope.bench.records import load_rows
 from ddscope.bench.trace import (SCHEMA, SKIP_STEPS, VLLM_DRAFTS, StreamFailed, against_sweep, check, generation_fit,
                                  read_stream, rolling_median, steps_of)
+from ddscope.util.atomic import atomic_write_text, replacing
 
 WINDOWS = 4  # position windows of the acceptance matrix
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ddscope.engine import KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
-from ddscope.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
+from ddscope.engine.limits import KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
+from ddscope.util.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
 SPEC_DECODE_LEVELS = ("none", "summary", "detailed")  # vLLM's --per-request-spec-decode-metrics levels
 

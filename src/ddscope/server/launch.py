@@ -6,16 +6,16 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import uvicorn
 
-from ddscope.cli import default_method
+from ddscope.engine.limits import default_method
 from ddscope.server.app import ServerConfig, attach_engine, create_app, mark_load_failed
+from ddscope.util.process import wait_healthy
 
 if TYPE_CHECKING:
     from ddscope.engine import Engine
@@ -62,7 +62,7 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
         t0 = time.monotonic()
         try:
             engine = _load_engine(target, drafter, engine_kw)
-            config.method = method or default_method(engine)
+            config.method = method or default_method(engine.methods)
             attach_engine(app, engine)
         except Exception as e:  # noqa: BLE001 - whatever the failure, stop the server rather than hang at 503
             failure.append(e)
@@ -93,7 +93,7 @@ def serve_in_background(target: str | Path | None = None, drafter: str | Path | 
     """
     if engine is None:
         engine = _load_engine(target, drafter, engine_kw)
-    config = ServerConfig(method=method or default_method(engine), budget=budget, max_queue=max_queue,
+    config = ServerConfig(method=method or default_method(engine.methods), budget=budget, max_queue=max_queue,
                           request_timeout=request_timeout, log_interval=log_interval,
                           spec_decode_metrics=spec_decode_metrics, per_request_metrics=per_request_metrics)
     app = create_app(config, engine)
@@ -121,20 +121,3 @@ def _wait_healthy(url: str, thread: threading.Thread, timeout: float) -> None:
         raise RuntimeError(f"the server at {url} stopped during startup; see the log")
     if why == "timeout":
         raise TimeoutError(f"the server at {url} was not healthy within {timeout:g} s")
-
-
-def wait_healthy(url: str, alive: Callable[[], bool], timeout: float, poll_s: float = 0.05) -> str | None:
-    """Poll `url`/health until it answers 200 (None), the server stops ("stopped"), or `timeout` s pass
-    ("timeout")."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if not alive():
-                return "stopped"
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return None
-            except httpx.TransportError:
-                pass
-            time.sleep(poll_s)
-    return "timeout"

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ddscope.sampling import TokenLogprob
+from ddscope.spec.sampling import TokenLogprob
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

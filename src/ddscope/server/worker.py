@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from ddscope.sampling import TokenLogprob
 from ddscope.server.metrics import PHASES, ModelMetrics
 from ddscope.server.responses import spec_decode_record, timing_record
+from ddscope.spec.sampling import TokenLogprob
 
 if TYPE_CHECKING:
     from ddscope.engine import Engine, Step
@@ -131,7 +131,7 @@ class DecodeWindow:
 class Active:
     """A job the engine is running: its sequence and what its client has been sent so far."""
     job: Job
-    seq: Any  # ddscope.sequence.Sequence
+    seq: Any  # ddscope.engine.sequence.Sequence
     start: float  # when the worker handed it to the engine
     first_at: float | None = None
     step_at: float | None = None  # when its latest Step was handed out

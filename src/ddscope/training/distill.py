@@ -24,9 +24,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ddscope.atomic import atomic_write_text
 from ddscope.training.contexts import parse_context_lengths, sample_length
 from ddscope.training.corpus import IM_START, READERS, iter_documents
+from ddscope.util.atomic import atomic_write_text
 
 ASSISTANT_HEADER = f"{IM_START}assistant\n"
 # Corpus prompts: code, docs and pydoc are windows of a document (code often ending at a docstring), chat

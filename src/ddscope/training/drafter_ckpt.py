@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ddscope.atomic import atomic_write_text
 from ddscope.config import default_target_layer_ids, rope_theta_of, text_config
-from ddscope.weights import save_weights
+from ddscope.models.weights import save_weights
+from ddscope.util.atomic import atomic_write_text
 
 MASK_TOKEN = "<|mask|>"
 

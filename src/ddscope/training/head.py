@@ -8,6 +8,7 @@ decoder's shards may be absent altogether.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ddscope.config import CheckpointError, read_json, text_config
+from ddscope.models.weights import read_state_dict, save_weights
 
 INDEX = "model.safetensors.index.json"
 
@@ -93,3 +95,18 @@ def has_decoder(directory: Path) -> bool:
     if not any(directory.glob("*.safetensors")):
         return True  # not ours to judge (.bin, or nothing): the target loader says what is wrong
     return any(".layers." in n for n in _weight_map(directory))
+
+
+def head_only(src: Path, dst: Path) -> Path:
+    """A copy of target `src` as a trainer beside a features server sees a 1T checkpoint: config, tokenizer and
+    a sharded index whose shard with the embedding (and head) is present and whose decoder shard is not."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, dst / f.name)
+    state = read_state_dict(src)
+    head = {k: v for k, v in state.items() if k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    save_weights(head, dst / "model-00001-of-00002.safetensors")
+    names = {k: "model-00001-of-00002.safetensors" if k in head else "model-00002-of-00002.safetensors" for k in state}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    return dst

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3Config
 
-from ddscope.atomic import atomic_write_text, replacing
+from ddscope.models.weights import umask_mode
 from ddscope.training.corpus import DEFAULT_MIX, DOMAINS, Document, is_heldout, iter_documents
-from ddscope.weights import umask_mode
+from ddscope.util.atomic import atomic_write_text, replacing
 
 SPLITS = ("train", "heldout")
 POSITION_BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 6144))

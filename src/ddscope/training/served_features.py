@@ -27,7 +27,7 @@ import httpx
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ddscope.atomic import atomic_write_text
+from ddscope.util.atomic import atomic_write_text
 
 LAYER_IDS_KEY = "vllm_aux_layer_ids"  # the metadata ddscope's connector writes (assets/vllm_plugin)
 START_HINT = ("start one with `ddscope features-server --target DIR` (vLLM), or SGLang with "

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from ddscope.config import CheckpointError, read_json, text_config
-from ddscope.hf_target import load_target
+from ddscope.models.hf_target import load_target
 from ddscope.training.contexts import Bucket, parse_context_lengths, select_mix
 from ddscope.training.distill import read_cache
 from ddscope.training.drafter_ckpt import check_layer_ids, mask_token_id, pick_layer_ids
 from ddscope.training.head import TargetHead
+from ddscope.training.options import TRAIN_DESCRIPTION, add_train_args
 from ddscope.training.served_features import ServedFeatures
 from ddscope.training.train_drafter import TrainSpec, closing_line, train
 
@@ -114,13 +115,10 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
 
 
 def _parser() -> argparse.ArgumentParser:
-    """`train-drafter`'s own parser, so both entry points take the same options."""
-    from ddscope.training.cli import register
-
-    sub = argparse.ArgumentParser().add_subparsers()
-    register(sub)
-    parser = sub.choices["train-drafter"]
-    parser.prog = "torchrun --nproc-per-node N -m ddscope.training.train"
+    """`train-drafter`'s own options (training/options.py), so both entry points take the same command line."""
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m ddscope.training.train",
+                                     description=TRAIN_DESCRIPTION)
+    add_train_args(parser)
     return parser
 
 

@@ -29,14 +29,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from ddscope.atomic import atomic_write_text, replacing
 from ddscope.config import DrafterConfig, read_json
-from ddscope.drafter import Drafter, drafter_state
-from ddscope.hf_target import CacheLike, TargetLike
+from ddscope.models.drafter import Drafter, drafter_state
+from ddscope.models.hf_target import CacheLike, TargetLike
+from ddscope.models.weights import load_into
 from ddscope.training.distill import append_whole_lines
 from ddscope.training.drafter_ckpt import MASK_TOKEN, drafter_config, save_drafter
 from ddscope.training.head import TargetHead
-from ddscope.weights import load_into
+from ddscope.util.atomic import atomic_write_text, replacing
 
 TAIL_STEPS = 20  # the closing line's recent window, beside the mean over all steps
 # What training reads the embedding and head of: a whole target, or its head alone (features served).

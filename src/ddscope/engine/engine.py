@@ -1,0 +1,296 @@
+"""The public engine: load a target (and drafter), then generate with `ar`, `dflash` or `ddtree`."""
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from ddscope.config import CheckpointError, eos_ids
+from ddscope.engine.block_manager import sized_pool
+from ddscope.engine.limits import (DEMO_DIR, DTYPES, KV_CACHE_MB, MAX_BUDGET, MAX_NUM_SEQS, MAX_PREFILL_TOKENS, METHODS,
+                                   check_request)
+from ddscope.engine.runner import Runner, StepReport
+from ddscope.engine.scheduler import Scheduler
+from ddscope.engine.sequence import Sequence, Step
+from ddscope.models.drafter import Drafter
+from ddscope.models.hf_target import HFTarget, load_target
+from ddscope.models.kv_pool import Pages
+from ddscope.models.target import Target
+from ddscope.policy.auto import AutoBudget
+from ddscope.policy.batch import BatchBudget
+from ddscope.policy.cost import VerifyCost
+from ddscope.policy.learn import LearnedBySampler
+from ddscope.spec.completion import Completion
+from ddscope.spec.decoder import Decoder
+from ddscope.spec.law import Law, bad_word_ids
+from ddscope.spec.lookup import LOOKUP_MAX
+from ddscope.spec.proposers import AR, DDTree, DFlash, Proposer
+from ddscope.spec.sampling import SamplingParams, TokenLogprob
+from ddscope.spec.stats import GenerationStats
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class Engine:
+    """The engine: sequences added at any time are decoded together, one batched step at a time
+    (ddscope.engine.scheduler, ddscope.engine.runner); `stream` and `generate` follow one of them."""
+
+    def __init__(self, target: Target | HFTarget, drafter: Drafter | None, tokenizer, source: Path, max_model_len: int,
+                 default_budget: int | str = 32, kv_cache_mb: int = KV_CACHE_MB, prefix_cache: bool = True,
+                 prefill_threads: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS):
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.source, self.model_name = str(source.resolve()), source.name
+        self.max_model_len, self.default_budget = max_model_len, default_budget
+        self.verify_cost: VerifyCost | None = None  # calibrated on first use of budget="auto"
+        self.learned = LearnedBySampler()  # auto's model of the pair, across requests
+        self.device = target.lm_head.weight.device
+        self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
+        self.kv_cache_mb, self.prefill_threads = kv_cache_mb, prefill_threads
+        self.pool, blocks = (sized_pool(target, drafter, max_model_len, kv_cache_mb, prefix_cache, max_num_seqs)
+                             if isinstance(target, Target) else (None, None))
+        self.scheduler = Scheduler(blocks, max_num_seqs, max_prefill_tokens)
+        self.runner = Runner(target, drafter, prefill_threads)
+
+    @classmethod
+    def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
+             dtype: str = "float32", max_model_len: int | None = None, target_backend: str = "auto",
+             device_map: str | None = None, kv_cache_mb: int = KV_CACHE_MB, prefix_cache: bool = True,
+             prefill_threads: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
+             max_prefill_tokens: int = MAX_PREFILL_TOKENS) -> "Engine":
+        """`target_backend`: the native Qwen3/Llama model where it applies (auto), or transformers for any
+        other causal LM (ddscope.models.hf_target); `device_map` (transformers) shards a target over several GPUs."""
+        if target is None:
+            target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        target_dir = Path(target)
+        if not target_dir.is_dir():
+            raise CheckpointError(f"target checkpoint directory not found: {target_dir}")
+        model = load_target(target_dir, torch.device(device), getattr(torch, dtype), target_backend, device_map)
+        draft = Drafter.load(Path(drafter), model) if drafter is not None else None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{target_dir}: no usable tokenizer ({e})") from e
+        limit = model.cfg.max_position_embeddings
+        if max_model_len is not None and not 1 < max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
+        return cls(model, draft, tokenizer, target_dir, max_model_len or limit, kv_cache_mb=kv_cache_mb,
+                   prefix_cache=prefix_cache, prefill_threads=prefill_threads, max_num_seqs=max_num_seqs,
+                   max_prefill_tokens=max_prefill_tokens)
+
+    def with_drafter(self, drafter: str | Path) -> "Engine":
+        """Another engine over this one's target (weights shared, caches its own), with another drafter:
+        two drafters compared side by side in one process."""
+        return Engine(self.target, Drafter.load(Path(drafter), self.target), self.tokenizer, Path(self.source),
+                      self.max_model_len, self.default_budget, self.kv_cache_mb, prefill_threads=self.prefill_threads,
+                      max_num_seqs=self.scheduler.max_num_seqs,
+                      max_prefill_tokens=self.scheduler.max_prefill_tokens)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return METHODS if self.drafter is not None else ("ar",)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.cfg.vocab_size
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def check(self, method: str, budget: int | str | None) -> None:
+        """Raise ValueError unless `method` and `budget` can be served; touches no state (any thread)."""
+        if method not in self.methods:
+            raise ValueError(f"unknown or unavailable method {method!r}; available: {', '.join(self.methods)}")
+        budget = self.default_budget if budget is None else budget
+        if method == "ddtree" and budget != "auto" and (
+                not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET):
+            raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
+
+    def calibrate(self) -> None:
+        """Time the verify cost `auto` needs (or read it from the cache on disk), now rather than at the first
+        `auto` request: a server calls this on its load thread, before it serves anything."""
+        if self.drafter is not None and self.verify_cost is None:
+            self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
+            self.runner.budget = BatchBudget(self.verify_cost)
+
+    def proposer(self, method: str, budget: int | str | None, sampling: SamplingParams = SamplingParams(),
+                 lookup: bool = True) -> Proposer:
+        """A fresh proposer; `lookup=False` leaves the prompt-lookup branch out of `ddtree` (the drafter alone)."""
+        self.check(method, budget)
+        if method == "ar":
+            return AR()
+        if method == "dflash":
+            return DFlash()
+        budget = self.default_budget if budget is None else budget
+        if budget == "auto":
+            self.calibrate()
+            return DDTree(AutoBudget(self.verify_cost, self.learned.under(sampling, lookup),
+                                     block=self.drafter.block_size), lookup)
+        return DDTree(budget, lookup)
+
+    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[Step]:
+        """`follow(sequence(prompt, **kwargs))`: validate now (ValueError), then yield the prefill's token as
+        the first Step (the sequence joins the batch at the first `next`) and one Step per verify round after
+        it. Other sequences in the engine (other streams, `add`ed ones) advance in the same steps. Closing the
+        iterator cancels generation at the next step."""
+        return self.follow(self.sequence(prompt, **kwargs))
+
+    def sequence(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
+                 budget: int | str | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 min_p: float = 0.0, seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
+                 stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, lookup: bool = True, repetition_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, cache_salt: str | None = None,
+                 priority: int = 0) -> Sequence:
+        """A validated request, not yet added; raises ValueError on bad input.
+
+        `stop_token_ids` end a generation as EOS does (the token kept, its text only with
+        `include_stop_str_in_output`, as vLLM), also under `ignore_eos`. `logit_bias`, `allowed_token_ids`,
+        `bad_words` and the three penalties are the target's law at every node (ddscope.spec.law). `logprobs` (top
+        N >= 0) puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
+        (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
+        out of `ddtree` trees (the drafter alone). `cache_salt` keeps its prefix-cache entries apart from other
+        salts'; `priority` orders admission, lower first (vLLM's priority policy).
+        """
+        ids = self.encode(prompt)
+        check_request(len(ids), self.max_model_len, self.vocab_size, max_new_tokens, min_tokens, stop,
+                      stop_token_ids, logit_bias, logprobs, prompt_logprobs)
+        eos = () if ignore_eos else tuple(self.eos_ids)
+        stops = tuple(stop_token_ids or ())
+        law = Law(dict(logit_bias or {}), eos + stops, min_tokens,
+                  tuple(allowed_token_ids) if allowed_token_ids is not None else None,
+                  bad_word_ids(self.tokenizer, bad_words or [], self.vocab_size), repetition_penalty,
+                  frequency_penalty, presence_penalty)
+        law.check(self.vocab_size)
+        sampling = SamplingParams(temperature, top_p, top_k, seed, min_p)
+        proposer = self.proposer(method, budget, sampling, lookup)
+        generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
+        pages = Pages(device=self.device, salt=cache_salt)
+        decoder = Decoder(self.target, self.drafter, proposer, sampling, generator, law, logprobs)
+        stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
+        completion = Completion(self.tokenizer, eos, max_new_tokens, min_tokens, stop or [], stops,
+                                include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens)
+        seq = Sequence(ids, decoder, completion, stats, pages, prompt_logprobs, priority)
+        seq.caches = lambda: self._caches(pages, len(ids) + max_new_tokens)
+        if self.pool is not None:  # views of its pages, which hold nothing until admission
+            decoder.attach(*seq.caches())
+        return seq
+
+    def _caches(self, pages: Pages, length: int) -> tuple:
+        """A sequence's target and drafter caches: its pages of the pool, or (transformers) its own, made only
+        when it is admitted (Scheduler._admit), so that a queue holds no memory."""
+        if self.pool is not None:
+            return self.pool.target_cache(pages), self.pool.drafter_cache(pages) if self.drafter else None
+        room = length + MAX_BUDGET + LOOKUP_MAX + 1  # + root, tree, lookup
+        return self.target.new_cache(room), self.drafter.new_cache(room) if self.drafter else None
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq`; `step` advances it with the rest and puts its Steps in its outbox."""
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop `seq` wherever it is (a cancelled request); its blocks go back to the pool."""
+        self.scheduler.finish(seq, keep=seq.error is None)
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.busy
+
+    @property
+    def waiting(self) -> int:
+        """Sequences added but not running (not admitted yet, or preempted)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted so far (their blocks taken back when the pool ran out)."""
+        return self.scheduler.preemptions
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts one step can accept: a drafter block less its root, or a prompt-lookup branch."""
+        return max(LOOKUP_MAX, self.drafter.block_size - 1 if self.drafter is not None else 0)
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the pool's blocks that running sequences hold (0 without a pool)."""
+        blocks = self.scheduler.blocks
+        return blocks.used / blocks.blocks if blocks is not None else 0.0
+
+    def step(self) -> StepReport:
+        """One batched step over the sequences the scheduler picks; finished ones leave the batch."""
+        batch = self.scheduler.schedule()
+        report = self.runner.step(batch)
+        for seq, error in report.failed:  # its cache rewound: it leaves, and offers no block to the prefix cache
+            seq.error = error
+            self.scheduler.finish(seq, keep=False)
+        for seq in self.scheduler.running[:]:
+            if seq.finished:
+                self.scheduler.finish(seq)
+            elif seq in batch.decodes or any(s is seq for s, _ in batch.prefills):
+                self.scheduler.register(seq)
+        return report
+
+    def follow(self, seq: Sequence) -> Iterator[Step]:
+        """Add `seq` (at the first `next`) and yield its Steps as the engine steps; closing stops it."""
+        self.add(seq)
+        try:
+            while True:
+                while not seq.outbox:
+                    if seq.error is not None:
+                        raise seq.error
+                    if seq.finished:
+                        return
+                    self.step()
+                step = seq.outbox.popleft()
+                yield step
+                if step.finish_reason:
+                    return
+        finally:
+            if not seq.finished:
+                self.abort(seq)
+
+    def generate(self, prompt: str | list[int], **kwargs) -> Generation:
+        steps = list(self.stream(prompt, **kwargs))
+        ids = [t for s in steps for t in s.token_ids]
+        text = "".join(s.text for s in steps)
+        last = steps[-1]
+        logprobs = [lp for s in steps for lp in s.logprobs] if last.logprobs is not None else None
+        return Generation(text, ids, last.finish_reason, last.stats.prompt_tokens, last.stats, logprobs,
+                          steps[0].prompt_logprobs)
+
+
+def load_engine(args: argparse.Namespace, **kw: Any) -> Engine:
+    """The engine named by the options of ddscope.util.options.add_model_args."""
+    return Engine.load(args.target, args.drafter, device=args.device, dtype=args.dtype,
+                       prefill_threads=args.prefill_threads, **kw)

@@ -1,0 +1,127 @@
+"""The decoder's building blocks, shared by the target (ddscope.models.target) and the drafter: RMSNorm, RoPE,
+attention projections and the grouped-query mix, the MLP and one decoder layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddscope.config import DecoderGeometry
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as transformers does, so logits match at low precision too; one fused kernel.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [n, head_dim] for the given absolute positions."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class RopeTable:
+    """cos/sin for positions [0, n), grown by doubling; a lookup is cheaper than recomputing per step."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self.cos = self.sin = torch.empty(0)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > len(self.cos) or self.cos.dtype != dtype or self.cos.device != positions.device:
+            size = max(need, 2 * len(self.cos), 256)
+            self.cos, self.sin = rope(torch.arange(size, device=positions.device), self.head_dim, self.theta, dtype)
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Projections and norms of one attention block; the callers decide what attends to what."""
+
+    def __init__(self, g: DecoderGeometry, bias: bool = False):
+        super().__init__()
+        self.g = g
+        self.q_proj = nn.Linear(g.hidden_size, g.num_heads * g.head_dim, bias=bias)
+        self.k_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=bias)
+        self.v_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=bias)
+        self.o_proj = nn.Linear(g.num_heads * g.head_dim, g.hidden_size, bias=False)
+        if g.qk_norm:
+            self.q_norm = RMSNorm(g.head_dim, g.rms_norm_eps)
+            self.k_norm = RMSNorm(g.head_dim, g.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return x.view(x.shape[0], n_heads, self.g.head_dim).transpose(0, 1)  # [heads, n, d]
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(x.shape[0], self.g.num_heads, self.g.head_dim)
+        if self.g.qk_norm:
+            q = self.q_norm(q)
+        return apply_rope(q.transpose(0, 1), cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k_proj(x).view(x.shape[0], self.g.num_kv_heads, self.g.head_dim)
+        if self.g.qk_norm:
+            k = self.k_norm(k)
+        v = self._heads(self.v_proj(x), self.g.num_kv_heads)
+        return apply_rope(k.transpose(0, 1), cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool = False) -> torch.Tensor:
+        """`mix` through the output projection."""
+        return self.o_proj(self.mix(q, k, v, mask, causal))
+
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            causal: bool = False) -> torch.Tensor:
+        """q [heads, n, d] over k, v [kv_heads, S, d] -> [n, heads * d]. `mask`: boolean [n, S] (True = may
+        attend), or the additive bias of `grouped_bias`, which runs the queries grouped; None: all keys (or
+        `causal`)."""
+        heads, n, d = q.shape
+        if causal or (mask is not None and mask.dtype == torch.bool):
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                                 enable_gqa=heads != k.shape[0])[0]
+        else:  # the query heads of one K/V head as one head of group * n rows: K/V are read once per group
+            grouped = q.reshape(k.shape[0], -1, d)
+            out = F.scaled_dot_product_attention(grouped[None], k[None], v[None], attn_mask=mask)[0]
+        return out.reshape(heads, n, d).transpose(0, 1).reshape(n, -1)
+
+
+def grouped_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean [n, S] mask as an additive bias for `Attention.attend`'s grouped queries: rows repeated for
+    each of the `group` query heads that share a K/V head. Built once per forward, shared by the layers.
+    For a few queries over a long context this is SDPA's fastest CPU path: each K/V head is read once."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return bias.repeat(group, 1) if group > 1 else bias
+
+
+class MLP(nn.Module):
+    def __init__(self, g: DecoderGeometry):
+        super().__init__()
+        self.gate_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(g.intermediate_size, g.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, g: DecoderGeometry, bias: bool = False):
+        super().__init__()
+        self.input_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.self_attn = Attention(g, bias)
+        self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.mlp = MLP(g)

@@ -1,0 +1,128 @@
+"""The per-request `auto` policy: whether to draft this round, and the tree size that maximises expected
+tok/s (the model in ddscope.policy.cost's docstring)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ddscope.policy.cost import VerifyCost
+from ddscope.policy.learn import Acceptance, Learned, average, clipped
+from ddscope.spec.lookup import LOOKUP_MAX
+from ddscope.spec.proposers import MAX_AUTO_BUDGET
+from ddscope.spec.stats import RoundStats
+from ddscope.spec.tree import DraftTree, grow, top_k
+
+# Decayed count of plain rounds (0.95 a round) below which `auto` runs one plain round: about every 60
+# rounds, so that what a plain round costs and commits is measured, not assumed.
+PLAIN_EVIDENCE = 0.05
+
+
+class AutoBudget:
+    """Per-generation policy: `drafts` and `tree` before each verify, `observe` after.
+
+    When recent drafted rounds commit tokens clearly more slowly than plain rounds would (below
+    `skip_below` of their rate: a drafter out of its distribution, or a loop that prompt lookup alone
+    drafts whole, so the drafter adds nothing but its cost), it stops drafting and probes
+    with a draft after 1, 2, 4 ... `probe_every` plain rounds; a probe that pays resumes drafting. None is
+    sent while plain rounds commit nearly a block (a loop lookup drafts whole), more than a draft can add;
+    the rule does not use step times, so a stall cannot shut a good drafter out. The gap
+    carries over to the next request: a probe costs a draft and a tree (a few plain rounds' time), so
+    restarting at 1 cost each short sampled request about a tenth.
+    Near break-even it keeps drafting: a drafted round also measures the drafter, so it sees at once
+    when the text turns predictable, while a plain round learns nothing about the drafter.
+    """
+
+    def __init__(self, cost: VerifyCost, learned: Learned | None = None, probe_every: int = 128,
+                 warmup: int = 4, skip_below: float = 0.9, block: int = LOOKUP_MAX + 1):
+        self.cost, self.probe_every, self.warmup, self.skip_below = cost, probe_every, warmup, skip_below
+        self.block = block  # the most a drafted round commits: the drafter's block
+        self.learned = learned or Learned()
+        self.since_draft = 0
+        self.last_choice = MAX_AUTO_BUDGET
+        self._chosen: list[tuple[int, float, bool]] = []  # per chosen node: parent, drafter log-p, top-1
+        self._prepared: tuple[list[list[float]], DraftTree] | None = None
+        self.size: int | None = None  # this round's size, when a batch's budget chose it
+
+    @property
+    def acceptance(self) -> Acceptance:
+        return self.learned.acceptance
+
+    def drafts(self, ctx: int, lookup: tuple[float, int] = (0.0, 0)) -> bool:
+        """`lookup`: what a plain round's prompt-lookup branch would add, (expected accepted tokens, length)."""
+        if self.learned.drafted_rounds >= self.warmup and self.learned.plain_evidence < PLAIN_EVIDENCE:
+            return False  # a plain round now and then, so that what one costs is measured, not assumed
+        if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx, *lookup):
+            self.learned.probe_gap = 1
+            return True
+        if self.since_draft >= self.learned.probe_gap and 1 + lookup[0] < self.skip_below * self.block:
+            self.learned.probe_gap = min(2 * self.learned.probe_gap, self.probe_every)
+            return True
+        return False
+
+    def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
+        m = self.learned
+        tokens = 1 + lookup_len
+        plain_ms = self.cost.at(ctx, tokens) * (m.plain_ratio or m.cost.at(tokens))
+        return m.committed / m.drafted_ms > self.skip_below * (1 + lookup_gain) / plain_ms
+
+    def candidates(self) -> int:
+        """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
+        return min(MAX_AUTO_BUDGET, max(16, self.last_choice * 3 // 2 + 4))
+
+    def prepare(self, root: int, logprobs: torch.Tensor) -> list[float]:
+        """Build the candidate tree (best-first on calibrated acceptance chances) ahead of `tree`; return its
+        nodes' log-chances, in pop order, for a batch's budget to size it (`size` then set)."""
+        budget = self.candidates()
+        drafted, idx = top_k(logprobs, budget)
+        self._prepared = drafted, grow(root, idx, budget, self.acceptance.scorer(drafted))
+        return self._prepared[1].scores[1:]
+
+    def tree(self, root: int, logprobs: torch.Tensor, ctx: int) -> DraftTree:
+        """The candidate tree's prefix with the best expected tok/s (or of the size a batch's budget chose)."""
+        if self._prepared is None:
+            self.prepare(root, logprobs)
+        drafted, full = self._prepared
+        n = self.size if self.size is not None else self._size(full.scores[1:], ctx)
+        self._prepared, self.size = None, None
+        self._chosen = [(full.parents[i], drafted[full.depths[i] - 1][full.ranks[i]], full.ranks[i] == 0)
+                        for i in range(1, n + 1)]
+        return full.prefix(n)
+
+    def _size(self, log_chances: list[float], ctx: int) -> int:
+        """argmax over B of (1 + expected accepted tokens) / expected step ms."""
+        verify = self.cost.curve(ctx)
+        draft = self.learned.draft_ms or verify[0]  # before any draft: a forward's worth
+        best, best_rate, accepted = 1, 0.0, 1.0
+        for n, log_chance in enumerate(log_chances, start=1):  # n draft nodes + the root
+            accepted += math.exp(log_chance)
+            rate = accepted / (draft + verify[n] * self.learned.cost.at(n + 1))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        self.last_choice = best
+        return best
+
+    def observe(self, rnd: RoundStats, path: list[int]) -> None:
+        if rnd.batch > 1:  # its times are a batch's (BatchBudget's to learn): only the acceptance is news
+            if rnd.drafted:
+                self._observe_acceptance(path)
+            return
+        m = self.learned
+        m.plain_evidence = 0.95 * m.plain_evidence + (not rnd.drafted)
+        if not rnd.drafted:  # its cost is news (a prompt-lookup branch may have been verified)
+            ratio = rnd.step_ms / self.cost.at(rnd.ctx_len, rnd.nodes + 1)
+            m.plain_ratio = average(m.plain_ratio, clipped(ratio, m.plain_ratio))
+            self.since_draft += 1
+            return
+        self.since_draft = 0
+        m.drafted_rounds += 1
+        m.committed = average(m.committed, rnd.committed)
+        m.drafted_ms = average(m.drafted_ms, clipped(rnd.step_ms, m.drafted_ms))
+        m.draft_ms = average(m.draft_ms, rnd.draft_ms)
+        m.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self.cost.at(rnd.ctx_len, rnd.nodes + 1))
+        self._observe_acceptance(path)
+
+    def _observe_acceptance(self, path: list[int]) -> None:
+        on_path = set(path)  # a token is tested only if its parent was accepted
+        self.acceptance.update([(logp, top1, i in on_path) for i, (parent, logp, top1)
+                                in enumerate(self._chosen, start=1) if parent in on_path])

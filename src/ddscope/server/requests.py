@@ -1,0 +1,137 @@
+"""A request body as the engine's arguments: prompt and chat token ids (with their length checks),
+truncation, and the sampling and law parameters of each choice."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
+
+from ddscope.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from ddscope.server.state import ServerState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ddscope.engine import Engine
+
+DEFAULT_MAX_TOKENS = 16  # /v1/completions, as in the OpenAI API; chat defaults to the rest of the context
+PROMPT_CHARS_PER_TOKEN = 32  # a text prompt longer than this x max_model_len cannot fit: refused before tokenizing
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, prompt: str | list[int],
+                special: bool = False) -> list[int]:
+    if isinstance(prompt, list):
+        bad = [t for t in prompt if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}", param="prompt",
+                           code="invalid_token_id")
+        return prompt
+    return _encode_text(tokenizer, prompt, "prompt", engine.max_model_len, special)
+
+
+def truncate(ids: list[int], req: SamplingRequest, engine: Engine) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last N tokens (after the chat template); -1 is max_model_len - 1."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return ids
+    n = engine.max_model_len - 1 if n == -1 else n
+    if not 0 < n <= engine.max_model_len:
+        raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} must be -1 or in "
+                            f"[1, max_model_len = {engine.max_model_len}]", param="truncate_prompt_tokens",
+                       code="invalid_parameter")
+    return ids[-n:]
+
+
+def check_text(text: str, param: str, max_model_len: int) -> None:
+    """Text that cannot be tokenized, or is too long to fit any context, is refused before the tokenizer runs."""
+    if len(text) > PROMPT_CHARS_PER_TOKEN * max_model_len:
+        raise APIError(400, f"{param}: {len(text)} characters, over the {PROMPT_CHARS_PER_TOKEN * max_model_len} "
+                            f"that could fit max_model_len ({max_model_len})", param=param, code="prompt_too_long")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # JSON can carry lone surrogates ("\ud800"); tokenizers reject them
+        raise APIError(400, f"{param}: not valid Unicode (a lone surrogate)", param=param,
+                       code="invalid_parameter") from None
+
+
+def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str, max_model_len: int,
+                 special: bool) -> list[int]:
+    check_text(text, param, max_model_len)
+    # Too long to fit is refused first, so the tokenizer's own too-long warning never fires; `special`: the
+    # request's add_special_tokens (a chat template spells out its own, so chat's default adds none).
+    ids = tokenizer.encode(text, add_special_tokens=special, verbose=False)
+    if not ids:
+        raise APIError(400, f"{param}: tokenizes to no tokens", param=param, code="empty_prompt")
+    return ids
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, req: ChatCompletionRequest) -> list[int]:
+    if not tokenizer.chat_template:
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                       param="messages", code="no_chat_template")
+    messages = [m.template_dict() for m in req.messages]
+    for m in messages:
+        check_text(m["content"], "messages", engine.max_model_len)
+    # vLLM's merge: the request's template variables, then the top-level flags over them
+    kwargs = {**(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
+              "continue_final_message": req.continue_final_message}
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except (TemplateError, ValueError, TypeError) as e:  # a template's raise_exception, or a bad conversation
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages",
+                       code="invalid_messages") from None
+    return _encode_text(tokenizer, text, "messages", engine.max_model_len, bool(req.add_special_tokens))
+
+
+def engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) -> dict[str, Any]:
+    engine = state.engine
+    method = req.method or state.config.method
+    budget = req.budget if req.budget is not None else state.config.budget
+    try:
+        engine.check(method, budget)  # pure: the proposer itself is made on the engine thread
+    except ValueError as e:
+        raise APIError(400, str(e), param="method" if method not in engine.methods else "budget",
+                       code="invalid_parameter") from None
+    room = engine.max_model_len - prompt_len
+    max_tokens = req.requested_max_tokens()
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else room
+    if max_tokens > room or room < 1:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                            f"({engine.max_model_len})", param="max_tokens" if room >= 1 else "prompt",
+                       code="context_length_exceeded")
+    if req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
+                       param="min_tokens", code="invalid_parameter")
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    for name, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", bias),
+                      ("allowed_token_ids", req.allowed_token_ids or [])):
+        if any(not 0 <= t < engine.vocab_size for t in ids):
+            raise APIError(400, f"{name}: token ids must be in [0, {engine.vocab_size})", param=name,
+                           code="invalid_token_id")
+    logprobs = req.top_logprobs_wanted()
+    if req.best_of is not None and req.best_of > req.n and logprobs is None:
+        logprobs = 0  # best_of ranks its choices by their tokens' log-probs
+    return {"max_new_tokens": max_tokens, "method": method, "budget": budget, "temperature": req.temperature,
+            "top_p": req.top_p, "top_k": max(req.top_k, 0), "min_p": req.min_p, "seed": req.seed,
+            "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "stop": req.stop,
+            "stop_token_ids": req.stop_token_ids, "logit_bias": bias or None, "logprobs": logprobs,
+            "prompt_logprobs": _prompt_logprobs_wanted(req), "repetition_penalty": req.repetition_penalty,
+            "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+            "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
+            "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens,
+            "spaces_between_special_tokens": req.spaces_between_special_tokens, "cache_salt": req.cache_salt,
+            "priority": req.priority}
+
+
+def _prompt_logprobs_wanted(req: SamplingRequest) -> int | None:
+    """vLLM: the field, or on a completions echo the logprobs asked for (completion/protocol.py:373-375)."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
+
+
+def child_params(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """The `index`-th of a request's n choices: seeded at seed + index, as vLLM's parallel sampling."""
+    return params if params["seed"] is None else {**params, "seed": params["seed"] + index}

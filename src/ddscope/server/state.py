@@ -1,0 +1,79 @@
+"""The server's state: its config, the engine and its worker once loaded, and the private tokenizer thread."""
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ddscope.server.metrics import ServerMetrics
+from ddscope.server.schemas import APIError
+from ddscope.server.worker import EngineWorker
+
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ddscope.engine import Engine
+
+T = TypeVar("T")
+
+
+
+@dataclass
+class ServerConfig:
+    method: str = "ddtree"  # default for requests that do not name one
+    budget: int | str | None = None  # None: the engine's default_budget
+    max_queue: int = 64
+    request_timeout: float = 600.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    log_interval: float = 10.0
+    spec_decode_metrics: str = "summary"  # vLLM's --per-request-spec-decode-metrics: none, summary or detailed
+    per_request_metrics: bool = False     # vLLM's --enable-per-request-metrics: the timing fields too
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.engine: Engine | None = None
+        self.worker: EngineWorker | None = None
+        self.load_error: str | None = None
+        # Tokenization stays off both the event loop and the engine thread: a private copy of the
+        # tokenizer on one thread, since HF fast tokenizers are not safe to share across threads.
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self._tok_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddscope-tokenize")
+
+    def attach(self, engine: Engine) -> None:
+        if self.config.method not in engine.methods:
+            raise ValueError(f"default method {self.config.method!r} is not available for this checkpoint "
+                             f"(available: {', '.join(engine.methods)}); pass a drafter or --method ar")
+        engine.check(self.config.method, self.config.budget)  # fail at startup on a bad default budget
+        engine.calibrate()  # here, on the load thread: never on the event loop, never beside a decode
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.worker = EngineWorker(engine, self.metrics.bind(engine.model_name), max_queue=self.config.max_queue,
+                                   log_interval=self.config.log_interval)
+        self.engine = engine  # last: /health turns 200 only when everything is in place
+
+    def drain(self, grace: float | None) -> None:
+        """Refuse new requests, give those in flight `grace` seconds, then answer the rest 503. The handlers
+        still render their answers (tokenizer thread and all) until close()."""
+        if self.worker is not None:
+            self.worker.close(grace)
+
+    def close(self) -> None:
+        self.drain(0.0)
+        self._tok_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tok_thread, fn, *args)
+
+
+def engine_of(state: ServerState) -> Engine:
+    if state.engine is None:
+        raise APIError(503, "the model is still loading" if state.load_error is None
+                       else f"the model failed to load: {state.load_error}", code="model_not_ready",
+                       headers={"Retry-After": "5"})
+    return state.engine

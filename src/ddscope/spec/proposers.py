@@ -1,0 +1,150 @@
+"""Decoding strategies as proposers: each turns the drafter's block into the tree to verify.
+
+`ar` verifies the root alone, `dflash` the drafter's greedy chain, `ddtree` a best-first tree.
+The engine loop (verify, walk, commit) is the same for all three.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+import torch
+
+from ddscope.spec.lookup import LOOKUP_MAX, Lookup
+from ddscope.spec.sampling import SamplingParams, first_max
+from ddscope.spec.stats import RoundStats
+from ddscope.spec.tree import DraftTree, best_first, chain, root_only
+
+MAX_AUTO_BUDGET = 64  # the largest tree an adaptive budget may build
+
+
+class BudgetPolicy(Protocol):
+    """An adaptive tree size (ddscope.policy.auto.AutoBudget): asked before each round, told after it."""
+
+    def drafts(self, ctx: int, lookup: tuple[float, int] = (0.0, 0)) -> bool: ...
+
+    def tree(self, root: int, logprobs: torch.Tensor, ctx: int) -> DraftTree: ...
+
+    def observe(self, rnd: RoundStats, path: list[int]) -> None: ...
+
+
+class Proposer(ABC):
+    uses_drafter = True
+
+    def drafts(self, ctx_len: int) -> bool:
+        """Whether to run the drafter this round."""
+        return self.uses_drafter
+
+    @abstractmethod
+    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
+             history: list[int] = ()) -> DraftTree:
+        """The tree to verify this round, rooted at the last committed token (`history`'s last)."""
+
+    def max_nodes(self, block: int) -> int:
+        """The most draft nodes a round verifies (what a sequence reserves cache slots for)."""
+        return block - 1
+
+    def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
+        """Feedback after each round: its stats, accepted node indices and the tokens it committed (the
+        target's own, whatever the tree); only adaptive proposers use it."""
+
+
+class AR(Proposer):
+    uses_drafter = False
+
+    def max_nodes(self, block: int) -> int:
+        return 0
+
+    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
+             history: list[int] = ()) -> DraftTree:
+        return root_only(root)
+
+
+class DFlash(Proposer):
+    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
+             history: list[int] = ()) -> DraftTree:
+        return chain(root, first_max(draft_logits).tolist())
+
+
+class DDTree(Proposer):
+    """The drafter's best-first tree, plus a prompt-lookup branch (ddscope.spec.lookup) when the text has one.
+
+    The branch is as long as recent rounds earned: `2 x` the decayed mean of lookup's score, plus 1, up to
+    LOOKUP_MAX, so a loop gets whole blocks. A round scores lookup's whole proposal, grafted or not,
+    against the tokens it committed (the target's own, whatever the tree): the tokens it got right before
+    its first miss. So lookup is measured at no verify cost where it has stopped paying (sampling, text
+    that does not repeat), and a loop the drafter already commits is seen within a round, not over the
+    rounds a branch takes to grow. (A verified 1-token probe doubles what a plain round of `auto`
+    verifies, which costs at long context: docs/performance.md measures it.) `auto` weighs the branch as what a round without the drafter would commit, once
+    `TRUSTED_AFTER` rounds have measured it. In a batch, the branch competes with every tree's nodes for
+    the step's rows (BatchBudget), and gets the length it wins there, at most what it earned.
+    """
+
+    TRUSTED_AFTER = 4
+
+    def __init__(self, budget: int | BudgetPolicy, lookup: bool = True):
+        self.policy = None if isinstance(budget, int) else budget
+        self.budget = "auto" if self.policy else budget
+        self.lookup = Lookup() if lookup else None
+        self.lookup_gain = 1.0  # decayed mean of lookup's score a round
+        self.rounds = 0
+        self._proposal: list[int] = []  # lookup's continuation this round, grafted or not
+        self._proposed_at = -1  # the history length `_proposal` continues
+        self.branch: int | None = None  # this round's branch length, when a batch's budget chose it
+
+    def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
+             history: list[int] = ()) -> DraftTree:
+        if draft_logits is None:  # the policy skipped drafting
+            tree = root_only(root)
+        elif self.policy is None:
+            tree = best_first(root, sampling.log_probs(draft_logits), self.budget)
+        else:
+            tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len)
+        self.rounds += 1
+        if self.lookup is not None and history:
+            earned = self._propose(history)
+            length = earned if self.branch is None else min(self.branch, earned)
+            if length:
+                tree.graft(self._proposal[:length])
+        self.branch = None
+        return tree
+
+    def branch_chances(self, history: list[int]) -> list[float]:
+        """Log-chances of the branch's tokens (as long as recent rounds earned), for a batch's budget to size
+        against the trees' nodes (`branch` then set). Lookup's decayed score g is read as a chance
+        p = g / (1 + g) per token in a row, so that the expected run of hits, p / (1 - p), is g."""
+        length = self._propose(history) if self.lookup is not None and history else 0
+        if not length:
+            return []
+        log_p = math.log(self.lookup_gain / (1 + self.lookup_gain))
+        return [k * log_p for k in range(1, length + 1)]
+
+    def _propose(self, history: list[int]) -> int:
+        """Lookup's continuation of `history` (once a round); returns the length of branch recent rounds earned."""
+        if self._proposed_at != len(history):
+            self._proposal, self._proposed_at = self.lookup.propose(history, LOOKUP_MAX), len(history)
+        return min(len(self._proposal), self._branch_length())
+
+    def max_nodes(self, block: int) -> int:
+        return (MAX_AUTO_BUDGET if self.policy else self.budget) + LOOKUP_MAX
+
+    def _branch_length(self) -> int:
+        """What recent rounds earned; 0 once lookup stopped paying (it is still scored, unverified)."""
+        return 0 if self.lookup_gain < 0.2 else min(LOOKUP_MAX, int(2 * self.lookup_gain + 1))
+
+    def drafts(self, ctx_len: int) -> bool:
+        if self.policy is None:
+            return True
+        if self.lookup is None or self.rounds < self.TRUSTED_AFTER:
+            return self.policy.drafts(ctx_len)
+        return self.policy.drafts(ctx_len, (self.lookup_gain, self._branch_length()))
+
+    def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
+        if self.lookup is not None:
+            hits = next((i for i, (a, b) in enumerate(zip(self._proposal, committed)) if a != b),
+                        min(len(self._proposal), len(committed)))
+            self.lookup_gain = 0.7 * self.lookup_gain + 0.3 * hits
+            self._proposal, self._proposed_at = [], -1
+        if self.policy is not None:
+            self.policy.observe(rnd, path)
