@@ -9,6 +9,9 @@ from torch import nn
 from ddscope.config import DecoderGeometry
 
 
+BMM_ATTENTION = (torch.float32,)  # dtypes whose masked grouped attention runs as two batched products
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -95,7 +98,12 @@ class Attention(nn.Module):
                                                  enable_gqa=heads != k.shape[0])[0]
         else:  # the query heads of one K/V head as one head of group * n rows: K/V are read once per group
             grouped = q.reshape(k.shape[0], -1, d)
-            out = F.scaled_dot_product_attention(grouped[None], k[None], v[None], attn_mask=mask)[0]
+            if mask is not None and q.dtype in BMM_ATTENTION and q.device.type == "cpu":
+                # a tree's rows over its context: MKL's batched products beat SDPA's CPU kernel (docs/performance.md)
+                scores = torch.baddbmm(mask.expand(k.shape[0], -1, -1), grouped, k.transpose(1, 2), alpha=d ** -0.5)
+                out = torch.bmm(scores.softmax(-1), v)
+            else:
+                out = F.scaled_dot_product_attention(grouped[None], k[None], v[None], attn_mask=mask)[0]
         return out.reshape(heads, n, d).transpose(0, 1).reshape(n, -1)
 
 
@@ -125,3 +133,61 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(g, bias)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.mlp = MLP(g)
+
+
+class PackedLinear(nn.Module):
+    """A bf16 linear whose weight oneDNN reordered once for this CPU's matrix units: a decode step's
+    matrix-vector products read it faster than a row-major weight, and any number of rows gets each row's
+    result bitwise as one row alone does (docs/performance.md, bf16 on CPU)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1),
+                             persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none",
+                                               [None], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class ColumnLinear(nn.Linear):
+    """An fp32 linear that takes a few rows (a tree's verify) as W @ x^T: MKL's product of that shape reads
+    the weight faster than x @ W^T does (docs/performance.md, The engine at its floor); one row or many
+    (a decode, a prefill) go the usual way."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if not 1 < rows <= COLUMN_ROWS:
+            return super().forward(x)
+        y = torch.mm(self.weight, x.reshape(rows, self.in_features).t()).t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+COLUMN_ROWS = 64
+
+
+def packs(weight: torch.Tensor) -> bool:
+    """Whether PackedLinear serves this weight: bf16 on a CPU whose oneDNN has native bf16."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linears(layers: nn.ModuleList) -> None:
+    """Every projection of `layers` as a PackedLinear where `packs` says so, else as a ColumnLinear (inference
+    only: a packed weight takes no gradient)."""
+    for layer in layers:
+        for block in (layer.self_attn, layer.mlp):
+            for name, child in list(block.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(block, name, PackedLinear(child) if packs(child.weight) else _columns(child))
+
+
+def _columns(linear: nn.Linear) -> ColumnLinear:
+    out = ColumnLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    out.weight, out.bias = linear.weight, linear.bias
+    return out

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ddscope.config import DecoderGeometry, TargetConfig
-from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias
+from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias, pack_linears
 from ddscope.models.weights import load_into, read_state_dict
 
 
@@ -115,7 +115,10 @@ class Target(nn.Module):
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         load_into(model, {k: v for k, v in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")},
                   directory, optional)
-        return model.to(dtype).eval()
+        model = model.to(dtype).eval()
+        if model.lm_head.weight.device.type == "cpu":
+            pack_linears(model.model.layers)
+        return model
 
     def new_cache(self, capacity: int) -> KVCache:
         p = self.lm_head.weight
