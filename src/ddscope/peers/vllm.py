@@ -117,12 +117,13 @@ def _peer(cmd: list[str], port: int, log_path: Path, startup_timeout_s: float,
 
 @contextmanager
 def vllm_server(target: Path, drafter: Path | None, log_path: Path, extra: tuple[str, ...] = (),
-                startup_timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None) -> Iterator[str]:
-    """A vLLM server on a free 127.0.0.1 port (DFlash with `drafter`, plain without); yields its URL.
-    `env` adds to the environment (e.g. ALL_CORES). Raises PeerUnavailable when it cannot be installed or
-    does not come up."""
+                startup_timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None,
+                num_spec: int = 15) -> Iterator[str]:
+    """A vLLM server on a free 127.0.0.1 port (DFlash with `drafter` drafting `num_spec` tokens, plain without);
+    yields its URL. `env` adds to the environment (e.g. ALL_CORES). Raises PeerUnavailable when it cannot be
+    installed or does not come up."""
     python, port = ensure_installed(), free_port()
-    cmd = command(python, target, drafter, port, extra=(*extra, *kv_cache_args(target, extra)))
+    cmd = command(python, target, drafter, port, num_spec, extra=(*extra, *kv_cache_args(target, extra)))
     with _peer(cmd, port, log_path, startup_timeout_s, env) as url:
         yield url
 
