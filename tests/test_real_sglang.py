@@ -5,9 +5,7 @@ per-request `meta_info`. Fails under CI where SGLang is unavailable, skips elsew
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from ddscope.engine.limits import DEMO_DIR
 from ddscope.peers.peer import PeerUnavailable
 from ddscope.peers.sglang import INSTALL_TIMEOUT_S, STARTUP_TIMEOUT_S, sglang_server
 from support.real_peer import unavailable
+from support.relay import Relay
 
 pytestmark = pytest.mark.timeout(INSTALL_TIMEOUT_S + 2 * STARTUP_TIMEOUT_S + 600)
 TARGET, DRAFTER = DEMO_DIR / "target", DEMO_DIR / "drafter"
@@ -78,50 +77,24 @@ def test_a_failed_start_reports_sglangs_own_reason(dflash, tmp_path):
             pass
 
 
-class Proxy(ThreadingHTTPServer):
+class Proxy(Relay):
     """Forwards to SGLang, less what `hidden` names: the completions' `sglext`, and paths answered 404, so that the
     bench settles on its next acceptance source. Keeps every generation request's path and body, in order."""
 
     def __init__(self, upstream: str, hidden: tuple[str, ...] = ()):
-        super().__init__(("127.0.0.1", 0), _Relay)
-        self.upstream, self.hidden, self.client = upstream, hidden, httpx.Client(timeout=600)
+        super().__init__(upstream)
+        self.hidden = hidden
         self.requests: list[tuple[str, dict[str, Any]]] = []
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Relay(BaseHTTPRequestHandler):
-    server: Proxy
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _relay(self, method: str) -> None:
-        srv = self.server
-        body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
-        if any(self.path.startswith(p) for p in srv.hidden if p.startswith("/")):
-            status, content, kind = 404, b'{"detail": "Not Found"}', "application/json"
-        else:
-            resp = srv.client.request(method, srv.upstream + self.path, content=body,
-                                      headers={"content-type": "application/json"})
-            status, content, kind = resp.status_code, resp.content, resp.headers.get("content-type", "")
-            if method == "POST" and status == 200 and self.path in ("/generate", "/v1/completions"):
-                srv.requests.append((self.path, json.loads(body)))
-                if "sglext" in srv.hidden and self.path == "/v1/completions":
-                    content = json.dumps({k: v for k, v in resp.json().items() if k != "sglext"}).encode()
-        self.send_response(status)
-        self.send_header("content-type", kind or "application/json")
-        self.send_header("content-length", str(len(content)))
-        self.end_headers()
-        self.wfile.write(content)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._relay("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._relay("POST")
+    def forward(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes, str]:
+        if any(path.startswith(p) for p in self.hidden if p.startswith("/")):
+            return 404, b'{"detail": "Not Found"}', "application/json"
+        status, content, kind = super().forward(method, path, body)
+        if method == "POST" and status == 200 and path in ("/generate", "/v1/completions"):
+            self.requests.append((path, json.loads(body)))
+            if "sglext" in self.hidden and path == "/v1/completions":
+                content = json.dumps({k: v for k, v in json.loads(content).items() if k != "sglext"}).encode()
+        return status, content, kind
 
 
 def meta_info_truth(url: str, path: str, body: dict[str, Any]) -> float:
@@ -145,14 +118,10 @@ SOURCES = {  # the acceptance source the bench settles on, and what is hidden fr
 
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_sweep_acceptance_equals_sglangs_meta_info(dflash, source, tmp_path, capsys):
-    proxy = Proxy(dflash[0], SOURCES[source])
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
     log = ["--log-cmd", f"tail -n 0 -F {dflash[1]}"] if source == "server_log" else []
-    try:
+    with Proxy(dflash[0], SOURCES[source]).running() as proxy:
         code = main(["bench", "sweep", "--url", proxy.url, "--tokenizer", str(TARGET), "--contexts", "16,200",
                      "--max-tokens", "96", "--repeats", "2", "--warmup", "0", "--out", str(tmp_path), *log])
-    finally:
-        proxy.shutdown()
     assert code == 0, capsys.readouterr().err
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["backend"]["name"] == "sglang" and doc["acceptance_source"]["name"] == source, doc["acceptance_source"]

@@ -15,7 +15,6 @@ import runpy
 import subprocess
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from ddscope.engine.limits import DEMO_DIR
 from ddscope.peers.vllm import (INSTALL_TIMEOUT_S, PLUGIN_DIR, STARTUP_TIMEOUT_S, PeerUnavailable, ensure_installed,
                                 vllm_server)
 from support.real_peer import unavailable
+from support.relay import Relay
 
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
 CROSS_PROMPTS = ("def fibonacci(n):", "The history of distributed systems", "Question: what is 17 * 3?\nAnswer:")
@@ -61,61 +61,30 @@ def counters(client: httpx.Client, url: str) -> dict[str, float]:
     return out
 
 
-class Recorder(ThreadingHTTPServer):
+class Recorder(Relay):
     """Forwards everything to vLLM; for each completion, records vLLM's counter deltas around it."""
 
     def __init__(self, upstream: str):
-        super().__init__(("127.0.0.1", 0), _Forward)
-        self.upstream, self.client = upstream, httpx.Client(timeout=600)
+        super().__init__(upstream)
         self.seen: dict[str, dict[str, Any]] = {}  # response id -> usage and counter deltas
         self.lock = threading.Lock()  # one completion at a time, so the deltas are its own
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Forward(BaseHTTPRequestHandler):
-    server: Recorder
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _relay(self, method: str) -> None:
-        body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
-        srv = self.server
-        completion = method == "POST" and self.path.startswith("/v1/") and "completions" in self.path
-        with srv.lock if completion else contextlib.nullcontext():
-            before = counters(srv.client, srv.upstream) if completion else None
-            resp = srv.client.request(method, srv.upstream + self.path, content=body,
-                                      headers={"content-type": "application/json"})
-            if completion and resp.status_code == 200:
-                after, doc = counters(srv.client, srv.upstream), resp.json()
-                srv.seen[doc["id"]] = {"usage": doc["usage"],
-                                       **{k: after[k] - before[k] for k in (DRAFTS, ACCEPTED)}}
-        self.send_response(resp.status_code)
-        self.send_header("content-type", resp.headers.get("content-type", "application/json"))
-        self.send_header("content-length", str(len(resp.content)))
-        self.end_headers()
-        self.wfile.write(resp.content)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._relay("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._relay("POST")
+    def forward(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes, str]:
+        completion = method == "POST" and path.startswith("/v1/") and "completions" in path
+        with self.lock if completion else contextlib.nullcontext():
+            before = counters(self.client, self.upstream) if completion else None
+            status, content, kind = super().forward(method, path, body)
+            if completion and status == 200:
+                after, doc = counters(self.client, self.upstream), json.loads(content)
+                self.seen[doc["id"]] = {"usage": doc["usage"],
+                                        **{k: after[k] - before[k] for k in (DRAFTS, ACCEPTED)}}
+        return status, content, kind
 
 
 @pytest.fixture
 def recorder(vllm) -> Iterator[Recorder]:
-    rec = Recorder(vllm[0])
-    thread = threading.Thread(target=rec.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with Recorder(vllm[0]).running() as rec:
         yield rec
-    finally:
-        rec.shutdown()
-        rec.client.close()
 
 
 def test_sweep_numbers_equal_vllms_own_truth(recorder, tmp_path, capsys):

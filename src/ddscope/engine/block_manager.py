@@ -14,7 +14,9 @@ from array import array
 from collections import OrderedDict
 
 from ddscope.engine.limits import MAX_BUDGET
+from ddscope.models.drafter import Drafter
 from ddscope.models.kv_pool import BLOCK, KVPool, Pages
+from ddscope.models.target import Target
 from ddscope.spec.lookup import LOOKUP_MAX
 
 
@@ -224,7 +226,7 @@ class BlockManager:
             self.plain.add(b)
 
 
-def sized_pool(target, drafter, max_model_len: int, kv_cache_mb: int, prefix_cache: bool,
+def sized_pool(target: Target, drafter: Drafter | None, max_model_len: int, kv_cache_mb: int, prefix_cache: bool,
                max_num_seqs: int) -> tuple[KVPool, BlockManager]:
     """The pool of `kv_cache_mb` for a native target (and drafter), allocated now; it must hold at least one
     sequence of max_model_len and its round, and is cut to what `max_num_seqs` such sequences can fill (a tiny

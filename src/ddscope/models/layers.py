@@ -153,6 +153,9 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+COLUMN_ROWS = 64  # the most rows ColumnLinear takes as W @ x^T
+
+
 class ColumnLinear(nn.Linear):
     """An fp32 linear that takes a few rows (a tree's verify) as W @ x^T: MKL's product of that shape reads
     the weight faster than x @ W^T does (docs/performance.md, The engine at its floor); one row or many
@@ -166,9 +169,6 @@ class ColumnLinear(nn.Linear):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
-
-
-COLUMN_ROWS = 64
 
 
 def packs(weight: torch.Tensor) -> bool:

@@ -65,8 +65,8 @@ def _block_as_extend(original, self, q, k, v, layer, forward_batch, save_kv_cach
     batch = forward_batch
     if not batch.forward_mode.is_target_verify() or batch.extend_prefix_lens is not None:
         return original(self, q, k, v, layer, batch, save_kv_cache, **kwargs)
-    if getattr(batch.spec_info, "custom_mask", None) is not None:
-        raise NotImplementedError("ddscope's torch_native verify covers a straight block, not a tree mask")
+    if getattr(batch.spec_info, "custom_mask", None) is not None:  # a tree (EAGLE, topk > 1): not what DFLASH verifies
+        raise ValueError("ddscope's CPU plugin verifies DFLASH's straight block; a tree-masked verify is refused")
     requests = int(batch.req_pool_indices.shape[0])
     prefix = batch.seq_lens[:requests].long()
     block = torch.full_like(prefix, q.shape[0] // requests)
