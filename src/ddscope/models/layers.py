@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddscope.config import DecoderGeometry
+from ddscope.models import native
 
 
 BMM_ATTENTION = (torch.float32,)  # dtypes whose masked grouped attention runs as two batched products
@@ -19,6 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native.serves(x, self.weight):
+            return native.rms_norm(x, self.weight, self.eps)
         # fp32 statistics, as transformers does, so logits match at low precision too; one fused kernel.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -70,17 +73,20 @@ class Attention(nn.Module):
         return x.view(x.shape[0], n_heads, self.g.head_dim).transpose(0, 1)  # [heads, n, d]
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x).view(x.shape[0], self.g.num_heads, self.g.head_dim)
-        if self.g.qk_norm:
-            q = self.q_norm(q)
-        return apply_rope(q.transpose(0, 1), cos, sin)
+        return self._rotated(self.q_proj(x), self.q_norm if self.g.qk_norm else None, self.g.num_heads, cos, sin)
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k_proj(x).view(x.shape[0], self.g.num_kv_heads, self.g.head_dim)
-        if self.g.qk_norm:
-            k = self.k_norm(k)
-        v = self._heads(self.v_proj(x), self.g.num_kv_heads)
-        return apply_rope(k.transpose(0, 1), cos, sin), v
+        k = self._rotated(self.k_proj(x), self.k_norm if self.g.qk_norm else None, self.g.num_kv_heads, cos, sin)
+        return k, self._heads(self.v_proj(x), self.g.num_kv_heads)
+
+    def _rotated(self, x: torch.Tensor, norm: RMSNorm | None, heads: int, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        """A projection's rows [n, heads * d] as heads [heads, n, d], each normed (if `norm`) and rotated."""
+        weights = () if norm is None else (norm.weight,)
+        if native.serves(x, cos, sin, *weights):
+            return native.norm_rope(x, None if norm is None else norm.weight, cos, sin, heads, self.g.rms_norm_eps)
+        x = x.view(x.shape[0], heads, self.g.head_dim)
+        return apply_rope((x if norm is None else norm(x)).transpose(0, 1), cos, sin)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool = False) -> torch.Tensor:

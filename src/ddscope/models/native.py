@@ -1,0 +1,104 @@
+"""kernels.c: a decode step's RMSNorms and the heads' norm + RoPE as one C call each.
+
+On a bandwidth-bound CPU step the projections stream the weights at the memory's rate and little else is left
+to win, but torch spends five to eight dispatches on each RMSNorm and RoPE (docs/performance.md, The engine at
+its floor). The file is compiled with the system C compiler on first use and cached under DDSCOPE_CACHE by
+its source, compiler and CPU; with no compiler, or with DDSCOPE_NATIVE=0, torch's ops run instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+MAX_DIM = 16384  # kernels.c's widest row
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F)}
+
+
+def _cpu_key() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    return next((line for line in info.splitlines() if line.startswith("flags")), "unknown")
+
+
+def _build(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+                       text=True, timeout=300)
+        os.replace(built, out)  # atomic: a concurrent loader sees the old file or the whole new one
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """kernels.c as loaded (built if its cache entry is missing); None where it can't be (with a warning
+    saying why) or DDSCOPE_NATIVE=0."""
+    if os.environ.get("DDSCOPE_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("no C compiler: ddscope runs RMSNorm and RoPE as torch ops (slower on CPU)", stacklevel=2)
+        return None
+    key = hashlib.sha256("|".join((SOURCE.read_text(), compiler, *FLAGS, _cpu_key())).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
+    path = root / "kernels" / f"kernels-{key}.so"
+    try:
+        if not path.is_file():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        warnings.warn(f"kernels.c did not build or load ({detail.strip()[:500]}): torch ops run instead",
+                      stacklevel=2)
+        return None
+    for name, args in _SIGNATURES.items():
+        for suffix in _DTYPES.values():
+            getattr(lib, f"{name}_{suffix}").argtypes = args
+    return lib
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """Whether kernels.c computes an op on these: contiguous CPU tensors of one of its dtypes, nothing to
+    differentiate, and a library to call."""
+    first = tensors[0]
+    return (first.device.type == "cpu" and first.dtype in _DTYPES and first.shape[-1] <= MAX_DIM
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and all(t.dtype == first.dtype and t.is_contiguous() for t in tensors) and library() is not None)
+
+
+def _call(name: str, dtype: torch.dtype, *args) -> None:
+    getattr(library(), f"{name}_{_DTYPES[dtype]}")(*args)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * RMSNorm(x)` over the last dimension."""
+    y = torch.empty_like(x)
+    dim = x.shape[-1]
+    _call("rms_norm", x.dtype, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps)
+    return y
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+              eps: float) -> torch.Tensor:
+    """x [n, heads * d] -> [heads, n, d]: each head RMSNormed by `weight` (None: not normed), then rotated by
+    cos/sin [n, d]."""
+    n, d = x.shape[0], cos.shape[-1]
+    y = torch.empty(heads, n, d, dtype=x.dtype)
+    _call("norm_rope", x.dtype, x.data_ptr(), None if weight is None else weight.data_ptr(), cos.data_ptr(),
+          sin.data_ptr(), y.data_ptr(), n, heads, d, eps)
+    return y

@@ -1,0 +1,96 @@
+"""kernels.c against torch's ops: the same values (bf16 within a rounding), each row as it is alone, and the
+fallbacks when it can't be built."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddscope.models import native
+from ddscope.models.layers import RMSNorm, apply_rope, rope
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="kernels.c did not build here")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _reference_norm_rope(x, weight, cos, sin, heads, eps):
+    x = x.view(x.shape[0], heads, cos.shape[-1])
+    if weight is not None:
+        norm = RMSNorm(x.shape[-1], eps).to(x.dtype)
+        norm.weight.data.copy_(weight)
+        with torch.inference_mode(), _torch_ops():
+            x = norm(x)
+    return apply_rope(x.transpose(0, 1), cos, sin)
+
+
+class _torch_ops:
+    """Inside: layers run torch's ops, as without the library."""
+
+    def __enter__(self):
+        self.before = native.serves
+        native.serves = lambda *t: False
+
+    def __exit__(self, *exc):
+        native.serves = self.before
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_torch_and_each_row_alone(dtype):
+    torch.manual_seed(0)
+    x, w = torch.randn(37, 1024).to(dtype), (1 + 0.1 * torch.randn(1024)).to(dtype)
+    with torch.inference_mode():
+        got = native.rms_norm(x, w, 1e-6)
+        norm = RMSNorm(1024, 1e-6).to(dtype)
+        norm.weight.data.copy_(w)
+        with _torch_ops():
+            want = norm(x)
+        _close(got, want, dtype)
+        assert torch.equal(native.rms_norm(x[5:6], w, 1e-6), got[5:6])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normed", [True, False])
+def test_norm_rope_matches_torch_and_each_row_alone(dtype, normed):
+    torch.manual_seed(1)
+    heads, d, n = 4, 64, 9
+    x = torch.randn(n, heads * d).to(dtype)
+    w = (1 + 0.1 * torch.randn(d)).to(dtype) if normed else None
+    cos, sin = rope(torch.arange(100, 100 + n), d, 1e4, dtype)
+    with torch.inference_mode():
+        got = native.norm_rope(x, w, cos, sin, heads, 1e-6)
+        assert got.shape == (heads, n, d)
+        _close(got, _reference_norm_rope(x, w, cos, sin, heads, 1e-6), dtype)
+        assert torch.equal(native.norm_rope(x[3:4], w, cos[3:4], sin[3:4], heads, 1e-6), got[:, 3:4])
+
+
+def test_gradients_and_other_devices_take_torch_ops():
+    w = torch.ones(8, requires_grad=True)
+    assert not native.serves(torch.ones(2, 8), w)
+    assert not native.serves(torch.ones(2, 8, dtype=torch.float16))
+    assert not native.serves(torch.ones(8, 2).t())
+    with torch.no_grad():
+        assert native.serves(torch.ones(2, 8), w)
+
+
+@pytest.mark.parametrize("env", [{"DDSCOPE_NATIVE": "0"}, {"CC": "/bin/false"}])
+def test_without_the_library_torch_ops_run(tmp_path, env):
+    """Turned off, or a compiler that fails (a fresh cache, so it must build): None, with a warning for the
+    failure, and a layer still computes."""
+    code = ("import warnings, torch; warnings.simplefilter('always')\n"
+            "from ddscope.models import native\nfrom ddscope.models.layers import RMSNorm\n"
+            "with warnings.catch_warnings(record=True) as w:\n    lib = native.library()\n"
+            "print(lib is None, any('did not build' in str(x.message) for x in w))\n"
+            "with torch.inference_mode():\n    print(RMSNorm(8, 1e-6)(torch.ones(2, 8)).sum().item())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DDSCOPE_CACHE": str(tmp_path), **env}).stdout.split()
+    assert out[0] == "True"
+    assert out[1] == ("True" if "CC" in env else "False")
+    assert float(out[2]) == pytest.approx(16.0, rel=1e-5)
