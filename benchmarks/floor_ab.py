@@ -11,6 +11,10 @@ commit; the prefill row is the prefill). A is the engine without the change, B w
 - `column-fp32`: fp32 projections of 2-64 rows as W @ x^T (ddscope.models.layers.ColumnLinear) against
   x @ W^T, in fp32.
 - `bmm-attention-fp32`: a tree's masked grouped attention as two batched products against SDPA, in fp32.
+- `panels-fp32`: fp32 projections on kernels.c's panelled weights (ddscope.models.layers.PanelLinear) against
+  the `column-fp32` products.
+- `native-fp32`, `native-bf16`: RMSNorm and the heads' norm + RoPE as one C call each (ddscope.models.native)
+  against torch's ops.
 """
 from __future__ import annotations
 
@@ -27,24 +31,32 @@ from floor import build
 from floor_check import prompt
 
 import ddscope.models.layers as layers
+import ddscope.models.native as native
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine
 
 
 @contextmanager
-def patched(name: str, value) -> Iterator[None]:
-    """ddscope.models.layers' `name` as `value` inside the block: the engine without the change."""
-    before = getattr(layers, name)
-    setattr(layers, name, value)
+def patched(name: str, value, module=layers) -> Iterator[None]:
+    """`module`'s `name` as `value` inside the block: the engine without the change."""
+    before = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        setattr(layers, name, before)
+        setattr(module, name, before)
+
+
+def _torch_ops():
+    return patched("serves", lambda *tensors: False, native)
 
 
 CHANGES: dict[str, tuple[str, Callable]] = {"packed-bf16": ("bfloat16", lambda: patched("packs", lambda w: False)),
                                             "column-fp32": ("float32", lambda: patched("COLUMN_ROWS", 0)),
-                                            "bmm-attention-fp32": ("float32", lambda: patched("BMM_ATTENTION", ()))}
+                                            "bmm-attention-fp32": ("float32", lambda: patched("BMM_ATTENTION", ())),
+                                            "panels-fp32": ("float32", lambda: patched("paneled", lambda w: False, native)),
+                                            "native-fp32": ("float32", _torch_ops),
+                                            "native-bf16": ("bfloat16", _torch_ops)}
 CASES = (("ar decode @16", 16, dict(method="ar")), ("ar decode @4096", 4096, dict(method="ar")),
          ("verify 33 @1024", 1024, dict(method="ddtree", budget=32, lookup=False)),
          ("verify 33 @4096", 4096, dict(method="ddtree", budget=32, lookup=False)))

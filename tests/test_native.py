@@ -94,3 +94,28 @@ def test_without_the_library_torch_ops_run(tmp_path, env):
     assert out[0] == "True"
     assert out[1] == ("True" if "CC" in env else "False")
     assert float(out[2]) == pytest.approx(16.0, rel=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(native.library(), "linear_f32"), reason="panels need AVX-512")
+@pytest.mark.parametrize("bias", [False, True])
+def test_panelled_products_match_torch_and_each_row_alone(bias):
+    """Every row count a step meets (a decode, a batch, a tree, a prefill block and past it): torch's values,
+    and each row the same bits as alone."""
+    from ddscope.models.layers import PanelLinear
+
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(320, 256, bias=bias)
+    panelled = PanelLinear(linear)
+    with torch.inference_mode():
+        for rows in (1, 2, 7, 33, 65, 300):
+            x = torch.randn(rows, 320)
+            got = panelled(x)
+            torch.testing.assert_close(got, linear(x), atol=2e-5, rtol=1e-5)
+            for r in {0, rows // 2, rows - 1}:
+                assert torch.equal(panelled(x[r:r + 1]), got[r:r + 1])
+
+
+def test_panels_serve_only_fp32_weights_of_whole_panel_groups():
+    assert native.paneled(torch.ones(256, 64)) == hasattr(native.library(), "linear_f32")
+    assert not native.paneled(torch.ones(200, 64))
+    assert not native.paneled(torch.ones(256, 64, dtype=torch.bfloat16))

@@ -1,9 +1,12 @@
-/* A decode step's small ops on the CPU, one call each instead of torch's five to eight dispatches
- * (ddscope.models.native builds this file and says why). Each row is computed alone, in the same order
- * whatever the number of rows, so a tree's verify sees what a decode step sees. bf16 variants round where
- * torch's ops would: after the normalisation, after each product and after the sum. */
+/* A step's ops on the CPU (ddscope.models.native builds this file and says why): RMSNorm and the heads' norm
+ * + RoPE, one call each instead of torch's five to eight dispatches; fp32 projections on weights reordered into
+ * panels. Each row is computed alone, in the same order whatever the number of rows, so a tree's verify sees
+ * what a decode step sees. bf16 variants round where torch's ops would: after the normalisation, after each
+ * product and after the sum. */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <string.h>
 
 #define LANES 16
@@ -100,3 +103,78 @@ void norm_rope_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *cos, c
     }
   }
 }
+
+/* ---- fp32 projections: y [M, N] = x [M, K] @ w^T, w reordered as panels p[N / 16][K][16] ------------------
+ * Every output is one chain of FMAs over k in order, from zero, whatever M and the tile: a row's result is the
+ * same bits alone or among others. A tile holds TILE_ROWS rows by TILE_PANELS panels in 24 registers; one row
+ * (a decode step) runs over 8 panels instead, 8 streams through memory, what a weight read at the memory's
+ * rate needs. N is a multiple of 128 (ddscope.models.native.paneled). */
+#ifdef __AVX512F__
+#define TILE_PANELS 4
+#define TILE_ROWS 6
+#define ROW_PANELS 8
+#define ROW_BLOCK 256 /* rows whose activations stay in L2 while every panel passes */
+
+void pack_f32(const float *w, float *p, int64_t N, int64_t K) {
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t k = 0; k < K; k++) p[((n / 16) * K + k) * 16 + n % 16] = w[n * K + k];
+}
+
+#define TILE(MR)                                                                                                \
+  static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0) { \
+    __m512 acc[MR][TILE_PANELS];                                                                                \
+    for (int i = 0; i < MR; i++)                                                                                \
+      for (int j = 0; j < TILE_PANELS; j++) acc[i][j] = _mm512_setzero_ps();                                    \
+    const float *pk = p + q0 * K * 16, *xr = x + m0 * K;                                                        \
+    for (int64_t k = 0; k < K; k++, pk += 16) {                                                                 \
+      __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + K * 16);                                       \
+      __m512 w2 = _mm512_loadu_ps(pk + 2 * K * 16), w3 = _mm512_loadu_ps(pk + 3 * K * 16);                      \
+      for (int i = 0; i < MR; i++) {                                                                            \
+        __m512 xb = _mm512_set1_ps(xr[i * K + k]);                                                              \
+        acc[i][0] = _mm512_fmadd_ps(xb, w0, acc[i][0]);                                                         \
+        acc[i][1] = _mm512_fmadd_ps(xb, w1, acc[i][1]);                                                         \
+        acc[i][2] = _mm512_fmadd_ps(xb, w2, acc[i][2]);                                                         \
+        acc[i][3] = _mm512_fmadd_ps(xb, w3, acc[i][3]);                                                         \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int i = 0; i < MR; i++)                                                                                \
+      for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (m0 + i) * N + (q0 + j) * 16, acc[i][j]);     \
+  }
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+typedef void (*tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
+static const tile_fn TILES[TILE_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+
+static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t q0) {
+  __m512 acc[ROW_PANELS];
+  for (int j = 0; j < ROW_PANELS; j++) acc[j] = _mm512_setzero_ps();
+  const float *pk = p + q0 * K * 16;
+  for (int64_t k = 0; k < K; k++, pk += 16) {
+    __m512 xb = _mm512_set1_ps(x[k]);
+    for (int j = 0; j < ROW_PANELS; j++) acc[j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(pk + j * K * 16), acc[j]);
+  }
+  for (int j = 0; j < ROW_PANELS; j++) _mm512_storeu_ps(y + (q0 + j) * 16, acc[j]);
+}
+
+void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N) {
+  int64_t panels = N / 16;
+#pragma omp parallel
+  {
+    int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+    if (M == 1) {
+      int64_t groups = panels / ROW_PANELS;
+      for (int64_t g = groups * t / T; g < groups * (t + 1) / T; g++) one_row(x, p, y, K, g * ROW_PANELS);
+    } else {
+      int64_t groups = panels / TILE_PANELS, g0 = groups * t / T, g1 = groups * (t + 1) / T;
+      for (int64_t mc = 0; mc < M; mc += ROW_BLOCK) {
+        int64_t rows = M - mc < ROW_BLOCK ? M - mc : ROW_BLOCK, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+        for (int64_t g = g0; g < g1; g++)
+          for (int64_t i = 0; i < tiles; i++) { /* tiles of even height: 33 rows as 6, 6, 6, 5, 5, 5 */
+            int64_t a = rows * i / tiles, b = rows * (i + 1) / tiles;
+            TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS);
+          }
+      }
+    }
+  }
+}
+#endif /* __AVX512F__ */

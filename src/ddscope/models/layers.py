@@ -165,7 +165,7 @@ COLUMN_ROWS = 64  # the most rows ColumnLinear takes as W @ x^T
 class ColumnLinear(nn.Linear):
     """An fp32 linear that takes a few rows (a tree's verify) as W @ x^T: MKL's product of that shape reads
     the weight faster than x @ W^T does (docs/performance.md, The engine at its floor); one row or many
-    (a decode, a prefill) go the usual way."""
+    (a decode, a prefill) go the usual way. Where kernels.c's panels serve, PanelLinear runs instead."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -177,6 +177,24 @@ class ColumnLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+class PanelLinear(nn.Module):
+    """An fp32 linear on kernels.c's panelled weight: one row reads it at the memory's rate, a few rows share
+    each read, a prefill runs as fast as MKL's, and every row gets the bits it gets alone
+    (docs/performance.md, The engine at its floor)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("panels", native.panels(linear.weight), persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = native.linear(x.reshape(-1, self.in_features), self.panels)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def packs(weight: torch.Tensor) -> bool:
     """Whether PackedLinear serves this weight: bf16 on a CPU whose oneDNN has native bf16."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
@@ -184,13 +202,19 @@ def packs(weight: torch.Tensor) -> bool:
 
 
 def pack_linears(layers: nn.ModuleList) -> None:
-    """Every projection of `layers` as a PackedLinear where `packs` says so, else as a ColumnLinear (inference
-    only: a packed weight takes no gradient)."""
+    """Every projection of `layers` as a PackedLinear where `packs` says so, a PanelLinear where kernels.c's
+    panels serve, else a ColumnLinear (inference only: a packed weight takes no gradient)."""
     for layer in layers:
         for block in (layer.self_attn, layer.mlp):
             for name, child in list(block.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(block, name, PackedLinear(child) if packs(child.weight) else _columns(child))
+                    setattr(block, name, _packed(child))
+
+
+def _packed(linear: nn.Linear) -> nn.Module:
+    if packs(linear.weight):
+        return PackedLinear(linear)
+    return PanelLinear(linear) if native.paneled(linear.weight) else _columns(linear)
 
 
 def _columns(linear: nn.Linear) -> ColumnLinear:

@@ -1,9 +1,10 @@
-"""kernels.c: a decode step's RMSNorms and the heads' norm + RoPE as one C call each.
+"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, and fp32 projections on panelled weights.
 
-On a bandwidth-bound CPU step the projections stream the weights at the memory's rate and little else is left
-to win, but torch spends five to eight dispatches on each RMSNorm and RoPE (docs/performance.md, The engine at
-its floor). The file is compiled with the system C compiler on first use and cached under DDSCOPE_CACHE by
-its source, compiler and CPU; with no compiler, or with DDSCOPE_NATIVE=0, torch's ops run instead.
+torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step, and its fp32 products of one
+or a few rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other
+bits among others than alone (docs/performance.md, The engine at its floor). The file is compiled with the
+system C compiler on first use and cached under DDSCOPE_CACHE by its source, compiler and CPU; with no
+compiler, or with DDSCOPE_NATIVE=0, torch's ops run instead; the panels need AVX-512.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ MAX_DIM = 16384  # kernels.c's widest row
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F)}
+_PANEL_SIGNATURES = {"pack_f32": (_P, _P, _I, _I), "linear_f32": (_P, _P, _P, _I, _I, _I)}
+PANEL_OUTPUTS = 128  # a panelled weight's rows come in multiples of this (kernels.c: 8 panels of 16)
 
 
 def _cpu_key() -> str:
@@ -69,6 +72,9 @@ def library() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         for suffix in _DTYPES.values():
             getattr(lib, f"{name}_{suffix}").argtypes = args
+    for name, args in _PANEL_SIGNATURES.items():
+        if hasattr(lib, name):  # built for AVX-512
+            getattr(lib, name).argtypes = args
     return lib
 
 
@@ -101,4 +107,26 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     y = torch.empty(heads, n, d, dtype=x.dtype)
     _call("norm_rope", x.dtype, x.data_ptr(), None if weight is None else weight.data_ptr(), cos.data_ptr(),
           sin.data_ptr(), y.data_ptr(), n, heads, d, eps)
+    return y
+
+
+def paneled(weight: torch.Tensor) -> bool:
+    """Whether `linear` serves this weight: fp32 on a CPU with AVX-512, rows a multiple of PANEL_OUTPUTS."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[0] % PANEL_OUTPUTS == 0 and library() is not None and hasattr(library(), "linear_f32"))
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [N, K] reordered for `linear`: panels of 16 outputs, k-major within each."""
+    weight = weight.detach().contiguous()
+    out = torch.empty_like(weight)
+    library().pack_f32(weight.data_ptr(), out.data_ptr(), *weight.shape)
+    return out
+
+
+def linear(x: torch.Tensor, panelled: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T with W as `panels` gave it: each row's result the same bits whatever M."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], panelled.shape[0], dtype=x.dtype)
+    library().linear_f32(x.data_ptr(), panelled.data_ptr(), y.data_ptr(), *x.shape, panelled.shape[0])
     return y
