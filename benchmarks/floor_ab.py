@@ -13,6 +13,8 @@ commit; the prefill row is the prefill). A is the engine without the change, B w
 - `bmm-attention-fp32`: a tree's masked grouped attention as two batched products against SDPA, in fp32.
 - `panels-fp32`: fp32 projections on kernels.c's panelled weights (ddscope.models.layers.PanelLinear) against
   the `column-fp32` products.
+- `attention-fp32`, `attention-bf16`: a decode step's attention in one C call (ddscope.models.native.attend)
+  against SDPA.
 - `native-fp32`, `native-bf16`: RMSNorm and the heads' norm + RoPE as one C call each (ddscope.models.native)
   against torch's ops.
 """
@@ -51,10 +53,16 @@ def _torch_ops():
     return patched("serves", lambda *tensors: False, native)
 
 
+def _no_attention():
+    return patched("attends", lambda *tensors: False, native)
+
+
 CHANGES: dict[str, tuple[str, Callable]] = {"packed-bf16": ("bfloat16", lambda: patched("packs", lambda w: False)),
                                             "column-fp32": ("float32", lambda: patched("COLUMN_ROWS", 0)),
                                             "bmm-attention-fp32": ("float32", lambda: patched("BMM_ATTENTION", ())),
                                             "panels-fp32": ("float32", lambda: patched("paneled", lambda w: False, native)),
+                                            "attention-fp32": ("float32", _no_attention),
+                                            "attention-bf16": ("bfloat16", _no_attention),
                                             "native-fp32": ("float32", _torch_ops),
                                             "native-bf16": ("bfloat16", _torch_ops)}
 CASES = (("ar decode @16", 16, dict(method="ar")), ("ar decode @4096", 4096, dict(method="ar")),

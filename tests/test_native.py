@@ -119,3 +119,28 @@ def test_panels_serve_only_fp32_weights_of_whole_panel_groups():
     assert native.paneled(torch.ones(256, 64)) == hasattr(native.library(), "linear_f32")
     assert not native.paneled(torch.ones(200, 64))
     assert not native.paneled(torch.ones(256, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not hasattr(native.library(), "attend_f32"), reason="attention needs AVX-512")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,keys", [(4, 2, 1), (4, 2, 300), (8, 1, 77), (2, 2, 4096)])
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, keys):
+    """One row over every key, grouped heads included, on K/V heads that sit apart in a larger cache."""
+    torch.manual_seed(3)
+    d = 64
+    q = torch.randn(heads, 1, d).to(dtype)
+    cache = torch.randn(2, kv_heads, keys + 50, d).to(dtype)
+    k, v = cache[0, :, :keys], cache[1, :, :keys]
+    with torch.inference_mode():
+        assert native.attends(q, k, v, None)
+        got = native.attend(q, k, v)
+        want = torch.nn.functional.scaled_dot_product_attention(q.float()[None], k.float()[None], v.float()[None],
+                                                                enable_gqa=True)[0]
+    _close(got, want.transpose(0, 1).reshape(1, -1), dtype)
+
+
+def test_attention_of_a_tree_or_a_mask_takes_torch_ops():
+    q, k = torch.randn(4, 3, 64), torch.randn(2, 10, 64)
+    assert not native.attends(q, k, k, None)  # three rows
+    assert not native.attends(q[:, :1], k, k, torch.ones(1, 10, dtype=torch.bool))
+    assert not native.attends(torch.randn(4, 1, 24), torch.randn(2, 10, 24), torch.randn(2, 10, 24), None)

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <omp.h>
 #include <string.h>
 
@@ -177,4 +178,83 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
     }
   }
 }
+
+/* ---- a decode step's attention: one query row over all of a sequence's keys ------------------------------
+ * q [H, 1, d], k and v [Hkv, S, d] (heads `head_stride` apart, rows d apart) -> out [1, H * d]. Each K/V
+ * head's query heads run together, so its keys and values are read once: two passes, the scores and their
+ * max, then the softmax weights summed key by key. */
+static inline __m512 exp16(__m512 x) { /* e^x to about 1 ulp: 2^i * e^r, |r| <= ln2 / 2 */
+  const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693145752f),
+               ln2_lo = _mm512_set1_ps(1.42860677e-6f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  __m512 i = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(i, ln2_lo, _mm512_fnmadd_ps(i, ln2_hi, x));
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, i);
+}
+
+static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16_bf16(const uint16_t *x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+#define MAX_HEAD 256 /* head_dim */
+#define MAX_GROUP 8  /* query heads per K/V head */
+#define ATTEND(SUFFIX, T, LOAD, STORE)                                                                          \
+  void attend_##SUFFIX(const T *q, const T *k, const T *v, T *out, int64_t heads, int64_t kv_heads, int64_t S,  \
+                       int64_t d, int64_t head_stride, float scale) {                                           \
+    int64_t group = heads / kv_heads, chunks = d / 16;                                                          \
+    _Pragma("omp parallel") {                                                                                   \
+      float *scores = malloc(sizeof(float) * group * (S + 16));                                                 \
+      _Pragma("omp for schedule(static)")                                                                       \
+      for (int64_t kv = 0; kv < kv_heads; kv++) {                                                               \
+        const T *kh = k + kv * head_stride, *vh = v + kv * head_stride;                                         \
+        __m512 qv[MAX_GROUP][MAX_HEAD / 16], acc[MAX_GROUP][MAX_HEAD / 16];                                     \
+        float top[MAX_GROUP], total[MAX_GROUP];                                                                 \
+        for (int64_t g = 0; g < group; g++) {                                                                   \
+          for (int64_t c = 0; c < chunks; c++) {                                                                \
+            qv[g][c] = LOAD(q + (kv * group + g) * d + c * 16);                                                 \
+            acc[g][c] = _mm512_setzero_ps();                                                                    \
+          }                                                                                                     \
+          top[g] = -INFINITY, total[g] = 0.0f;                                                                  \
+        }                                                                                                       \
+        for (int64_t s = 0; s < S; s++)                                                                         \
+          for (int64_t g = 0; g < group; g++) {                                                                 \
+            __m512 dot = _mm512_setzero_ps();                                                                   \
+            for (int64_t c = 0; c < chunks; c++) dot = _mm512_fmadd_ps(qv[g][c], LOAD(kh + s * d + c * 16), dot); \
+            float x = _mm512_reduce_add_ps(dot) * scale;                                                        \
+            scores[g * (S + 16) + s] = x;                                                                       \
+            top[g] = x > top[g] ? x : top[g];                                                                   \
+          }                                                                                                     \
+        for (int64_t g = 0; g < group; g++) { /* the 16 past S are padding, never read back */                 \
+          float *row = scores + g * (S + 16);                                                                   \
+          for (int64_t s = S; s < S + 16; s++) row[s] = -INFINITY;                                              \
+          for (int64_t s = 0; s < S; s += 16)                                                                   \
+            _mm512_storeu_ps(row + s, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(top[g])))); \
+        }                                                                                                       \
+        for (int64_t s = 0; s < S; s++)                                                                         \
+          for (int64_t g = 0; g < group; g++) {                                                                 \
+            float e = scores[g * (S + 16) + s];                                                                 \
+            __m512 w = _mm512_set1_ps(e);                                                                       \
+            total[g] += e;                                                                                      \
+            for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(w, LOAD(vh + s * d + c * 16), acc[g][c]); \
+          }                                                                                                     \
+        for (int64_t g = 0; g < group; g++) {                                                                   \
+          __m512 inv = _mm512_set1_ps(1.0f / total[g]);                                                         \
+          for (int64_t c = 0; c < chunks; c++) STORE(out + (kv * group + g) * d + c * 16, _mm512_mul_ps(acc[g][c], inv)); \
+        }                                                                                                       \
+      }                                                                                                         \
+      free(scores);                                                                                             \
+    }                                                                                                           \
+  }
+static inline void store16_f32(float *y, __m512 x) { _mm512_storeu_ps(y, x); }
+static inline void store16_bf16(uint16_t *y, __m512 x) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x)); }
+ATTEND(f32, float, load16_f32, store16_f32)
+ATTEND(bf16, uint16_t, load16_bf16, store16_bf16)
 #endif /* __AVX512F__ */

@@ -99,6 +99,8 @@ class Attention(nn.Module):
         attend), or the additive bias of `grouped_bias`, which runs the queries grouped; None: all keys (or
         `causal`)."""
         heads, n, d = q.shape
+        if not causal and native.attends(q, k, v, mask):
+            return native.attend(q, k, v)
         if causal or (mask is not None and mask.dtype == torch.bool):
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
                                                  enable_gqa=heads != k.shape[0])[0]

@@ -1,8 +1,10 @@
-"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, and fp32 projections on panelled weights.
+"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, fp32 projections on panelled weights, and
+a decode step's attention.
 
-torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step, and its fp32 products of one
-or a few rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other
-bits among others than alone (docs/performance.md, The engine at its floor). The file is compiled with the
+torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step; its fp32 products of one or a
+few rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other bits
+among others than alone; its attention of one row reads a long context's K/V slower than the memory allows
+(docs/performance.md, The engine at its floor). The file is compiled with the
 system C compiler on first use and cached under DDSCOPE_CACHE by its source, compiler and CPU; with no
 compiler, or with DDSCOPE_NATIVE=0, torch's ops run instead; the panels need AVX-512.
 """
@@ -26,7 +28,10 @@ MAX_DIM = 16384  # kernels.c's widest row
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F)}
-_PANEL_SIGNATURES = {"pack_f32": (_P, _P, _I, _I), "linear_f32": (_P, _P, _P, _I, _I, _I)}
+_PANEL_SIGNATURES = {"pack_f32": (_P, _P, _I, _I), "linear_f32": (_P, _P, _P, _I, _I, _I),
+                     "attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
+                     "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F)}
+MAX_HEAD, MAX_GROUP = 256, 8  # kernels.c's attention: head_dim, query heads per K/V head
 PANEL_OUTPUTS = 128  # a panelled weight's rows come in multiples of this (kernels.c: 8 panels of 16)
 
 
@@ -130,3 +135,25 @@ def linear(x: torch.Tensor, panelled: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], panelled.shape[0], dtype=x.dtype)
     library().linear_f32(x.data_ptr(), panelled.data_ptr(), y.data_ptr(), *x.shape, panelled.shape[0])
     return y
+
+
+def attends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `attend` computes this: one query row (a decode step: a tree's rows share their K/V reads
+    better in batched products) over every key, q [heads, 1, d] contiguous, K/V heads with rows d apart and
+    the same strides, and nothing to differentiate."""
+    heads, n, d = q.shape
+    lib = library() if q.device.type == "cpu" and q.dtype in _DTYPES else None
+    return (n == 1 and mask is None and lib is not None and hasattr(lib, "attend_f32") and d % 16 == 0
+            and d <= MAX_HEAD and heads % k.shape[0] == 0 and heads // k.shape[0] <= MAX_GROUP
+            and k.dtype == v.dtype == q.dtype and q.is_contiguous() and k.stride() == v.stride()
+            and k.stride(1) == d and k.stride(2) == 1
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of one row, q [heads, 1, d], over every key of k, v [kv_heads, S, d] -> [1, heads * d]."""
+    heads, _, d = q.shape
+    out = torch.empty(1, heads * d, dtype=q.dtype)
+    getattr(library(), f"attend_{_DTYPES[q.dtype]}")(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads,
+                                                     k.shape[0], k.shape[1], d, k.stride(0), d ** -0.5)
+    return out
