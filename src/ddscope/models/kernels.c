@@ -46,8 +46,8 @@ static inline void widen(const uint16_t *x, float *out, int64_t dim) {
   for (int64_t i = 0; i < dim; i++) out[i] = bf2f(x[i]);
 }
 
-void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for if (rows * dim >= PARALLEL_ELEMENTS)
+void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps, int threads) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_ELEMENTS) num_threads(threads)
   for (int64_t r = 0; r < rows; r++) {
     const float *xr = x + r * dim;
     float rs = inv_rms(xr, dim, eps);
@@ -55,8 +55,9 @@ void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_
   }
 }
 
-void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for if (rows * dim >= PARALLEL_ELEMENTS)
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t dim, float eps,
+                   int threads) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_ELEMENTS) num_threads(threads)
   for (int64_t r = 0; r < rows; r++) {
     float xr[MAX_DIM];
     widen(x + r * dim, xr, dim);
@@ -68,9 +69,9 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t ro
 /* x [rows, heads, d] -> y [heads, rows, d]: each head's RMSNorm (w may be NULL: none), then rotary
  * embedding with cos/sin [rows, d] (the rotate-half convention). */
 void norm_rope_f32(const float *x, const float *w, const float *cos, const float *sin, float *y, int64_t rows,
-                   int64_t heads, int64_t d, float eps) {
+                   int64_t heads, int64_t d, float eps, int threads) {
   int64_t half = d / 2;
-#pragma omp parallel for if (rows * heads * d >= PARALLEL_ELEMENTS)
+#pragma omp parallel for if (rows * heads * d >= PARALLEL_ELEMENTS) num_threads(threads)
   for (int64_t r = 0; r < rows; r++) {
     float n[MAX_DIM];
     const float *c = cos + r * d, *s = sin + r * d;
@@ -86,9 +87,9 @@ void norm_rope_f32(const float *x, const float *w, const float *cos, const float
 }
 
 void norm_rope_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *cos, const uint16_t *sin, uint16_t *y,
-                    int64_t rows, int64_t heads, int64_t d, float eps) {
+                    int64_t rows, int64_t heads, int64_t d, float eps, int threads) {
   int64_t half = d / 2;
-#pragma omp parallel for if (rows * heads * d >= PARALLEL_ELEMENTS)
+#pragma omp parallel for if (rows * heads * d >= PARALLEL_ELEMENTS) num_threads(threads)
   for (int64_t r = 0; r < rows; r++) {
     float xh[MAX_DIM], n[MAX_DIM];
     const uint16_t *c = cos + r * d, *s = sin + r * d;
@@ -116,8 +117,8 @@ void norm_rope_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *cos, c
 #define ROW_PANELS 8
 #define ROW_BLOCK 256 /* rows whose activations stay in L2 while every panel passes */
 
-void pack_f32(const float *w, float *p, int64_t N, int64_t K) {
-#pragma omp parallel for
+void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
+#pragma omp parallel for num_threads(threads)
   for (int64_t n = 0; n < N; n++)
     for (int64_t k = 0; k < K; k++) p[((n / 16) * K + k) * 16 + n % 16] = w[n * K + k];
 }
@@ -157,9 +158,9 @@ static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t
   for (int j = 0; j < ROW_PANELS; j++) _mm512_storeu_ps(y + (q0 + j) * 16, acc[j]);
 }
 
-void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N) {
+void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N, int threads) {
   int64_t panels = N / 16;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
   {
     int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
     if (M == 1) {
@@ -208,9 +209,9 @@ static inline __m512 load16_bf16(const uint16_t *x) {
 #define MAX_GROUP 8  /* query heads per K/V head */
 #define ATTEND(SUFFIX, T, LOAD, STORE)                                                                          \
   void attend_##SUFFIX(const T *q, const T *k, const T *v, T *out, int64_t heads, int64_t kv_heads, int64_t S,  \
-                       int64_t d, int64_t head_stride, float scale) {                                           \
+                       int64_t d, int64_t head_stride, float scale, int threads) {                              \
     int64_t group = heads / kv_heads, chunks = d / 16;                                                          \
-    _Pragma("omp parallel") {                                                                                   \
+    _Pragma("omp parallel num_threads(threads)") {                                                              \
       float *scores = malloc(sizeof(float) * group * (S + 16));                                                 \
       _Pragma("omp for schedule(static)")                                                                       \
       for (int64_t kv = 0; kv < kv_heads; kv++) {                                                               \

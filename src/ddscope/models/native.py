@@ -26,11 +26,11 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 MAX_DIM = 16384  # kernels.c's widest row
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F)}
-_PANEL_SIGNATURES = {"pack_f32": (_P, _P, _I, _I), "linear_f32": (_P, _P, _P, _I, _I, _I),
-                     "attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
-                     "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F)}
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _T: the threads to run on
+_SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
+_PANEL_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
+                     "attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _T),
+                     "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _T)}
 MAX_HEAD, MAX_GROUP = 256, 8  # kernels.c's attention: head_dim, query heads per K/V head
 PANEL_OUTPUTS = 128  # a panelled weight's rows come in multiples of this (kernels.c: 8 panels of 16)
 
@@ -92,15 +92,17 @@ def serves(*tensors: torch.Tensor) -> bool:
             and all(t.dtype == first.dtype and t.is_contiguous() for t in tensors) and library() is not None)
 
 
-def _call(name: str, dtype: torch.dtype, *args) -> None:
-    getattr(library(), f"{name}_{_DTYPES[dtype]}")(*args)
+def _call(name: str, *args) -> None:
+    """kernels.c's `name` on torch's intra-op threads: a thread of its own (a server's worker) has OpenMP's
+    default, not what torch was told."""
+    getattr(library(), name)(*args, torch.get_num_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * RMSNorm(x)` over the last dimension."""
     y = torch.empty_like(x)
     dim = x.shape[-1]
-    _call("rms_norm", x.dtype, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps)
+    _call(f"rms_norm_{_DTYPES[x.dtype]}", x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps)
     return y
 
 
@@ -110,7 +112,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     cos/sin [n, d]."""
     n, d = x.shape[0], cos.shape[-1]
     y = torch.empty(heads, n, d, dtype=x.dtype)
-    _call("norm_rope", x.dtype, x.data_ptr(), None if weight is None else weight.data_ptr(), cos.data_ptr(),
+    _call(f"norm_rope_{_DTYPES[x.dtype]}", x.data_ptr(), None if weight is None else weight.data_ptr(), cos.data_ptr(),
           sin.data_ptr(), y.data_ptr(), n, heads, d, eps)
     return y
 
@@ -125,7 +127,7 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 weight [N, K] reordered for `linear`: panels of 16 outputs, k-major within each."""
     weight = weight.detach().contiguous()
     out = torch.empty_like(weight)
-    library().pack_f32(weight.data_ptr(), out.data_ptr(), *weight.shape)
+    _call("pack_f32", weight.data_ptr(), out.data_ptr(), *weight.shape)
     return out
 
 
@@ -133,7 +135,7 @@ def linear(x: torch.Tensor, panelled: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T with W as `panels` gave it: each row's result the same bits whatever M."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], panelled.shape[0], dtype=x.dtype)
-    library().linear_f32(x.data_ptr(), panelled.data_ptr(), y.data_ptr(), *x.shape, panelled.shape[0])
+    _call("linear_f32", x.data_ptr(), panelled.data_ptr(), y.data_ptr(), *x.shape, panelled.shape[0])
     return y
 
 
@@ -154,6 +156,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Softmax attention of one row, q [heads, 1, d], over every key of k, v [kv_heads, S, d] -> [1, heads * d]."""
     heads, _, d = q.shape
     out = torch.empty(1, heads * d, dtype=q.dtype)
-    getattr(library(), f"attend_{_DTYPES[q.dtype]}")(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads,
-                                                     k.shape[0], k.shape[1], d, k.stride(0), d ** -0.5)
+    _call(f"attend_{_DTYPES[q.dtype]}", q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads, k.shape[0],
+          k.shape[1], d, k.stride(0), d ** -0.5)
     return out
