@@ -135,8 +135,8 @@ def tables(cells: dict, passes: list[Pass], contexts: list[int], budgets: list[i
         if p.temperature == 0:
             found += [(f"auto / {v}", ratio(v), 1.5 if v == "vLLM DFlash" else None)
                       for v in ("vLLM DFlash", "vLLM DFlash all cores", "SGLang DFLASH") if v in names]
-        if p.temperature == 0:
-            rivals = [a for a in ("ddscope dflash", *(f"ddscope budget {b}" for b in budgets)) if a in names]
+        rivals = [a for a in ("ddscope dflash", *(f"ddscope budget {b}" for b in budgets)) if a in names]
+        if p.temperature == 0 and rivals:  # a run of some arms (--arms) may have none
             best = [max(rivals, key=lambda a: cells[a][p.name][c]["e2e"]) for c in contexts]
             found.append(("auto / best of dflash and budgets", [auto[c]["e2e"] / cells[b][p.name][c]["e2e"]
                                                                 for b, c in zip(best, contexts)], 0.95))
