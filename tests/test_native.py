@@ -144,3 +144,14 @@ def test_attention_of_a_tree_or_a_mask_takes_torch_ops():
     assert not native.attends(q, k, k, None)  # three rows
     assert not native.attends(q[:, :1], k, k, torch.ones(1, 10, dtype=torch.bool))
     assert not native.attends(torch.randn(4, 1, 24), torch.randn(2, 10, 24), torch.randn(2, 10, 24), None)
+
+
+@pytest.mark.skipif(not hasattr(native.library(), "silu_mul_f32"), reason="needs AVX-512")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    """Lengths past a whole vector and far tails of the sigmoid included."""
+    torch.manual_seed(4)
+    gate, up = (torch.randn(5, 2051) * 8).to(dtype), torch.randn(5, 2051).to(dtype)
+    with torch.inference_mode():
+        assert native.gates(gate, up)
+        _close(native.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, dtype)

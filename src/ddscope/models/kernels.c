@@ -258,4 +258,28 @@ static inline void store16_f32(float *y, __m512 x) { _mm512_storeu_ps(y, x); }
 static inline void store16_bf16(uint16_t *y, __m512 x) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x)); }
 ATTEND(f32, float, load16_f32, store16_f32)
 ATTEND(bf16, uint16_t, load16_bf16, store16_bf16)
+/* ---- the MLP's gate: silu(gate) * up, elementwise ------------------------------------------------------- */
+static inline __m512 silu16(__m512 g) { /* g / (1 + e^-g) */
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+void silu_mul_f32(const float *g, const float *u, float *y, int64_t n, int threads) {
+#pragma omp parallel for if (n >= PARALLEL_ELEMENTS) num_threads(threads)
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+    __m512 s = silu16(_mm512_maskz_loadu_ps(m, g + i));
+    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+  }
+}
+
+void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n, int threads) {
+#pragma omp parallel for if (n >= PARALLEL_ELEMENTS) num_threads(threads)
+  for (int64_t i = 0; i < n; i += 16) { /* rounded where torch's silu, then its product, round */
+    __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+    __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + i)), 16));
+    __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, u + i)), 16));
+    __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu16(gv))), 16));
+    _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, uv)));
+  }
+}
 #endif /* __AVX512F__ */

@@ -131,7 +131,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(g.intermediate_size, g.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(native.silu_mul(gate, up) if native.gates(gate, up) else F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

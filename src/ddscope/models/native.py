@@ -30,7 +30,8 @@ _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
 _PANEL_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
                      "attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _T),
-                     "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _T)}
+                     "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _T),
+                     "silu_mul_f32": (_P, _P, _P, _I, _T), "silu_mul_bf16": (_P, _P, _P, _I, _T)}
 MAX_HEAD, MAX_GROUP = 256, 8  # kernels.c's attention: head_dim, query heads per K/V head
 PANEL_OUTPUTS = 128  # a panelled weight's rows come in multiples of this (kernels.c: 8 panels of 16)
 
@@ -159,3 +160,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     _call(f"attend_{_DTYPES[q.dtype]}", q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads, k.shape[0],
           k.shape[1], d, k.stride(0), d ** -0.5)
     return out
+
+
+def gates(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether `silu_mul` computes silu(gate) * up: `serves` and AVX-512."""
+    return serves(gate, up) and gate.shape == up.shape and hasattr(library(), "silu_mul_f32")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in one pass (bf16: rounded after the silu and after the product, as torch's two ops)."""
+    y = torch.empty_like(gate)
+    _call(f"silu_mul_{_DTYPES[gate.dtype]}", gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel())
+    return y
