@@ -125,10 +125,11 @@ def test_panels_serve_only_fp32_weights_of_whole_panel_groups():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,keys", [(4, 2, 1), (4, 2, 300), (8, 1, 77), (2, 2, 4096)])
 def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, keys):
-    """One row over every key, grouped heads included, on K/V heads that sit apart in a larger cache."""
+    """One row over every key, grouped heads included, on K/V heads that sit apart in a larger cache, the row
+    one of a batch's (its heads apart by the batch's rows)."""
     torch.manual_seed(3)
     d = 64
-    q = torch.randn(heads, 1, d).to(dtype)
+    q = torch.randn(heads, 3, d).to(dtype)[:, 1:2]
     cache = torch.randn(2, kv_heads, keys + 50, d).to(dtype)
     k, v = cache[0, :, :keys], cache[1, :, :keys]
     with torch.inference_mode():

@@ -181,7 +181,8 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
 }
 
 /* ---- a decode step's attention: one query row over all of a sequence's keys ------------------------------
- * q [H, 1, d], k and v [Hkv, S, d] (heads `head_stride` apart, rows d apart) -> out [1, H * d]. Each K/V
+ * q [H, 1, d] (heads `q_stride` apart: a batch's rows are one row of each sequence's), k and v [Hkv, S, d]
+ * (heads `head_stride` apart, rows d apart) -> out [1, H * d]. Each K/V
  * head's query heads run together, so its keys and values are read once: two passes, the scores and their
  * max, then the softmax weights summed key by key. */
 static inline __m512 exp16(__m512 x) { /* e^x to about 1 ulp: 2^i * e^r, |r| <= ln2 / 2 */
@@ -209,7 +210,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
 #define MAX_GROUP 8  /* query heads per K/V head */
 #define ATTEND(SUFFIX, T, LOAD, STORE)                                                                          \
   void attend_##SUFFIX(const T *q, const T *k, const T *v, T *out, int64_t heads, int64_t kv_heads, int64_t S,  \
-                       int64_t d, int64_t head_stride, float scale, int threads) {                              \
+                       int64_t d, int64_t q_stride, int64_t head_stride, float scale, int threads) {            \
     int64_t group = heads / kv_heads, chunks = d / 16;                                                          \
     _Pragma("omp parallel num_threads(threads)") {                                                              \
       float *scores = malloc(sizeof(float) * group * (S + 16));                                                 \
@@ -220,7 +221,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
         float top[MAX_GROUP], total[MAX_GROUP];                                                                 \
         for (int64_t g = 0; g < group; g++) {                                                                   \
           for (int64_t c = 0; c < chunks; c++) {                                                                \
-            qv[g][c] = LOAD(q + (kv * group + g) * d + c * 16);                                                 \
+            qv[g][c] = LOAD(q + (kv * group + g) * q_stride + c * 16);                                          \
             acc[g][c] = _mm512_setzero_ps();                                                                    \
           }                                                                                                     \
           top[g] = -INFINITY, total[g] = 0.0f;                                                                  \

@@ -29,8 +29,8 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _T: the threads to run on
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
 _PANEL_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
-                     "attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _T),
-                     "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _T),
+                     "attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T),
+                     "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T),
                      "silu_mul_f32": (_P, _P, _P, _I, _T), "silu_mul_bf16": (_P, _P, _P, _I, _T)}
 MAX_HEAD, MAX_GROUP = 256, 8  # kernels.c's attention: head_dim, query heads per K/V head
 PANEL_OUTPUTS = 128  # a panelled weight's rows come in multiples of this (kernels.c: 8 panels of 16)
@@ -141,14 +141,14 @@ def linear(x: torch.Tensor, panelled: torch.Tensor) -> torch.Tensor:
 
 
 def attends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether `attend` computes this: one query row (a decode step: a tree's rows share their K/V reads
-    better in batched products) over every key, q [heads, 1, d] contiguous, K/V heads with rows d apart and
-    the same strides, and nothing to differentiate."""
+    """Whether `attend` computes this: one query row (a decode step, or one sequence's of a batch: a tree's
+    rows share their K/V reads better in batched products) over every key, q [heads, 1, d] with its values
+    contiguous, K/V heads with rows d apart and the same strides, and nothing to differentiate."""
     heads, n, d = q.shape
     lib = library() if q.device.type == "cpu" and q.dtype in _DTYPES else None
     return (n == 1 and mask is None and lib is not None and hasattr(lib, "attend_f32") and d % 16 == 0
             and d <= MAX_HEAD and heads % k.shape[0] == 0 and heads // k.shape[0] <= MAX_GROUP
-            and k.dtype == v.dtype == q.dtype and q.is_contiguous() and k.stride() == v.stride()
+            and k.dtype == v.dtype == q.dtype and q.stride(2) == 1 and k.stride() == v.stride()
             and k.stride(1) == d and k.stride(2) == 1
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
 
@@ -158,7 +158,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     heads, _, d = q.shape
     out = torch.empty(1, heads * d, dtype=q.dtype)
     _call(f"attend_{_DTYPES[q.dtype]}", q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads, k.shape[0],
-          k.shape[1], d, k.stride(0), d ** -0.5)
+          k.shape[1], d, q.stride(0), k.stride(0), d ** -0.5)
     return out
 
 
