@@ -1,12 +1,12 @@
-"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, fp32 projections on panelled weights, and
-a decode step's attention.
+"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, fp32 projections on panelled weights, a
+decode step's attention and the MLP's silu(gate) * up.
 
 torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step; its fp32 products of one or a
 few rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other bits
 among others than alone; its attention of one row reads a long context's K/V slower than the memory allows
-(docs/performance.md, The engine at its floor). The file is compiled with the
-system C compiler on first use and cached under DDSCOPE_CACHE by its source, compiler and CPU; with no
-compiler, or with DDSCOPE_NATIVE=0, torch's ops run instead; the panels need AVX-512.
+(docs/performance.md, The engine at its floor). The file is compiled with the system C compiler on first use
+and cached under DDSCOPE_CACHE by its source, compiler and CPU; with no compiler, or with DDSCOPE_NATIVE=0,
+torch's ops run instead; all but the norms need AVX-512.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ MAX_DIM = 16384  # kernels.c's widest row
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _T: the threads to run on
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
-_PANEL_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
+_AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
                      "attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T),
                      "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T),
                      "silu_mul_f32": (_P, _P, _P, _I, _T), "silu_mul_bf16": (_P, _P, _P, _I, _T)}
@@ -61,7 +61,7 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        warnings.warn("no C compiler: ddscope runs RMSNorm and RoPE as torch ops (slower on CPU)", stacklevel=2)
+        warnings.warn("no C compiler: ddscope runs kernels.c's ops as torch ops (slower on CPU)", stacklevel=2)
         return None
     key = hashlib.sha256("|".join((SOURCE.read_text(), compiler, *FLAGS, _cpu_key())).encode()).hexdigest()[:16]
     root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
@@ -78,8 +78,8 @@ def library() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         for suffix in _DTYPES.values():
             getattr(lib, f"{name}_{suffix}").argtypes = args
-    for name, args in _PANEL_SIGNATURES.items():
-        if hasattr(lib, name):  # built for AVX-512
+    for name, args in _AVX512_SIGNATURES.items():
+        if hasattr(lib, name):  # built where the compiler targets AVX-512
             getattr(lib, name).argtypes = args
     return lib
 
@@ -91,6 +91,11 @@ def serves(*tensors: torch.Tensor) -> bool:
     return (first.device.type == "cpu" and first.dtype in _DTYPES and first.shape[-1] <= MAX_DIM
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and all(t.dtype == first.dtype and t.is_contiguous() for t in tensors) and library() is not None)
+
+
+def _has(name: str) -> bool:
+    """Whether the library was built with `name` (the AVX-512 ones need a compiler targeting it)."""
+    return library() is not None and hasattr(library(), name)
 
 
 def _call(name: str, *args) -> None:
@@ -121,7 +126,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
 def paneled(weight: torch.Tensor) -> bool:
     """Whether `linear` serves this weight: fp32 on a CPU with AVX-512, rows a multiple of PANEL_OUTPUTS."""
     return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[0] % PANEL_OUTPUTS == 0 and library() is not None and hasattr(library(), "linear_f32"))
+            and weight.shape[0] % PANEL_OUTPUTS == 0 and _has("linear_f32"))
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
@@ -145,12 +150,11 @@ def attends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     rows share their K/V reads better in batched products) over every key, q [heads, 1, d] with its values
     contiguous, K/V heads with rows d apart and the same strides, and nothing to differentiate."""
     heads, n, d = q.shape
-    lib = library() if q.device.type == "cpu" and q.dtype in _DTYPES else None
-    return (n == 1 and mask is None and lib is not None and hasattr(lib, "attend_f32") and d % 16 == 0
+    return (n == 1 and mask is None and q.device.type == "cpu" and q.dtype in _DTYPES and d % 16 == 0
             and d <= MAX_HEAD and heads % k.shape[0] == 0 and heads // k.shape[0] <= MAX_GROUP
             and k.dtype == v.dtype == q.dtype and q.stride(2) == 1 and k.stride() == v.stride()
             and k.stride(1) == d and k.stride(2) == 1
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))) and _has("attend_f32"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -164,7 +168,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def gates(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether `silu_mul` computes silu(gate) * up: `serves` and AVX-512."""
-    return serves(gate, up) and gate.shape == up.shape and hasattr(library(), "silu_mul_f32")
+    return serves(gate, up) and gate.shape == up.shape and _has("silu_mul_f32")
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
