@@ -84,7 +84,8 @@ class Attention(nn.Module):
         """A projection's rows [n, heads * d] as heads [heads, n, d], each normed (if `norm`) and rotated."""
         weights = () if norm is None else (norm.weight,)
         if native.serves(x, cos, sin, *weights):
-            return native.norm_rope(x, None if norm is None else norm.weight, cos, sin, heads, self.g.rms_norm_eps)
+            weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+            return native.norm_rope(x, weight, cos, sin, heads, eps)
         x = x.view(x.shape[0], heads, self.g.head_dim)
         return apply_rope((x if norm is None else norm(x)).transpose(0, 1), cos, sin)
 

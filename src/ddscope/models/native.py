@@ -84,12 +84,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _inference(*tensors: torch.Tensor) -> bool:
+    """Nothing here to differentiate: kernels.c's ops have no backward."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def serves(*tensors: torch.Tensor) -> bool:
     """Whether kernels.c computes an op on these: contiguous CPU tensors of one of its dtypes, nothing to
     differentiate, and a library to call."""
     first = tensors[0]
     return (first.device.type == "cpu" and first.dtype in _DTYPES and first.shape[-1] <= MAX_DIM
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and _inference(*tensors)
             and all(t.dtype == first.dtype and t.is_contiguous() for t in tensors) and library() is not None)
 
 
@@ -154,7 +159,7 @@ def attends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
             and d <= MAX_HEAD and heads % k.shape[0] == 0 and heads // k.shape[0] <= MAX_GROUP
             and k.dtype == v.dtype == q.dtype and q.stride(2) == 1 and k.stride() == v.stride()
             and k.stride(1) == d and k.stride(2) == 1
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))) and _has("attend_f32"))
+            and _inference(q, k, v) and _has("attend_f32"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
