@@ -120,3 +120,17 @@ def test_a_slot_map_lives_on_the_pools_device():
     pages = Pages(device="meta")
     pages.extend([3, 1])
     assert pages.slots(0, 2 * BLOCK).device == torch.device("meta")
+
+
+def test_a_matched_head_grows_in_a_row_over_a_divergent_cached_tail():
+    """The block after a shared run is taken even when a diverging earlier request left it registered: the
+    table stays one run, read as a view every step instead of gathered."""
+    m = BlockManager(8)
+    tokens = list(range(3 * BLOCK + 1))
+    m.release(_held(m, tokens, 3 * BLOCK))  # blocks 0-2 registered, 3 empty
+    other = tokens[:2 * BLOCK] + [9999] * (BLOCK + 1)
+    pages = Pages()
+    assert m.match(pages, other, 0) == 2 * BLOCK
+    m.grow(pages, len(other) + 1)
+    assert pages.table == [0, 1, 2, 3] and pages.contiguous
+    assert m.match(Pages(), tokens, 0) == 2 * BLOCK  # the divergent third block is no longer served

@@ -118,8 +118,9 @@ class BlockManager:
             self._keep_run(pages, -(-expect // self.block))
         new: list[int] = []
         for _ in range(n):
-            start = self.kept[id(pages)][0] if id(pages) in self.kept else 0
-            new.append(self._take((new or pages.table or [start - 1])[-1] + 1, id(pages)))
+            last = (new or pages.table or [None])[-1]
+            start = self.kept[id(pages)][0] if id(pages) in self.kept else None
+            new.append(self._take(start if last is None else last + 1, id(pages)))
         pages.extend(new)
 
     def _keep_run(self, pages: Pages, length: int) -> None:
@@ -132,20 +133,24 @@ class BlockManager:
         self.soft.update(dict.fromkeys(run, id(pages)))
         self.kept[id(pages)] = (start, run)
 
-    def _take(self, wanted: int, owner: int) -> int:
-        """A free block: `wanted` if it is empty and nobody else keeps it, else the lowest such empty block,
-        else one kept for another, else the least recently freed registered one, unregistered."""
-        if self.soft.get(wanted) == owner or (wanted not in self.soft and wanted in self.plain):
+    def _take(self, wanted: int | None, owner: int) -> int:
+        """A free block: `wanted` (None: any) if it is empty and nobody else keeps it, or if it is registered and
+        free (then unregistered: a table in a row is read as a view, a gathered one copies the whole context
+        every step, which costs more than a divergent tail's chance of a later hit), else the lowest empty
+        block nobody keeps, else one kept for another, else the least recently freed registered one."""
+        if wanted is not None and (self.soft.get(wanted) == owner
+                                   or (wanted not in self.soft and wanted in self.plain)):
             b = wanted
-        elif len(self.plain):
-            b = self.plain.lowest()
-        elif self.soft:
-            b = next(iter(self.soft))
-        else:
-            b, _ = self.cached.popitem(last=False)
+        elif wanted in self.cached or not (len(self.plain) or self.soft):
+            b = wanted if wanted in self.cached else next(iter(self.cached))
+            del self.cached[b]
             self._forget(b)
             self.refs[b] = 1
             return b
+        elif len(self.plain):
+            b = self.plain.lowest()
+        else:
+            b = next(iter(self.soft))
         if b in self.soft:
             self.kept[self.soft.pop(b)][1].discard(b)
         else:
