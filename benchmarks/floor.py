@@ -12,7 +12,7 @@ after, in a process of its own, on the same model and prompts: its decode steps 
 tokens, its verify the gaps of DFlash verifying chains of 32 drafts (a random drafter, so a step commits one
 token; the step includes its one-layer drafter), each request's gaps checked against vLLM's own counters to be
 its steps; its prefill is the latency of a one-token request. The floor is `ddscope bench limit`'s for the phase's
-step on `host`, for the dtype in use, with the bandwidth and matmul peaks measured at the start of this run
+step on `host` (a prefill's with its causal attention among its own tokens), for the dtype in use, with the bandwidth and matmul peaks measured at the start of this run
 (the best of three: machines of this kind differ, and one VM from day to day), not read from the cache.
 Writes OUT/floor.md and .json.
 """
@@ -220,8 +220,8 @@ def main() -> int:
         target, drafter = build(Path(tmp))
         shapes = {dt: load_shape(target, dt) for dt in args.dtypes.split(",")}
 
-        def floors(dtype: str, context: int, nodes: int, batch: int):
-            return step_floor(shapes[dtype], hw, context=context, nodes=nodes, batch=batch)
+        def floors(dtype: str, context: int, nodes: int, batch: int):  # a prefill: context 0, a causal chain
+            return step_floor(shapes[dtype], hw, context=context, nodes=nodes, batch=batch, causal=context == 0)
 
         for dtype in shapes:
             rows += ddscope_rows(target, drafter, dtype, args.repeats, floors)

@@ -15,6 +15,8 @@ commit; the prefill row is the prefill). A is the engine without the change, B w
   the `column-fp32` products.
 - `attention-fp32`, `attention-bf16`: a decode step's attention in one C call (ddscope.models.native.attend)
   against SDPA.
+- `tree-attention-fp32`, `tree-attention-bf16`: a tree's masked attention in kernels.c's attention (each row
+  the bits of a decode step over its keys) against the grouped bias on batched products (fp32) or SDPA (bf16).
 - `native-fp32`, `native-bf16`: RMSNorm and the heads' norm + RoPE as one C call each (ddscope.models.native)
   against torch's ops.
 """
@@ -57,12 +59,19 @@ def _no_attention():
     return patched("attends", lambda *tensors: False, native)
 
 
+def _no_tree_attention():
+    """A tree's rows on the grouped bias and batched products (or SDPA), decode steps still on kernels.c's."""
+    return patched("masks_rows", lambda *geometry: False, native)
+
+
 CHANGES: dict[str, tuple[str, Callable]] = {"packed-bf16": ("bfloat16", lambda: patched("packs", lambda w: False)),
                                             "column-fp32": ("float32", lambda: patched("COLUMN_ROWS", 0)),
                                             "bmm-attention-fp32": ("float32", lambda: patched("BMM_ATTENTION", ())),
                                             "panels-fp32": ("float32", lambda: patched("paneled", lambda w: False, native)),
                                             "attention-fp32": ("float32", _no_attention),
                                             "attention-bf16": ("bfloat16", _no_attention),
+                                            "tree-attention-fp32": ("float32", _no_tree_attention),
+                                            "tree-attention-bf16": ("bfloat16", _no_tree_attention),
                                             "native-fp32": ("float32", _torch_ops),
                                             "native-bf16": ("bfloat16", _torch_ops)}
 CASES = (("ar decode @16", 16, dict(method="ar")), ("ar decode @4096", 4096, dict(method="ar")),

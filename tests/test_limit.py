@@ -49,6 +49,15 @@ def test_dense_gqa_bytes_and_flops_by_hand():
     assert f.floor_ms == pytest.approx(1e3 * (f.parts["weight_bytes"] + f.parts["kv_bytes"]) / 1e9)
 
 
+def test_a_prefill_counts_its_causal_attention_among_its_own_tokens():
+    shape = model_shape(DENSE)
+    plain = step_floor(shape, FLAT, context=0, nodes=64)
+    chain = step_floor(shape, FLAT, context=0, nodes=64, causal=True)
+    assert plain.parts["attention_flops"] == 0
+    assert chain.parts["attention_flops"] == 4 * 4 * 16 * sum(range(1, 65)) * 2  # token i sees i keys, 2 layers
+    assert chain.parts["linear_flops"] == plain.parts["linear_flops"] and chain.floor_ms > plain.floor_ms
+
+
 def test_moe_reads_the_experts_its_tokens_touch():
     shape = model_shape(MOE)
     experts = 2 * 8 * 3 * 64 * 32  # two MoE layers of 8 experts

@@ -140,11 +140,50 @@ def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, keys):
     _close(got, want.transpose(0, 1).reshape(1, -1), dtype)
 
 
-def test_attention_of_a_tree_or_a_mask_takes_torch_ops():
+def _tree_mask(n: int, keys: int, seed: int) -> torch.Tensor:
+    """A tree's mask over a context and its n nodes: every context key, its ancestors (a random parent
+    earlier in the order) and itself."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(n, keys, dtype=torch.bool)
+    mask[:, :keys - n] = True
+    for i in range(n):
+        parent = int(torch.randint(0, i, (1,), generator=g)) if i else None
+        if parent is not None:
+            mask[i, keys - n:] = mask[parent, keys - n:]
+        mask[i, keys - n + i] = True
+    return mask
+
+
+@pytest.mark.skipif(not hasattr(native.library(), "attend_f32"), reason="attention needs AVX-512")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d,n,keys", [(4, 2, 64, 16, 700), (8, 1, 128, 33, 300), (4, 4, 256, 9, 50),
+                                                      (4, 2, 256, 65, 1100)])
+def test_tree_attention_matches_sdpa_and_each_row_is_a_decode_step(dtype, heads, kv_heads, d, n, keys):
+    """A tree's rows under its ancestor mask: SDPA's values, and each row bitwise what one row alone gets
+    over just the keys it sees (a decode step of its token), so a verify changes no bit of a greedy run."""
+    torch.manual_seed(5)
+    q = torch.randn(heads, n, d).to(dtype)
+    k, v = torch.randn(kv_heads, keys, d).to(dtype), torch.randn(kv_heads, keys, d).to(dtype)
+    mask = _tree_mask(n, keys, seed=n)
+    with torch.inference_mode():
+        assert native.attends(q, k, v, mask)
+        got = native.attend(q, k, v, mask)
+        want = torch.nn.functional.scaled_dot_product_attention(q.float()[None], k.float()[None], v.float()[None],
+                                                                attn_mask=mask, enable_gqa=True)[0]
+        _close(got, want.transpose(0, 1).reshape(n, -1), dtype)
+        for r in range(n):
+            seen = mask[r].nonzero().flatten()
+            alone = native.attend(q[:, r:r + 1].contiguous(), k[:, seen].contiguous(), v[:, seen].contiguous())
+            assert torch.equal(got[r:r + 1], alone), f"row {r}"
+
+
+def test_attention_takes_torch_ops_where_kernels_c_cannot():
     q, k = torch.randn(4, 3, 64), torch.randn(2, 10, 64)
-    assert not native.attends(q, k, k, None)  # three rows
-    assert not native.attends(q[:, :1], k, k, torch.ones(1, 10, dtype=torch.bool))
+    assert not native.attends(q, k, k, torch.zeros(3, 10))  # an additive bias
+    assert not native.attends(q, k, k, torch.ones(3, 9, dtype=torch.bool))  # a mask of other keys
+    assert not native.attends(torch.randn(4, native.MAX_ROWS + 1, 64), k, k, None)  # a prefill's rows
     assert not native.attends(torch.randn(4, 1, 24), torch.randn(2, 10, 24), torch.randn(2, 10, 24), None)
+    assert not native.attends(torch.randn(4, 3, 64).transpose(1, 2).transpose(1, 2)[:, ::2], k, k, None)
 
 
 @pytest.mark.skipif(not hasattr(native.library(), "silu_mul_f32"), reason="needs AVX-512")

@@ -180,11 +180,13 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
   }
 }
 
-/* ---- a decode step's attention: one query row over all of a sequence's keys ------------------------------
- * q [H, 1, d] (heads `q_stride` apart: a batch's rows are one row of each sequence's), k and v [Hkv, S, d]
- * (heads `head_stride` apart, rows d apart) -> out [1, H * d]. Each K/V
- * head's query heads run together, so its keys and values are read once: two passes, the scores and their
- * max, then the softmax weights summed key by key. */
+/* ---- attention of a few query rows (a decode step, a tree's verify) over one sequence's keys ----------------
+ * q [H, n, d] (heads `q_stride` apart, rows d apart: a batch's decode rows are one row of each sequence's),
+ * k and v [Hkv, S, d] (heads `head_stride` apart, rows d apart), mask [n, S] (nonzero: may attend; NULL: every
+ * key) -> out [n, H * d]. The query vectors of one K/V head (its query heads times the rows) go in tiles
+ * of TILE_VECTORS, each tile reading the keys and values once: two passes, the scores and their max, then the
+ * softmax weights summed key by key. A vector's arithmetic depends on nothing but its own visible keys, in
+ * order: a tree's row gets the bits a decode step of the same token gets over the same keys. */
 static inline __m512 exp16(__m512 x) { /* e^x to about 1 ulp: 2^i * e^r, |r| <= ln2 / 2 */
   const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693145752f),
                ln2_lo = _mm512_set1_ps(1.42860677e-6f);
@@ -206,51 +208,132 @@ static inline __m512 load16_bf16(const uint16_t *x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
 }
 
-#define MAX_HEAD 256 /* head_dim */
-#define MAX_GROUP 8  /* query heads per K/V head */
+#define MAX_HEAD 256      /* head_dim */
+#define TILE_VECTORS 64   /* query vectors a tile: each tile reads its K/V head once */
+#define BLOCK_BYTES 24576 /* a block of keys (or values) that stays in L1 while a tile's vectors pass */
+/* One tile of m query vectors over one K/V head, head_dim 16 * CH (a constant: the vector stays in registers
+ * while a block of keys passes). */
+#define VB 4 /* query vectors a register block */
+#define KB 4 /* keys (the scores) or 16-wide chunks (the values) a register block */
+/* One tile of m query vectors (padded to a multiple of VB by repeats, computed and never stored) over one K/V
+ * head of head_dim 16 * CH, in blocks of keys that stay in L1 while every vector passes. A score is a chain of
+ * FMAs over the chunks, then one reduction; a value sum, a chain of FMAs over the visible keys in order; the
+ * register blocks only decide which chains run side by side. */
+#define ATTEND_TILE(SUFFIX, T, LOAD, STORE, CH)                                                                 \
+  static void tile_##SUFFIX##_##CH(const T *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m,    \
+                                   const T *kh, const T *vh, int64_t S, float scale, float *scores) {           \
+    const int64_t d = 16 * CH, block = BLOCK_BYTES / (d * (int64_t)sizeof(T)) / KB * KB;                        \
+    const int64_t mv = (m + VB - 1) / VB * VB;                                                                  \
+    float top[TILE_VECTORS + VB], total[TILE_VECTORS + VB];                                                     \
+    __m512 acc[TILE_VECTORS + VB][CH];                                                                          \
+    for (int64_t u = 0; u < mv; u++) {                                                                          \
+      top[u] = -INFINITY, total[u] = 0.0f;                                                                      \
+      for (int c = 0; c < CH; c++) acc[u][c] = _mm512_setzero_ps();                                             \
+    }                                                                                                           \
+    for (int64_t b = 0; b < S; b += block) {                                                                    \
+      int64_t end = S < b + block ? S : b + block;                                                              \
+      for (int64_t u0 = 0; u0 < mv; u0 += VB)                                                                   \
+        for (int64_t s = b; s < end; s += KB) { /* past `end`, a repeated key, never stored */                 \
+          __m512 dot[VB][KB];                                                                                   \
+          for (int i = 0; i < VB; i++)                                                                          \
+            for (int j = 0; j < KB; j++) dot[i][j] = _mm512_setzero_ps();                                       \
+          for (int c = 0; c < CH; c++) {                                                                        \
+            __m512 kc[KB];                                                                                      \
+            for (int j = 0; j < KB; j++) kc[j] = LOAD(kh + (s + j < end ? s + j : end - 1) * d + c * 16);        \
+            for (int i = 0; i < VB; i++) {                                                                      \
+              __m512 qc = LOAD(qs[u0 + i] + c * 16);                                                            \
+              for (int j = 0; j < KB; j++) dot[i][j] = _mm512_fmadd_ps(qc, kc[j], dot[i][j]);                   \
+            }                                                                                                   \
+          }                                                                                                     \
+          for (int i = 0; i < VB; i++)                                                                          \
+            for (int j = 0; j < KB && s + j < end; j++) {                                                       \
+              const uint8_t *sn = seen[u0 + i];                                                                 \
+              float x = -INFINITY;                                                                              \
+              if (!sn || sn[s + j]) {                                                                           \
+                x = _mm512_reduce_add_ps(dot[i][j]) * scale;                                                    \
+                top[u0 + i] = x > top[u0 + i] ? x : top[u0 + i];                                                \
+              }                                                                                                 \
+              scores[(u0 + i) * (S + 16) + s + j] = x;                                                          \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int64_t u = 0; u < mv; u++) { /* the 16 past S are padding, never read back */                        \
+      float *row = scores + u * (S + 16);                                                                       \
+      for (int64_t s = S; s < S + 16; s++) row[s] = -INFINITY;                                                  \
+      for (int64_t s = 0; s < S; s += 16)                                                                       \
+        _mm512_storeu_ps(row + s, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(top[u]))));     \
+    }                                                                                                           \
+    for (int64_t b = 0; b < S; b += block) {                                                                    \
+      int64_t end = S < b + block ? S : b + block;                                                              \
+      for (int64_t u0 = 0; u0 < mv; u0 += VB)                                                                   \
+        for (int c0 = 0; c0 < CH; c0 += KB) {                                                                   \
+          __m512 a[VB][KB];                                                                                     \
+          float sum[VB];                                                                                        \
+          for (int i = 0; i < VB; i++) {                                                                        \
+            sum[i] = total[u0 + i];                                                                             \
+            for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = acc[u0 + i][c0 + cc];                    \
+          }                                                                                                     \
+          for (int64_t s = b; s < end; s++) {                                                                   \
+            __m512 vc[KB];                                                                                      \
+            for (int cc = 0; cc < KB && c0 + cc < CH; cc++) vc[cc] = LOAD(vh + s * d + (c0 + cc) * 16);         \
+            for (int i = 0; i < VB; i++) { /* a key it may not see leaves a vector's sums as they are */       \
+              const uint8_t *sn = seen[u0 + i];                                                                 \
+              int visible = !sn || sn[s];                                                                       \
+              float e = scores[(u0 + i) * (S + 16) + s];                                                        \
+              __m512 w = _mm512_set1_ps(e);                                                                     \
+              __mmask16 on = visible ? 0xffff : 0;                                                              \
+              sum[i] += visible ? e : 0.0f;                                                                     \
+              for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = _mm512_mask3_fmadd_ps(w, vc[cc], a[i][cc], on); \
+            }                                                                                                   \
+          }                                                                                                     \
+          for (int i = 0; i < VB; i++) {                                                                        \
+            if (c0 == 0) total[u0 + i] = sum[i]; /* each chunk block sums the weights again: keep one */       \
+            for (int cc = 0; cc < KB && c0 + cc < CH; cc++) acc[u0 + i][c0 + cc] = a[i][cc];                    \
+          }                                                                                                     \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int64_t u = 0; u < m; u++) {                                                                           \
+      __m512 inv = _mm512_set1_ps(1.0f / total[u]);                                                             \
+      for (int c = 0; c < CH; c++) STORE(outs[u] + c * 16, _mm512_mul_ps(acc[u][c], inv));                      \
+    }                                                                                                           \
+  }
 #define ATTEND(SUFFIX, T, LOAD, STORE)                                                                          \
-  void attend_##SUFFIX(const T *q, const T *k, const T *v, T *out, int64_t heads, int64_t kv_heads, int64_t S,  \
-                       int64_t d, int64_t q_stride, int64_t head_stride, float scale, int threads) {            \
-    int64_t group = heads / kv_heads, chunks = d / 16;                                                          \
+  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 1) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 2)                                  \
+  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 3) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 4)                                  \
+  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 5) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 6)                                  \
+  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 7) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 8)                                  \
+  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 9) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 10)                                 \
+  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 11) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 12)                                \
+  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 13) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 14)                                \
+  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 15) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 16)                                \
+  typedef void (*tile_##SUFFIX)(const T *const *, const uint8_t *const *, T *const *, int64_t, const T *,        \
+                                const T *, int64_t, float, float *);                                            \
+  static const tile_##SUFFIX TILES_##SUFFIX[MAX_HEAD / 16 + 1] = {                                              \
+      0, tile_##SUFFIX##_1, tile_##SUFFIX##_2, tile_##SUFFIX##_3, tile_##SUFFIX##_4, tile_##SUFFIX##_5,            \
+      tile_##SUFFIX##_6, tile_##SUFFIX##_7, tile_##SUFFIX##_8, tile_##SUFFIX##_9, tile_##SUFFIX##_10,               \
+      tile_##SUFFIX##_11, tile_##SUFFIX##_12, tile_##SUFFIX##_13, tile_##SUFFIX##_14, tile_##SUFFIX##_15,           \
+      tile_##SUFFIX##_16};                                                                                      \
+  void attend_##SUFFIX(const T *q, const T *k, const T *v, const uint8_t *mask, T *out, int64_t heads,          \
+                       int64_t kv_heads, int64_t n, int64_t S, int64_t d, int64_t q_stride, int64_t head_stride, \
+                       float scale, int threads) {                                                              \
+    int64_t group = heads / kv_heads, vectors = group * n;                                                      \
+    int64_t tiles = (vectors + TILE_VECTORS - 1) / TILE_VECTORS, busy = (threads + kv_heads - 1) / kv_heads;     \
+    if (tiles < busy) tiles = busy < vectors ? busy : vectors; /* a unit for every thread */                    \
     _Pragma("omp parallel num_threads(threads)") {                                                              \
-      float *scores = malloc(sizeof(float) * group * (S + 16));                                                 \
+      float *scores = malloc(sizeof(float) * TILE_VECTORS * (S + 16));                                          \
       _Pragma("omp for schedule(static)")                                                                       \
-      for (int64_t kv = 0; kv < kv_heads; kv++) {                                                               \
-        const T *kh = k + kv * head_stride, *vh = v + kv * head_stride;                                         \
-        __m512 qv[MAX_GROUP][MAX_HEAD / 16], acc[MAX_GROUP][MAX_HEAD / 16];                                     \
-        float top[MAX_GROUP], total[MAX_GROUP];                                                                 \
-        for (int64_t g = 0; g < group; g++) {                                                                   \
-          for (int64_t c = 0; c < chunks; c++) {                                                                \
-            qv[g][c] = LOAD(q + (kv * group + g) * q_stride + c * 16);                                          \
-            acc[g][c] = _mm512_setzero_ps();                                                                    \
-          }                                                                                                     \
-          top[g] = -INFINITY, total[g] = 0.0f;                                                                  \
+      for (int64_t unit = 0; unit < kv_heads * tiles; unit++) {                                                 \
+        int64_t kv = unit / tiles, u0 = vectors * (unit % tiles) / tiles;                                       \
+        int64_t m = vectors * (unit % tiles + 1) / tiles - u0;                                                  \
+        const T *qs[TILE_VECTORS + VB];                                                                         \
+        const uint8_t *seen[TILE_VECTORS + VB];                                                                 \
+        T *outs[TILE_VECTORS];                                                                                  \
+        for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */                           \
+          int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;                                      \
+          qs[u] = q + h * q_stride + r * d, seen[u] = mask ? mask + r * S : 0, outs[u] = out + (r * heads + h) * d; \
         }                                                                                                       \
-        for (int64_t s = 0; s < S; s++)                                                                         \
-          for (int64_t g = 0; g < group; g++) {                                                                 \
-            __m512 dot = _mm512_setzero_ps();                                                                   \
-            for (int64_t c = 0; c < chunks; c++) dot = _mm512_fmadd_ps(qv[g][c], LOAD(kh + s * d + c * 16), dot); \
-            float x = _mm512_reduce_add_ps(dot) * scale;                                                        \
-            scores[g * (S + 16) + s] = x;                                                                       \
-            top[g] = x > top[g] ? x : top[g];                                                                   \
-          }                                                                                                     \
-        for (int64_t g = 0; g < group; g++) { /* the 16 past S are padding, never read back */                 \
-          float *row = scores + g * (S + 16);                                                                   \
-          for (int64_t s = S; s < S + 16; s++) row[s] = -INFINITY;                                              \
-          for (int64_t s = 0; s < S; s += 16)                                                                   \
-            _mm512_storeu_ps(row + s, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(top[g])))); \
-        }                                                                                                       \
-        for (int64_t s = 0; s < S; s++)                                                                         \
-          for (int64_t g = 0; g < group; g++) {                                                                 \
-            float e = scores[g * (S + 16) + s];                                                                 \
-            __m512 w = _mm512_set1_ps(e);                                                                       \
-            total[g] += e;                                                                                      \
-            for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(w, LOAD(vh + s * d + c * 16), acc[g][c]); \
-          }                                                                                                     \
-        for (int64_t g = 0; g < group; g++) {                                                                   \
-          __m512 inv = _mm512_set1_ps(1.0f / total[g]);                                                         \
-          for (int64_t c = 0; c < chunks; c++) STORE(out + (kv * group + g) * d + c * 16, _mm512_mul_ps(acc[g][c], inv)); \
-        }                                                                                                       \
+        for (int64_t u = m; u < (m + VB - 1) / VB * VB; u++) qs[u] = qs[0], seen[u] = seen[0];                  \
+        TILES_##SUFFIX[d / 16](qs, seen, outs, m, k + kv * head_stride, v + kv * head_stride, S, scale, scores); \
       }                                                                                                         \
       free(scores);                                                                                             \
     }                                                                                                           \

@@ -11,6 +11,10 @@ from ddscope.models import native
 
 
 BMM_ATTENTION = (torch.float32,)  # dtypes whose masked grouped attention runs as two batched products
+# Dtypes whose trees attend in kernels.c's kernel, each row with a decode step's bits: in bf16 the batched
+# products' other sums flip greedy near-ties; in fp32 they flipped none measured, and run faster at 33 rows
+# and more (docs/performance.md, The engine at its floor).
+EXACT_TREES = (torch.bfloat16,)
 
 
 class RMSNorm(nn.Module):
@@ -101,7 +105,7 @@ class Attention(nn.Module):
         `causal`)."""
         heads, n, d = q.shape
         if not causal and native.attends(q, k, v, mask):
-            return native.attend(q, k, v)
+            return native.attend(q, k, v, mask)
         if causal or (mask is not None and mask.dtype == torch.bool):
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
                                                  enable_gqa=heads != k.shape[0])[0]

@@ -29,10 +29,11 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _T: the threads to run on
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
 _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
-                     "attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T),
-                     "attend_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T),
+                     "attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
+                     "attend_bf16": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "silu_mul_f32": (_P, _P, _P, _I, _T), "silu_mul_bf16": (_P, _P, _P, _I, _T)}
-MAX_HEAD, MAX_GROUP = 256, 8  # kernels.c's attention: head_dim, query heads per K/V head
+MAX_HEAD = 256  # kernels.c's attention: the widest head
+MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
 PANEL_OUTPUTS = 128  # a panelled weight's rows come in multiples of this (kernels.c: 8 panels of 16)
 
 
@@ -151,23 +152,32 @@ def linear(x: torch.Tensor, panelled: torch.Tensor) -> torch.Tensor:
 
 
 def attends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether `attend` computes this: one query row (a decode step, or one sequence's of a batch: a tree's
-    rows share their K/V reads better in batched products) over every key, q [heads, 1, d] with its values
-    contiguous, K/V heads with rows d apart and the same strides, and nothing to differentiate."""
+    """Whether `attend` computes this: a few query rows (a decode step, one sequence's of a batch, a tree's
+    verify), q [heads, n, d] with its rows and values contiguous, K/V heads with rows d apart and the same
+    strides, `mask` None or a contiguous boolean [n, S], and nothing to differentiate."""
     heads, n, d = q.shape
-    return (n == 1 and mask is None and q.device.type == "cpu" and q.dtype in _DTYPES and d % 16 == 0
-            and d <= MAX_HEAD and heads % k.shape[0] == 0 and heads // k.shape[0] <= MAX_GROUP
-            and k.dtype == v.dtype == q.dtype and q.stride(2) == 1 and k.stride() == v.stride()
-            and k.stride(1) == d and k.stride(2) == 1
-            and _inference(q, k, v) and _has("attend_f32"))
+    return (masks_rows(q.dtype, heads, k.shape[0], d) and n <= MAX_ROWS and q.device.type == "cpu"
+            and k.dtype == v.dtype == q.dtype and q.stride(2) == 1 and (n == 1 or q.stride(1) == d)
+            and k.stride() == v.stride() and k.stride(1) == d and k.stride(2) == 1
+            and (mask is None or (mask.dtype == torch.bool and mask.shape == (n, k.shape[1])
+                                  and mask.is_contiguous()))
+            and _inference(q, k, v))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of one row, q [heads, 1, d], over every key of k, v [kv_heads, S, d] -> [1, heads * d]."""
-    heads, _, d = q.shape
-    out = torch.empty(1, heads * d, dtype=q.dtype)
-    _call(f"attend_{_DTYPES[q.dtype]}", q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads, k.shape[0],
-          k.shape[1], d, q.stride(0), k.stride(0), d ** -0.5)
+def masks_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `attend` serves this geometry and dtype: a caller keeps its tree's mask boolean for it."""
+    return (dtype in _DTYPES and head_dim % 16 == 0 and head_dim <= MAX_HEAD and heads % kv_heads == 0
+            and _has("attend_f32"))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of q [heads, n, d] over k, v [kv_heads, S, d], where `mask` [n, S] allows (None:
+    every key) -> [n, heads * d]: each row the bits it gets alone over the same keys."""
+    heads, n, d = q.shape
+    out = torch.empty(n, heads * d, dtype=q.dtype)
+    _call(f"attend_{_DTYPES[q.dtype]}", q.data_ptr(), k.data_ptr(), v.data_ptr(),
+          None if mask is None else mask.data_ptr(), out.data_ptr(), heads, k.shape[0], n, k.shape[1], d,
+          q.stride(0), k.stride(0), d ** -0.5)
     return out
 
 

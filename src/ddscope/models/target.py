@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ddscope.config import DecoderGeometry, TargetConfig
+from ddscope.models import layers, native
 from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias, pack_linears
 from ddscope.models.weights import load_into, read_state_dict
 
@@ -200,8 +201,14 @@ class Target(nn.Module):
         return _Masks(body, (self._grouped(tail) if rows <= GROUPED_QUERIES else tail, False))
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
-        g = self.cfg.geometry
-        return grouped_bias(mask, g.num_heads // g.num_kv_heads, self.lm_head.weight.dtype)
+        """A few rows' mask as their attention takes it: boolean for kernels.c's attention in the dtypes of
+        `EXACT_TREES` (each row then gets the bits a decode step of its token gets), else an additive bias for
+        grouped queries."""
+        g, dtype = self.cfg.geometry, self.lm_head.weight.dtype
+        if (dtype in layers.EXACT_TREES and native.masks_rows(dtype, g.num_heads, g.num_kv_heads, g.head_dim)
+                and mask.shape[0] <= native.MAX_ROWS):
+            return mask.contiguous()
+        return grouped_bias(mask, g.num_heads // g.num_kv_heads, dtype)
 
     def _outputs(self, segments: list[Segment], sizes: list[int], h: torch.Tensor, captured: dict[int, torch.Tensor],
                  capture: tuple[int, ...]) -> list[ForwardOut]:

@@ -89,8 +89,10 @@ def _attention_flops(shape: ModelShape, context: float, tokens: float, batch: in
 
 def step_floor(shape: ModelShape, hw: Hardware, *, context: float, nodes: float = 1, batch: int = 1,
                gpus: int = 1, kv_dtype: str | None = None, routing: str = "uniform",
-               mla: str = "absorbed") -> Floor:
-    """The floor of one step, in parts (bytes, FLOPs, ms per card) and the bound that binds."""
+               mla: str = "absorbed", causal: bool = False) -> Floor:
+    """The floor of one step, in parts (bytes, FLOPs, ms per card) and the bound that binds. `causal`: the
+    step's tokens are one causal chain (a prefill), each attending to those before it as well as to the
+    context; else only the context is counted (a tree's node sees a few of its own, the least bound)."""
     check_layout(shape, gpus)
     if gpus > 1 and not hw.link_gbps:
         raise FloorError(f"{hw.name} has no interconnect rate: --gpus {gpus} needs one (custom:...,link=GBps)")
@@ -111,7 +113,8 @@ def step_floor(shape: ModelShape, hw: Hardware, *, context: float, nodes: float 
     kv_size = DTYPE_BYTES[kv_dtype or shape.dtype]
     kv_bytes = batch * _kv_elems(shape, context, gpus) * kv_size
     kv_write = tokens * shape.layers * _kv_width(shape, gpus) * kv_size
-    attention = _attention_flops(shape, context, tokens, batch, mla) / gpus
+    seen = context + ((nodes + 1) / 2 if causal else 0)  # on average, token i of a chain sees i + 1 of it
+    attention = _attention_flops(shape, seen, tokens, batch, mla) / gpus
     act = DTYPE_BYTES[shape.dtype]  # activations, and the matmul rate attention runs at
     # a ring all-reduce moves 2(G-1)/G of the tensor through each card; two per layer, and the logits gathered
     comm_bytes = (2 * shape.layers * 2 * tokens * shape.hidden * act + tokens * shape.vocab * act) * (gpus - 1) / gpus
