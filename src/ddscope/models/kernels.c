@@ -123,13 +123,26 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     for (int64_t k = 0; k < K; k++) p[((n / 16) * K + k) * 16 + n % 16] = w[n * K + k];
 }
 
+/* A tile; with `next`, it also prefetches lines [l, l1) of the next panel group into L2, evenly over its k
+ * loop: the group's later tiles run from L2 while the memory streams the next one in (a few rows' tiles,
+ * whose first pass over a group would otherwise wait on the memory alone). */
 #define TILE(MR)                                                                                                \
   static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0) { \
+    TILE_BODY(MR, )                                                                                             \
+  }                                                                                                             \
+  static void fetching_tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0,     \
+                                 int64_t q0, const float *next, int64_t l, int64_t l1) {                        \
+    int64_t due = 0;                                                                                            \
+    TILE_BODY(MR, for (due += l1 - l; due >= K && l < l1; due -= K, l++) _mm_prefetch(                          \
+                      (const char *)(next + (l % TILE_PANELS) * K * 16 + (l / TILE_PANELS) * 16), _MM_HINT_T1);) \
+  }
+#define TILE_BODY(MR, FETCH)                                                                                    \
     __m512 acc[MR][TILE_PANELS];                                                                                \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < TILE_PANELS; j++) acc[i][j] = _mm512_setzero_ps();                                    \
     const float *pk = p + q0 * K * 16, *xr = x + m0 * K;                                                        \
     for (int64_t k = 0; k < K; k++, pk += 16) {                                                                 \
+      FETCH                                                                                                     \
       __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + K * 16);                                       \
       __m512 w2 = _mm512_loadu_ps(pk + 2 * K * 16), w3 = _mm512_loadu_ps(pk + 3 * K * 16);                      \
       for (int i = 0; i < MR; i++) {                                                                            \
@@ -141,11 +154,15 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
       }                                                                                                         \
     }                                                                                                           \
     for (int i = 0; i < MR; i++)                                                                                \
-      for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (m0 + i) * N + (q0 + j) * 16, acc[i][j]);     \
-  }
+      for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (m0 + i) * N + (q0 + j) * 16, acc[i][j]);
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 typedef void (*tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
+typedef void (*fetching_tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
+                                 const float *, int64_t, int64_t);
 static const tile_fn TILES[TILE_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+static const fetching_tile_fn FETCHING_TILES[TILE_ROWS + 1] = {0, fetching_tile_1, fetching_tile_2, fetching_tile_3,
+                                                               fetching_tile_4, fetching_tile_5, fetching_tile_6};
+#define FETCH_TILES 12 /* at most this many tiles of a row block prefetch: a prefill's many rows run from L2 */
 
 static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t q0) {
   __m512 acc[ROW_PANELS];
@@ -172,8 +189,12 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
         int64_t rows = M - mc < ROW_BLOCK ? M - mc : ROW_BLOCK, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
         for (int64_t g = g0; g < g1; g++)
           for (int64_t i = 0; i < tiles; i++) { /* tiles of even height: 33 rows as 6, 6, 6, 5, 5, 5 */
-            int64_t a = rows * i / tiles, b = rows * (i + 1) / tiles;
-            TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS);
+            int64_t a = rows * i / tiles, b = rows * (i + 1) / tiles, lines = TILE_PANELS * K;
+            if (tiles <= FETCH_TILES && g + 1 < g1)
+              FETCHING_TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, p + (g + 1) * TILE_PANELS * K * 16,
+                                    lines * i / tiles, lines * (i + 1) / tiles);
+            else
+              TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS);
           }
       }
     }
@@ -213,85 +234,86 @@ static inline __m512 load16_bf16(const uint16_t *x) {
 #define BLOCK_BYTES 24576 /* a block of keys (or values) that stays in L1 while a tile's vectors pass */
 /* One tile of m query vectors over one K/V head, head_dim 16 * CH (a constant: the vector stays in registers
  * while a block of keys passes). */
-#define VB 4 /* query vectors a register block */
+#define VB 4 /* query vectors a register block (the last of a tile: 2 or 1) */
 #define KB 4 /* keys (the scores) or 16-wide chunks (the values) a register block */
-/* One tile of m query vectors (padded to a multiple of VB by repeats, computed and never stored) over one K/V
- * head of head_dim 16 * CH, in blocks of keys that stay in L1 while every vector passes. A score is a chain of
- * FMAs over the chunks, then one reduction; a value sum, a chain of FMAs over the visible keys in order; the
- * register blocks only decide which chains run side by side. */
+/* One tile of m query vectors over one K/V head of head_dim 16 * CH, in blocks of keys that stay in L1 while
+ * every vector passes. A score is a chain of FMAs over the chunks, then one reduction; a value sum, a chain
+ * of FMAs over the visible keys in order; the register blocks only decide which chains run side by side. */
+#define SCORES(LOAD, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                      \
+  for (int64_t s = b; s < end; s += KB) { /* past `end`, a repeated key, never stored */                       \
+    __m512 dot[N][KB];                                                                                          \
+    for (int i = 0; i < N; i++)                                                                                 \
+      for (int j = 0; j < KB; j++) dot[i][j] = _mm512_setzero_ps();                                             \
+    for (int c = 0; c < CH; c++) {                                                                              \
+      __m512 kc[KB];                                                                                            \
+      for (int j = 0; j < KB; j++) kc[j] = LOAD(kh + (s + j < end ? s + j : end - 1) * d + c * 16);              \
+      for (int i = 0; i < N; i++) {                                                                             \
+        __m512 qc = LOAD(qs[u0 + i] + c * 16);                                                                  \
+        for (int j = 0; j < KB; j++) dot[i][j] = _mm512_fmadd_ps(qc, kc[j], dot[i][j]);                         \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int i = 0; i < N; i++)                                                                                 \
+      for (int j = 0; j < KB && s + j < end; j++) {                                                             \
+        const uint8_t *sn = seen[u0 + i];                                                                       \
+        float x = -INFINITY;                                                                                    \
+        if (!sn || sn[s + j]) {                                                                                 \
+          x = _mm512_reduce_add_ps(dot[i][j]) * scale;                                                          \
+          top[u0 + i] = x > top[u0 + i] ? x : top[u0 + i];                                                      \
+        }                                                                                                       \
+        scores[(u0 + i) * (S + 16) + s + j] = x;                                                                \
+      }                                                                                                         \
+  }
+#define VALUES(LOAD, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                      \
+  for (int c0 = 0; c0 < CH; c0 += KB) {                                                                         \
+    __m512 a[N][KB];                                                                                            \
+    float sum[N];                                                                                               \
+    for (int i = 0; i < N; i++) {                                                                               \
+      sum[i] = total[u0 + i];                                                                                   \
+      for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = acc[u0 + i][c0 + cc];                          \
+    }                                                                                                           \
+    for (int64_t s = b; s < end; s++) {                                                                         \
+      __m512 vc[KB];                                                                                            \
+      for (int cc = 0; cc < KB && c0 + cc < CH; cc++) vc[cc] = LOAD(vh + s * d + (c0 + cc) * 16);               \
+      for (int i = 0; i < N; i++) { /* a key it may not see leaves a vector's sums as they are */              \
+        const uint8_t *sn = seen[u0 + i];                                                                       \
+        int visible = !sn || sn[s];                                                                             \
+        float e = scores[(u0 + i) * (S + 16) + s];                                                              \
+        __m512 w = _mm512_set1_ps(e);                                                                           \
+        __mmask16 on = visible ? 0xffff : 0;                                                                    \
+        sum[i] += visible ? e : 0.0f;                                                                           \
+        for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = _mm512_mask3_fmadd_ps(w, vc[cc], a[i][cc], on); \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int i = 0; i < N; i++) {                                                                               \
+      if (c0 == 0) total[u0 + i] = sum[i]; /* each chunk block sums the weights again: keep one */             \
+      for (int cc = 0; cc < KB && c0 + cc < CH; cc++) acc[u0 + i][c0 + cc] = a[i][cc];                          \
+    }                                                                                                           \
+  }
+#define BLOCKS(PASS, LOAD, CH) /* every vector in blocks of VB, then 2, then 1 */                               \
+  for (int64_t b = 0; b < S; b += block) {                                                                      \
+    int64_t end = S < b + block ? S : b + block, u0 = 0;                                                        \
+    for (; u0 + VB <= m; u0 += VB) { PASS(LOAD, CH, VB) }                                                       \
+    if (u0 + 2 <= m) { PASS(LOAD, CH, 2) u0 += 2; }                                                             \
+    if (u0 < m) { PASS(LOAD, CH, 1) }                                                                           \
+  }
 #define ATTEND_TILE(SUFFIX, T, LOAD, STORE, CH)                                                                 \
   static void tile_##SUFFIX##_##CH(const T *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m,    \
                                    const T *kh, const T *vh, int64_t S, float scale, float *scores) {           \
     const int64_t d = 16 * CH, block = BLOCK_BYTES / (d * (int64_t)sizeof(T)) / KB * KB;                        \
-    const int64_t mv = (m + VB - 1) / VB * VB;                                                                  \
-    float top[TILE_VECTORS + VB], total[TILE_VECTORS + VB];                                                     \
-    __m512 acc[TILE_VECTORS + VB][CH];                                                                          \
-    for (int64_t u = 0; u < mv; u++) {                                                                          \
+    float top[TILE_VECTORS], total[TILE_VECTORS];                                                               \
+    __m512 acc[TILE_VECTORS][CH];                                                                               \
+    for (int64_t u = 0; u < m; u++) {                                                                           \
       top[u] = -INFINITY, total[u] = 0.0f;                                                                      \
       for (int c = 0; c < CH; c++) acc[u][c] = _mm512_setzero_ps();                                             \
     }                                                                                                           \
-    for (int64_t b = 0; b < S; b += block) {                                                                    \
-      int64_t end = S < b + block ? S : b + block;                                                              \
-      for (int64_t u0 = 0; u0 < mv; u0 += VB)                                                                   \
-        for (int64_t s = b; s < end; s += KB) { /* past `end`, a repeated key, never stored */                 \
-          __m512 dot[VB][KB];                                                                                   \
-          for (int i = 0; i < VB; i++)                                                                          \
-            for (int j = 0; j < KB; j++) dot[i][j] = _mm512_setzero_ps();                                       \
-          for (int c = 0; c < CH; c++) {                                                                        \
-            __m512 kc[KB];                                                                                      \
-            for (int j = 0; j < KB; j++) kc[j] = LOAD(kh + (s + j < end ? s + j : end - 1) * d + c * 16);        \
-            for (int i = 0; i < VB; i++) {                                                                      \
-              __m512 qc = LOAD(qs[u0 + i] + c * 16);                                                            \
-              for (int j = 0; j < KB; j++) dot[i][j] = _mm512_fmadd_ps(qc, kc[j], dot[i][j]);                   \
-            }                                                                                                   \
-          }                                                                                                     \
-          for (int i = 0; i < VB; i++)                                                                          \
-            for (int j = 0; j < KB && s + j < end; j++) {                                                       \
-              const uint8_t *sn = seen[u0 + i];                                                                 \
-              float x = -INFINITY;                                                                              \
-              if (!sn || sn[s + j]) {                                                                           \
-                x = _mm512_reduce_add_ps(dot[i][j]) * scale;                                                    \
-                top[u0 + i] = x > top[u0 + i] ? x : top[u0 + i];                                                \
-              }                                                                                                 \
-              scores[(u0 + i) * (S + 16) + s + j] = x;                                                          \
-            }                                                                                                   \
-        }                                                                                                       \
-    }                                                                                                           \
-    for (int64_t u = 0; u < mv; u++) { /* the 16 past S are padding, never read back */                        \
+    BLOCKS(SCORES, LOAD, CH)                                                                                    \
+    for (int64_t u = 0; u < m; u++) { /* the 16 past S are padding, never read back */                         \
       float *row = scores + u * (S + 16);                                                                       \
       for (int64_t s = S; s < S + 16; s++) row[s] = -INFINITY;                                                  \
       for (int64_t s = 0; s < S; s += 16)                                                                       \
         _mm512_storeu_ps(row + s, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(top[u]))));     \
     }                                                                                                           \
-    for (int64_t b = 0; b < S; b += block) {                                                                    \
-      int64_t end = S < b + block ? S : b + block;                                                              \
-      for (int64_t u0 = 0; u0 < mv; u0 += VB)                                                                   \
-        for (int c0 = 0; c0 < CH; c0 += KB) {                                                                   \
-          __m512 a[VB][KB];                                                                                     \
-          float sum[VB];                                                                                        \
-          for (int i = 0; i < VB; i++) {                                                                        \
-            sum[i] = total[u0 + i];                                                                             \
-            for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = acc[u0 + i][c0 + cc];                    \
-          }                                                                                                     \
-          for (int64_t s = b; s < end; s++) {                                                                   \
-            __m512 vc[KB];                                                                                      \
-            for (int cc = 0; cc < KB && c0 + cc < CH; cc++) vc[cc] = LOAD(vh + s * d + (c0 + cc) * 16);         \
-            for (int i = 0; i < VB; i++) { /* a key it may not see leaves a vector's sums as they are */       \
-              const uint8_t *sn = seen[u0 + i];                                                                 \
-              int visible = !sn || sn[s];                                                                       \
-              float e = scores[(u0 + i) * (S + 16) + s];                                                        \
-              __m512 w = _mm512_set1_ps(e);                                                                     \
-              __mmask16 on = visible ? 0xffff : 0;                                                              \
-              sum[i] += visible ? e : 0.0f;                                                                     \
-              for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = _mm512_mask3_fmadd_ps(w, vc[cc], a[i][cc], on); \
-            }                                                                                                   \
-          }                                                                                                     \
-          for (int i = 0; i < VB; i++) {                                                                        \
-            if (c0 == 0) total[u0 + i] = sum[i]; /* each chunk block sums the weights again: keep one */       \
-            for (int cc = 0; cc < KB && c0 + cc < CH; cc++) acc[u0 + i][c0 + cc] = a[i][cc];                    \
-          }                                                                                                     \
-        }                                                                                                       \
-    }                                                                                                           \
+    BLOCKS(VALUES, LOAD, CH)                                                                                    \
     for (int64_t u = 0; u < m; u++) {                                                                           \
       __m512 inv = _mm512_set1_ps(1.0f / total[u]);                                                             \
       for (int c = 0; c < CH; c++) STORE(outs[u] + c * 16, _mm512_mul_ps(acc[u][c], inv));                      \
@@ -325,14 +347,13 @@ static inline __m512 load16_bf16(const uint16_t *x) {
       for (int64_t unit = 0; unit < kv_heads * tiles; unit++) {                                                 \
         int64_t kv = unit / tiles, u0 = vectors * (unit % tiles) / tiles;                                       \
         int64_t m = vectors * (unit % tiles + 1) / tiles - u0;                                                  \
-        const T *qs[TILE_VECTORS + VB];                                                                         \
-        const uint8_t *seen[TILE_VECTORS + VB];                                                                 \
+        const T *qs[TILE_VECTORS];                                                                              \
+        const uint8_t *seen[TILE_VECTORS];                                                                      \
         T *outs[TILE_VECTORS];                                                                                  \
         for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */                           \
           int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;                                      \
           qs[u] = q + h * q_stride + r * d, seen[u] = mask ? mask + r * S : 0, outs[u] = out + (r * heads + h) * d; \
         }                                                                                                       \
-        for (int64_t u = m; u < (m + VB - 1) / VB * VB; u++) qs[u] = qs[0], seen[u] = seen[0];                  \
         TILES_##SUFFIX[d / 16](qs, seen, outs, m, k + kv * head_stride, v + kv * head_stride, S, scale, scores); \
       }                                                                                                         \
       free(scores);                                                                                             \
