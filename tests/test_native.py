@@ -195,3 +195,33 @@ def test_silu_mul_matches_torch(dtype):
     with torch.inference_mode():
         assert native.gates(gate, up)
         _close(native.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@pytest.mark.skipif(not native.decodes(), reason="the decode calls need AVX-512")
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_decode_row_in_two_calls_a_layer_is_the_modules_bits(tmp_path, arch):
+    """A decode step's row through each layer in kernels.c's two calls (norm, q/k/v, norm + RoPE; attention,
+    o_proj, MLP) gives the logits, captured features and K/V the modules give one by one."""
+    from ddscope.bench.synthetic import make_target
+    from ddscope.models.target import Target
+
+    target = Target.load(make_target(tmp_path / arch, arch, hidden=256, layers=3), torch.device("cpu"), torch.float32)
+    prompt, new = torch.randint(4, 200, (70,)), torch.randint(4, 200, (6,))
+
+    def decode(fused: bool):
+        before = target._one_row
+        if not fused:
+            target._one_row = lambda *args: None
+        try:
+            with torch.inference_mode():
+                cache = target.new_cache(80)
+                target(prompt, torch.arange(70), cache)
+                outs = [target(new[i:i + 1], torch.arange(70 + i, 71 + i), cache, capture=(0, 2)) for i in range(6)]
+        finally:
+            target._one_row = before
+        return outs, cache
+
+    (fused, a), (plain, b) = decode(True), decode(False)
+    assert target._fused, "every layer should take the two calls: the test lost its power"
+    assert all(torch.equal(x.logits, y.logits) and torch.equal(x.features, y.features) for x, y in zip(fused, plain))
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)

@@ -387,4 +387,37 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n,
     _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, uv)));
   }
 }
+
+/* ---- one decode row through a layer, in two calls around the cache write ------------------------------------
+ * The same kernels in the same order as the layer's modules call them one by one (so the same bits), without
+ * the Python between them: after each projection has streamed megabytes through the caches, that Python
+ * runs cold. */
+void decode_qkv_f32(const float *h, const float *w_in, float eps, const float *pq, const float *pk,
+                    const float *pv, const float *q_norm, const float *k_norm, float qk_eps, const float *cos,
+                    const float *sin, float *xn, float *qraw, float *kraw, float *q, float *k, float *v,
+                    int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int threads) {
+  rms_norm_f32(h, w_in, xn, 1, hidden, eps, threads);
+  linear_f32(xn, pq, qraw, 1, hidden, heads * d, threads);
+  linear_f32(xn, pk, kraw, 1, hidden, kv_heads * d, threads);
+  linear_f32(xn, pv, v, 1, hidden, kv_heads * d, threads);
+  norm_rope_f32(qraw, q_norm, cos, sin, q, 1, heads, d, qk_eps, threads);
+  norm_rope_f32(kraw, k_norm, cos, sin, k, 1, kv_heads, d, qk_eps, threads);
+}
+
+/* h += o_proj(attention of q over the cache's S keys); h += down(silu(gate(norm(h))) * up(norm(h))). */
+void decode_rest_f32(float *h, const float *q, const float *keys, const float *values, int64_t S,
+                     int64_t head_stride, const float *po, const float *w_post, float eps, const float *pg,
+                     const float *pu, const float *pd, float *att, float *o, float *xn, float *g, float *u,
+                     int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, float scale,
+                     int threads) {
+  attend_f32(q, keys, values, 0, att, heads, kv_heads, 1, S, d, d, head_stride, scale, threads);
+  linear_f32(att, po, o, 1, heads * d, hidden, threads);
+  for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + o[i];
+  rms_norm_f32(h, w_post, xn, 1, hidden, eps, threads);
+  linear_f32(xn, pg, g, 1, hidden, inter, threads);
+  linear_f32(xn, pu, u, 1, hidden, inter, threads);
+  silu_mul_f32(g, u, g, inter, threads);
+  linear_f32(g, pd, o, 1, inter, hidden, threads);
+  for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + o[i];
+}
 #endif /* __AVX512F__ */

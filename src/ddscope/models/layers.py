@@ -2,6 +2,8 @@
 attention projections and the grouped-query mix, the MLP and one decoder layer."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -147,6 +149,31 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(g, bias)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.mlp = MLP(g)
+
+    @property
+    def fused(self) -> bool:
+        """Whether `decode_row` serves: fp32 panels without bias for every projection, a head kernels.c's
+        attention takes, and its decode calls (a decode step's row then skips the Python between modules)."""
+        a, m = self.self_attn, self.mlp
+        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        return (all(type(p) is PanelLinear and p.bias is None for p in projections)
+                and native.masks_rows(torch.float32, a.g.num_heads, a.g.num_kv_heads, a.g.head_dim)
+                and native.decodes())
+
+    def decode_row(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   write: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One decode row h [1, hidden] through the layer in place (where `fused`), its K/V stored by `write`,
+        the cache's, which returns every key and value as [kv_heads, S, d] with rows d apart."""
+        a, m, g = self.self_attn, self.mlp, self.self_attn.g
+        norms = (a.q_norm.weight, a.k_norm.weight) if g.qk_norm else (None, None)
+        q, k, v = native.decode_qkv(h, self.input_layernorm.weight, self.input_layernorm.eps,
+                                    (a.q_proj.panels, a.k_proj.panels, a.v_proj.panels), norms,
+                                    a.q_norm.eps if g.qk_norm else 0.0, cos, sin, g.num_heads, g.num_kv_heads,
+                                    g.head_dim)
+        keys, values = write(k, v)
+        native.decode_rest(h, q, keys, values, (a.o_proj.panels, m.gate_proj.panels, m.up_proj.panels,
+                                                 m.down_proj.panels), self.post_attention_layernorm.weight,
+                           self.post_attention_layernorm.eps, m.gate_proj.out_features)
 
 
 class PackedLinear(nn.Module):

@@ -31,7 +31,9 @@ _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _
 _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
                      "attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "attend_bf16": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
-                     "silu_mul_f32": (_P, _P, _P, _I, _T), "silu_mul_bf16": (_P, _P, _P, _I, _T)}
+                     "silu_mul_f32": (_P, _P, _P, _I, _T), "silu_mul_bf16": (_P, _P, _P, _I, _T),
+                     "decode_qkv_f32": (_P, _P, _F, _P, _P, _P, _P, _P, _F, _P, _P, *[_P] * 6, *[_I] * 4, _T),
+                     "decode_rest_f32": (*[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 8, *[_I] * 5, _F, _T)}
 MAX_HEAD = 256  # kernels.c's attention: the widest head
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
 PANEL_OUTPUTS = 128  # a panelled weight's rows come in multiples of this (kernels.c: 8 panels of 16)
@@ -191,3 +193,38 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(gate)
     _call(f"silu_mul_{_DTYPES[gate.dtype]}", gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel())
     return y
+
+
+def decodes() -> bool:
+    """Whether the library has the two calls of a decode row through a layer (`decode_qkv`, `decode_rest`)."""
+    return _has("decode_qkv_f32")
+
+
+def decode_qkv(h: torch.Tensor, w_in: torch.Tensor, eps: float, panels: tuple[torch.Tensor, ...],
+               norms: tuple[torch.Tensor | None, torch.Tensor | None], qk_eps: float, cos: torch.Tensor,
+               sin: torch.Tensor, heads: int, kv_heads: int,
+               d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One fp32 row h [1, hidden] through a layer's input norm, q/k/v on `panels` and the heads' norm + RoPE:
+    (q [heads, 1, d], k [kv_heads, 1, d], v [kv_heads, 1, d]), the bits the modules give one by one."""
+    hidden = h.shape[-1]
+    xn, qraw, kraw = torch.empty(hidden), torch.empty(heads * d), torch.empty(kv_heads * d)
+    q, k, v = torch.empty(heads, 1, d), torch.empty(kv_heads, 1, d), torch.empty(kv_heads, 1, d)
+    qn, kn = (None if w is None else w.data_ptr() for w in norms)
+    _call("decode_qkv_f32", h.data_ptr(), w_in.data_ptr(), eps, *(p.data_ptr() for p in panels), qn, kn, qk_eps,
+          cos.data_ptr(), sin.data_ptr(), xn.data_ptr(), qraw.data_ptr(), kraw.data_ptr(), q.data_ptr(), k.data_ptr(),
+          v.data_ptr(), hidden, heads, kv_heads, d)
+    return q, k, v
+
+
+def decode_rest(h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                panels: tuple[torch.Tensor, ...], w_post: torch.Tensor, eps: float, inter: int) -> None:
+    """h [1, hidden] += the attention of q over keys/values [kv_heads, S, d] through o_proj, then += the MLP of
+    its post-attention norm: in place, the bits the modules give one by one."""
+    heads, _, d = q.shape
+    hidden = h.shape[-1]
+    att, o, xn, g, u = torch.empty(heads * d), torch.empty(hidden), torch.empty(hidden), torch.empty(inter), \
+        torch.empty(inter)
+    po, pg, pu, pd = (p.data_ptr() for p in panels)
+    _call("decode_rest_f32", h.data_ptr(), q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
+          keys.stride(0), po, w_post.data_ptr(), eps, pg, pu, pd, att.data_ptr(), o.data_ptr(), xn.data_ptr(),
+          g.data_ptr(), u.data_ptr(), hidden, heads, keys.shape[0], d, inter, d ** -0.5)

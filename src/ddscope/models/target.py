@@ -103,6 +103,7 @@ class Target(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTable(g.head_dim, g.rope_theta)
+        self._fused: bool | None = None  # every layer `fused`: known once the projections are packed
 
     @classmethod
     def load(cls, directory: Path, device: torch.device, dtype: torch.dtype) -> "Target":
@@ -157,7 +158,13 @@ class Target(nn.Module):
         h = self.embed(joined([seg.tokens for seg in segments]))
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
+        row = self._one_row(segments, plans, h, cos, sin)
         for i, layer in enumerate(self.model.layers):
+            if row is not None:  # a decode step: the layer in two C calls, the same bits without the Python
+                layer.decode_row(h, cos, sin, lambda k, v, i=i: row.write(i, row.length, k, v))
+                if i in capture and i != last:
+                    captured[i] = h.clone()
+                continue
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             k, v = attn.key_value(x, cos, sin)
@@ -185,6 +192,15 @@ class Target(nn.Module):
         if last in capture:  # HF's last hidden state is the normed one
             captured[last] = h
         return self._outputs(segments, sizes, h, captured, capture)
+
+    def _one_row(self, segments: list[Segment], plans: list["_Masks"], h: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> Cache | None:
+        """The cache of a forward that is one decode row of one sequence, where every layer is `fused`."""
+        if self._fused is None:
+            self._fused = all(layer.fused for layer in self.model.layers)
+        plain = all(mask is None and not causal for mask, causal in (plans[0].body, plans[0].last))
+        one = len(segments) == 1 and h.shape[0] == 1 and segments[0].rows == 1 and plain
+        return segments[0].cache if one and self._fused and native.serves(h, cos, sin) else None
 
     def _plan(self, seg: Segment) -> "_Masks":
         """Each segment's (mask, causal) for the layers before the last and for the last (its `tail` rows)."""
