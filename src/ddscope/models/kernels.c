@@ -1,8 +1,8 @@
 /* A step's ops on the CPU (ddscope.models.native builds this file and says why): RMSNorm and the heads' norm
  * + RoPE, one call each instead of torch's five to eight dispatches; fp32 projections on weights reordered into
- * panels. Each row is computed alone, in the same order whatever the number of rows, so a tree's verify sees
- * what a decode step sees. bf16 variants round where torch's ops would: after the normalisation, after each
- * product and after the sum. */
+ * panels; the attention of a few rows; an fp32 decode row through a layer in two calls. Each row is computed
+ * alone, in the same order whatever the number of rows, so a tree's verify sees what a decode step sees. bf16
+ * variants round where torch's ops would: after the normalisation, after each product and after the sum. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

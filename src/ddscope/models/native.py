@@ -1,5 +1,6 @@
-"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, fp32 projections on panelled weights, a
-decode step's attention and the MLP's silu(gate) * up.
+"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, fp32 projections on panelled weights, the
+attention of a few rows (a decode step's, a tree's under its mask), the MLP's silu(gate) * up, and an fp32
+decode row through a whole layer in two calls.
 
 torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step; its fp32 products of one or a
 few rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other bits
