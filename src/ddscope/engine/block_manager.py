@@ -135,26 +135,31 @@ class BlockManager:
 
     def _take(self, wanted: int | None, owner: int) -> int:
         """A free block: `wanted` (None: any) if it is empty and nobody else keeps it, or if it is registered and
-        free (then unregistered: a table in a row is read as a view, a gathered one copies the whole context
-        every step, which costs more than a divergent tail's chance of a later hit), else the lowest empty
-        block nobody keeps, else one kept for another, else the least recently freed registered one."""
+        free (a table in a row is read as a view, a gathered one copies the whole context every step, which
+        costs more than a divergent tail's chance of a later hit), else the lowest empty block nobody keeps,
+        else one kept for another, else the least recently freed registered one."""
         if wanted is not None and (self.soft.get(wanted) == owner
                                    or (wanted not in self.soft and wanted in self.plain)):
             b = wanted
-        elif wanted in self.cached or not (len(self.plain) or self.soft):
-            b = wanted if wanted in self.cached else next(iter(self.cached))
-            del self.cached[b]
-            self._forget(b)
-            self.refs[b] = 1
-            return b
+        elif wanted in self.cached:
+            return self._reclaim(wanted)
         elif len(self.plain):
             b = self.plain.lowest()
-        else:
+        elif self.soft:
             b = next(iter(self.soft))
+        else:
+            return self._reclaim(next(iter(self.cached)))
         if b in self.soft:
             self.kept[self.soft.pop(b)][1].discard(b)
         else:
             self.plain.take(b)
+        self.refs[b] = 1
+        return b
+
+    def _reclaim(self, b: int) -> int:
+        """Registered and free block `b`, unregistered and held."""
+        del self.cached[b]
+        self._forget(b)
         self.refs[b] = 1
         return b
 

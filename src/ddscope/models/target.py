@@ -103,7 +103,7 @@ class Target(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTable(g.head_dim, g.rope_theta)
-        self._fused: bool | None = None  # every layer `fused`: known once the projections are packed
+        self._fused = False  # every layer `fused` (`decode_row` serves): set once `load` packed the projections
 
     @classmethod
     def load(cls, directory: Path, device: torch.device, dtype: torch.dtype) -> "Target":
@@ -120,6 +120,7 @@ class Target(nn.Module):
         model = model.to(dtype).eval()
         if model.lm_head.weight.device.type == "cpu":
             pack_linears(model.model.layers)
+            model._fused = all(layer.fused for layer in model.model.layers)
         return model
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -196,8 +197,6 @@ class Target(nn.Module):
     def _one_row(self, segments: list[Segment], plans: list["_Masks"], h: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> Cache | None:
         """The cache of a forward that is one decode row of one sequence, where every layer is `fused`."""
-        if self._fused is None:
-            self._fused = all(layer.fused for layer in self.model.layers)
         plain = all(mask is None and not causal for mask, causal in (plans[0].body, plans[0].last))
         one = len(segments) == 1 and h.shape[0] == 1 and segments[0].rows == 1 and plain
         return segments[0].cache if one and self._fused and native.serves(h, cos, sin) else None
