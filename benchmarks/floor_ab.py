@@ -13,6 +13,8 @@ commit; the prefill row is the prefill). A is the engine without the change, B w
 - `bmm-attention-fp32`: a tree's masked grouped attention as two batched products against SDPA, in fp32.
 - `panels-fp32`: fp32 projections on kernels.c's panelled weights (ddscope.models.layers.PanelLinear) against
   the `column-fp32` products.
+- `panels-bf16`: bf16 projections on kernels.c's AMX panels, a decode row's layers in one C call each, against
+  `packed-bf16`'s oneDNN products and the modules.
 - `attention-fp32`, `attention-bf16`: a decode step's attention in one C call (ddscope.models.native.attend)
   against SDPA.
 - `tree-attention-fp32`, `tree-attention-bf16`: a tree's masked attention in kernels.c's attention (each row
@@ -68,6 +70,7 @@ CHANGES: dict[str, tuple[str, Callable]] = {"packed-bf16": ("bfloat16", lambda: 
                                             "column-fp32": ("float32", lambda: patched("COLUMN_ROWS", 0)),
                                             "bmm-attention-fp32": ("float32", lambda: patched("BMM_ATTENTION", ())),
                                             "panels-fp32": ("float32", lambda: patched("paneled", lambda w: False, native)),
+                                            "panels-bf16": ("bfloat16", lambda: patched("paneled", lambda w: False, native)),
                                             "attention-fp32": ("float32", _no_attention),
                                             "attention-bf16": ("bfloat16", _no_attention),
                                             "tree-attention-fp32": ("float32", _no_tree_attention),

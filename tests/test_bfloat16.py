@@ -1,6 +1,6 @@
 """bf16 as a first-class dtype on CPU: greedy `dflash` and `ddtree` commit greedy `ar`'s tokens in bf16, with
-drafts accepted; the projections run on oneDNN's packed weights, whose rows do not
-depend on how many are computed together; and the CLI serves it."""
+drafts accepted; the projections run on kernels.c's AMX panels (or, without AMX, oneDNN's packed weights), whose
+rows do not depend on how many are computed together; and the CLI serves it."""
 import json
 from pathlib import Path
 
@@ -10,7 +10,8 @@ import torch
 from ddscope import Engine
 from ddscope.bench.synthetic import oracle_engine
 from ddscope.cli import main
-from ddscope.models.layers import PackedLinear, packs
+from ddscope.models import native
+from ddscope.models.layers import PackedLinear, PanelLinear, packs
 from ddscope.models.weights import read_state_dict
 
 
@@ -42,17 +43,18 @@ def test_bf16_speculation_is_token_identical_to_ar(bf16_engine, references, meth
         assert out.token_ids == ref
 
 
-def test_bf16_projections_are_packed_and_row_invariant(bf16_engine):
+def test_bf16_projections_are_panelled_or_packed_and_row_invariant(bf16_engine):
     target = bf16_engine.target
-    if not packs(target.lm_head.weight):
-        pytest.skip("this CPU's oneDNN has no native bf16")
     attn = target.model.layers[0].self_attn
-    assert isinstance(attn.q_proj, PackedLinear) and isinstance(target.model.layers[0].mlp.down_proj, PackedLinear)
+    weight = read_state_dict(Path(bf16_engine.source))["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16)
+    kind = PanelLinear if native.paneled(weight) else PackedLinear if packs(weight) else None
+    if kind is None:
+        pytest.skip("neither AMX nor a oneDNN with native bf16 here")
+    assert type(attn.q_proj) is kind and type(target.model.layers[0].mlp.down_proj) is kind
     x = torch.randn(9, attn.q_proj.in_features, dtype=torch.bfloat16)
     together = attn.q_proj(x)
     alone = torch.cat([attn.q_proj(x[i:i + 1]) for i in range(9)])
     assert torch.equal(together, alone)
-    weight = read_state_dict(Path(bf16_engine.source))["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16)
     plain = torch.nn.functional.linear(x, weight)  # the same product, from the checkpoint's own weight
     assert together.dtype == torch.bfloat16 and torch.allclose(together.float(), plain.float(), rtol=2e-2, atol=2e-2)
 

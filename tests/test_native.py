@@ -96,29 +96,44 @@ def test_without_the_library_torch_ops_run(tmp_path, env):
     assert float(out[2]) == pytest.approx(16.0, rel=1e-5)
 
 
-@pytest.mark.skipif(not hasattr(native.library(), "linear_f32"), reason="panels need AVX-512")
+def _panels(dtype: torch.dtype) -> bool:
+    """Whether kernels.c's panels serve `dtype` here (fp32: AVX-512; bf16: AMX, lent by Linux)."""
+    return native.paneled(torch.ones(128, 64, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_panelled_products_match_torch_and_each_row_alone(bias):
+def test_panelled_products_match_torch_and_each_row_alone(dtype, bias):
     """Every row count a step meets (a decode, a batch, a tree, a prefill block and past it): torch's values,
     and each row the same bits as alone."""
     from ddscope.models.layers import PanelLinear
 
+    if not _panels(dtype):
+        pytest.skip(f"no panels for {dtype} here (fp32 needs AVX-512, bf16 AMX)")
     torch.manual_seed(2)
-    linear = torch.nn.Linear(320, 256, bias=bias)
+    linear = torch.nn.Linear(320, 256, bias=bias).to(dtype)
     panelled = PanelLinear(linear)
     with torch.inference_mode():
-        for rows in (1, 2, 7, 33, 65, 300):
-            x = torch.randn(rows, 320)
+        for rows in (1, 2, 7, 16, 17, 33, 65, 300):
+            x = torch.randn(rows, 320).to(dtype)
             got = panelled(x)
-            torch.testing.assert_close(got, linear(x), atol=2e-5, rtol=1e-5)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, linear(x), atol=2e-5, rtol=1e-5)
+            else:  # bf16 products summed in fp32, rounded once: within a bf16 step of the fp32 result
+                exact = x.float() @ linear.weight.float().t() + (0 if linear.bias is None else linear.bias.float())
+                torch.testing.assert_close(got.float(), exact, atol=1e-2, rtol=8e-3)
             for r in {0, rows // 2, rows - 1}:
                 assert torch.equal(panelled(x[r:r + 1]), got[r:r + 1])
 
 
-def test_panels_serve_only_fp32_weights_of_whole_panel_groups():
+def test_panels_serve_only_weights_of_whole_panels():
     assert native.paneled(torch.ones(256, 64)) == hasattr(native.library(), "linear_f32")
     assert not native.paneled(torch.ones(200, 64))
-    assert not native.paneled(torch.ones(256, 64, dtype=torch.bfloat16))
+    bf16 = hasattr(native.library(), "linear_bf16")
+    assert native.paneled(torch.ones(96, 64, dtype=torch.bfloat16)) == (bf16 and bool(native.library().amx_ready()))
+    assert not native.paneled(torch.ones(96, 48, dtype=torch.bfloat16))  # k in blocks of 32
+    assert not native.paneled(torch.ones(80, 64, dtype=torch.bfloat16))  # outputs in pairs of 16-wide panels
+    assert not native.paneled(torch.ones(256, 64, dtype=torch.float16))
 
 
 @pytest.mark.skipif(not hasattr(native.library(), "attend_f32"), reason="attention needs AVX-512")
@@ -197,16 +212,27 @@ def test_silu_mul_matches_torch(dtype):
         _close(native.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, dtype)
 
 
-@pytest.mark.skipif(not native.decodes(), reason="the decode calls need AVX-512")
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_a_decode_row_in_two_calls_a_layer_is_the_modules_bits(tmp_path, arch):
-    """A decode step's row through each layer in kernels.c's two calls (norm, q/k/v, norm + RoPE; attention,
-    o_proj, MLP) gives the logits, captured features and K/V the modules give one by one."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch,pages", [("qwen3", None), ("llama", None), ("qwen3", [4, 0, 3, 1, 2])])
+def test_a_decode_row_in_kernels_is_the_modules_bits(tmp_path, arch, pages, dtype):
+    """A decode step's row through each layer in kernels.c (one call a layer on a cache whose slots lie in a
+    run, which stores the K/V itself; two around the cache's write on a paged table out of order) gives the
+    logits, captured features and K/V the modules give one by one."""
     from ddscope.bench.synthetic import make_target
+    from ddscope.models.kv_pool import KVPool, Pages
     from ddscope.models.target import Target
 
-    target = Target.load(make_target(tmp_path / arch, arch, hidden=256, layers=3), torch.device("cpu"), torch.float32)
+    if not (native.decodes(dtype) and _panels(dtype)):
+        pytest.skip(f"no decode calls for {dtype} here (fp32 needs AVX-512, bf16 AMX)")
+    target = Target.load(make_target(tmp_path / arch, arch, hidden=256, layers=3), torch.device("cpu"), dtype)
     prompt, new = torch.randint(4, 200, (70,)), torch.randint(4, 200, (6,))
+
+    def cache():
+        if pages is None:
+            return target.new_cache(80)
+        table = Pages(block=16)
+        table.extend(pages)
+        return KVPool(target.cfg.geometry, None, 0, len(pages), torch.device("cpu"), dtype, 16).target_cache(table)
 
     def decode(fused: bool):
         before = target._one_row
@@ -214,14 +240,15 @@ def test_a_decode_row_in_two_calls_a_layer_is_the_modules_bits(tmp_path, arch):
             target._one_row = lambda *args: None
         try:
             with torch.inference_mode():
-                cache = target.new_cache(80)
-                target(prompt, torch.arange(70), cache)
-                outs = [target(new[i:i + 1], torch.arange(70 + i, 71 + i), cache, capture=(0, 2)) for i in range(6)]
+                c = cache()
+                target(prompt, torch.arange(70), c)
+                outs = [target(new[i:i + 1], torch.arange(70 + i, 71 + i), c, capture=(0, 2)) for i in range(6)]
         finally:
             target._one_row = before
-        return outs, cache
+        return outs, c
 
     (fused, a), (plain, b) = decode(True), decode(False)
-    assert target._fused, "every layer should take the two calls: the test lost its power"
+    assert target._fused, "every layer should take the kernels' calls: the test lost its power"
+    assert (a.run() is None) == (pages is not None)
     assert all(torch.equal(x.logits, y.logits) and torch.equal(x.features, y.features) for x, y in zip(fused, plain))
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)

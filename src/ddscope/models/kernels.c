@@ -201,6 +201,99 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
   }
 }
 
+/* ---- bf16 projections on AMX: y [M, N] = x [M, K] @ w^T, w reordered as panels p[N / 16][K / 2][16][2] -----
+ * (the tile unit's pair-interleaved layout, a panel's k blocks of 32 one after the other). A tile of up to 16
+ * rows by 2 panels sums its k blocks in order from zero, each output by its own row and column alone, so a row's
+ * result is the same bits whatever M: a decode step reads the weight at near the memory's rate and a prefill
+ * runs at the tile unit's rate. K and N are multiples of 32 (ddscope.models.native.paneled). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROW_BLOCK 256 /* rows whose activations stay in L2 while a thread's panels pass */
+
+int amx_ready(void) { /* Linux lends a process the tile registers on request (arch_prctl XCOMP_PERM, XTILEDATA) */
+  static int ready = -1;
+  if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+void pack_bf16(const uint16_t *w, uint16_t *p, int64_t N, int64_t K, int threads) {
+#pragma omp parallel for num_threads(threads)
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t k = 0; k < K; k++) p[((n / 16) * (K / 2) + k / 2) * 32 + (n % 16) * 2 + k % 2] = w[n * K + k];
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+/* tmm0-3: the sums of rows [0, r0) and [16, 16 + r1) by panels 0 and 1; tmm4, 5: those rows' k block; tmm6, 7:
+ * the panels' k block (r1 = 0: tmm2, 3 and 5 unused). */
+static void configure(int r0, int r1) {
+  tile_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+  for (int t = 0; t < 8; t++)
+    if (rows[t]) c.rows[t] = rows[t], c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+/* Rows [m, m + r0 + r1) by panels 2 cp, 2 cp + 1. */
+static void amx_block(const uint16_t *x, const uint16_t *p, int64_t K, int64_t m, int64_t cp, int r1) {
+  const uint16_t *a0 = x + m * K, *a1 = a0 + 16 * K, *b0 = p + cp * 2 * K * 16, *b1 = b0 + K * 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (r1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    _tile_loadd(4, a0 + kb * 32, K * 2);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    _tile_loadd(7, b1 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (r1) {
+      _tile_loadd(5, a1 + kb * 32, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, int64_t K, int64_t N, int threads) {
+  int64_t pairs = N / 32;
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), c0 = pairs * t / T, c1 = pairs * (t + 1) / T;
+    int shape = -1; /* the tile shape loaded: reloaded on every call (another library may have changed it) */
+    float sums[32][32];
+    for (int64_t mc = 0; mc < M; mc += AMX_ROW_BLOCK) {
+      int64_t m1 = M < mc + AMX_ROW_BLOCK ? M : mc + AMX_ROW_BLOCK;
+      for (int64_t cp = c0; cp < c1; cp++)
+        for (int64_t m = mc; m < m1; m += 32) {
+          int r0 = m1 - m < 16 ? (int)(m1 - m) : 16, r1 = m1 - m - r0 < 16 ? (int)(m1 - m - r0) : 16;
+          if (shape != r0 * 32 + r1) configure(r0, r1), shape = r0 * 32 + r1;
+          amx_block(x, p, K, m, cp, r1);
+          _tile_stored(0, &sums[0][0], 128);
+          _tile_stored(1, &sums[0][16], 128);
+          if (r1) {
+            _tile_stored(2, &sums[16][0], 128);
+            _tile_stored(3, &sums[16][16], 128);
+          }
+          for (int i = 0; i < r0 + r1; i++) /* each sum rounded once, to nearest even */
+            _mm512_storeu_si512((void *)(y + (m + i) * N + cp * 32),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sums[i] + 16), _mm512_loadu_ps(sums[i])));
+        }
+    }
+    _tile_release();
+  }
+}
+#endif
+
 /* ---- attention of a few query rows (a decode step, a tree's verify) over one sequence's keys ----------------
  * q [H, n, d] (heads `q_stride` apart, rows d apart: a batch's decode rows are one row of each sequence's),
  * k and v [Hkv, S, d] (heads `head_stride` apart, rows d apart), mask [n, S] (nonzero: may attend; NULL: every
@@ -392,32 +485,52 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n,
  * The same kernels in the same order as the layer's modules call them one by one (so the same bits), without
  * the Python between them: after each projection has streamed megabytes through the caches, that Python
  * runs cold. */
-void decode_qkv_f32(const float *h, const float *w_in, float eps, const float *pq, const float *pk,
-                    const float *pv, const float *q_norm, const float *k_norm, float qk_eps, const float *cos,
-                    const float *sin, float *xn, float *qraw, float *kraw, float *q, float *k, float *v,
-                    int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int threads) {
-  rms_norm_f32(h, w_in, xn, 1, hidden, eps, threads);
-  linear_f32(xn, pq, qraw, 1, hidden, heads * d, threads);
-  linear_f32(xn, pk, kraw, 1, hidden, kv_heads * d, threads);
-  linear_f32(xn, pv, v, 1, hidden, kv_heads * d, threads);
-  norm_rope_f32(qraw, q_norm, cos, sin, q, 1, heads, d, qk_eps, threads);
-  norm_rope_f32(kraw, k_norm, cos, sin, k, 1, kv_heads, d, qk_eps, threads);
-}
-
-/* h += o_proj(attention of q over the cache's S keys); h += down(silu(gate(norm(h))) * up(norm(h))). */
-void decode_rest_f32(float *h, const float *q, const float *keys, const float *values, int64_t S,
-                     int64_t head_stride, const float *po, const float *w_post, float eps, const float *pg,
-                     const float *pu, const float *pd, float *att, float *o, float *xn, float *g, float *u,
-                     int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, float scale,
-                     int threads) {
-  attend_f32(q, keys, values, 0, att, heads, kv_heads, 1, S, d, d, head_stride, scale, threads);
-  linear_f32(att, po, o, 1, heads * d, hidden, threads);
-  for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + o[i];
-  rms_norm_f32(h, w_post, xn, 1, hidden, eps, threads);
-  linear_f32(xn, pg, g, 1, hidden, inter, threads);
-  linear_f32(xn, pu, u, 1, hidden, inter, threads);
-  silu_mul_f32(g, u, g, inter, threads);
-  linear_f32(g, pd, o, 1, inter, hidden, threads);
-  for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + o[i];
-}
+#define DECODE(SUFFIX, T, ADD)                                                                                  \
+  /* pqkv: q's, k's and v's panels one after another (one product); qkv: their rows, v's in place */            \
+  void decode_qkv_##SUFFIX(const T *h, const T *w_in, float eps, const T *pqkv, const T *q_norm,                 \
+                           const T *k_norm, float qk_eps, const T *cos, const T *sin, T *xn, T *qkv, T *q, T *k, \
+                           int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int threads) {            \
+    rms_norm_##SUFFIX(h, w_in, xn, 1, hidden, eps, threads);                                                    \
+    linear_##SUFFIX(xn, pqkv, qkv, 1, hidden, (heads + 2 * kv_heads) * d, threads);                             \
+    norm_rope_##SUFFIX(qkv, q_norm, cos, sin, q, 1, heads, d, qk_eps, threads);                                 \
+    norm_rope_##SUFFIX(qkv + heads * d, k_norm, cos, sin, k, 1, kv_heads, d, qk_eps, threads);                  \
+  }                                                                                                             \
+  /* h += o_proj(attention of q over the cache's S keys); h += down(silu(gate(norm(h))) * up(norm(h))), with    \
+   * pgu the gate's and up's panels one after another (one product into gu). */                               \
+  void decode_rest_##SUFFIX(T *h, const T *q, const T *keys, const T *values, int64_t S, int64_t head_stride,   \
+                            const T *po, const T *w_post, float eps, const T *pgu, const T *pd, T *att, T *o,    \
+                            T *xn, T *gu, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d,            \
+                            int64_t inter, float scale, int threads) {                                          \
+    attend_##SUFFIX(q, keys, values, 0, att, heads, kv_heads, 1, S, d, d, head_stride, scale, threads);         \
+    linear_##SUFFIX(att, po, o, 1, heads * d, hidden, threads);                                                 \
+    for (int64_t i = 0; i < hidden; i++) h[i] = ADD(h[i], o[i]);                                                \
+    rms_norm_##SUFFIX(h, w_post, xn, 1, hidden, eps, threads);                                                  \
+    linear_##SUFFIX(xn, pgu, gu, 1, hidden, 2 * inter, threads);                                                \
+    silu_mul_##SUFFIX(gu, gu + inter, gu, inter, threads);                                                      \
+    linear_##SUFFIX(gu, pd, o, 1, inter, hidden, threads);                                                      \
+    for (int64_t i = 0; i < hidden; i++) h[i] = ADD(h[i], o[i]);                                                \
+  }                                                                                                             \
+  /* Both, the new K/V stored between them as position S - 1 of keys/values [kv_heads, S, d] (heads             \
+   * head_stride apart, rows d apart): a cache whose slots lie in one run, with no Python between. */           \
+  void decode_layer_##SUFFIX(T *h, const T *w_in, float eps, const T *pqkv, const T *q_norm, const T *k_norm,    \
+                             float qk_eps, const T *cos, const T *sin, T *keys, T *values, int64_t S,             \
+                             int64_t head_stride, const T *po, const T *w_post, float post_eps, const T *pgu,     \
+                             const T *pd, T *xn, T *qkv, T *q, T *k, T *att, T *o, T *gu, int64_t hidden,          \
+                             int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, float scale,             \
+                             int threads) {                                                                     \
+    decode_qkv_##SUFFIX(h, w_in, eps, pqkv, q_norm, k_norm, qk_eps, cos, sin, xn, qkv, q, k, hidden, heads,      \
+                        kv_heads, d, threads);                                                                  \
+    for (int64_t j = 0; j < kv_heads; j++) {                                                                    \
+      memcpy(keys + j * head_stride + (S - 1) * d, k + j * d, d * sizeof(T));                                   \
+      memcpy(values + j * head_stride + (S - 1) * d, qkv + (heads + kv_heads + j) * d, d * sizeof(T));          \
+    }                                                                                                           \
+    decode_rest_##SUFFIX(h, q, keys, values, S, head_stride, po, w_post, post_eps, pgu, pd, att, o, xn, gu,       \
+                         hidden, heads, kv_heads, d, inter, scale, threads);                                    \
+  }
+#define ADD_F32(a, b) ((a) + (b))
+#define ADD_BF16(a, b) f2bf(bf2f(a) + bf2f(b)) /* rounded once, as torch's bf16 add */
+DECODE(f32, float, ADD_F32)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+DECODE(bf16, uint16_t, ADD_BF16)
+#endif
 #endif /* __AVX512F__ */

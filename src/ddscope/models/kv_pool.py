@@ -85,6 +85,11 @@ class PagedCache:
         self.v[layer].index_copy_(1, dst, v)
         return self.k[layer].index_select(1, every), self.v[layer].index_select(1, every)
 
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """`Cache.run`: the pool's K/V and the slot of position 0, where positions [0, length] are a run."""
+        every = self.pages.slots(0, self.length + 1)
+        return (self.k, self.v, every.start) if isinstance(every, slice) else None
+
     def keep(self, start: int, slots: torch.Tensor) -> None:
         """Move the accepted tree slots `start + slots` to `[start, start + len(slots))` and truncate."""
         n = slots.numel()

@@ -149,37 +149,39 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(g, bias)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.mlp = MLP(g)
+        self.row: native.DecodeRow | None = None  # a decode row's two calls, once `bind_decode` finds they serve
 
-    @property
-    def fused(self) -> bool:
-        """Whether `decode_row` serves: fp32 panels without bias for every projection, a head kernels.c's
-        attention takes, and its decode calls (a decode step's row then skips the Python between modules)."""
-        a, m = self.self_attn, self.mlp
+    def bind_decode(self) -> None:
+        """Bind `row` where kernels.c's decode calls serve: panels without bias for every projection, a head
+        its attention takes, its calls in this dtype. q/k/v's panels, and gate/up's, then lie one after another
+        (one product each), the modules reading their own views."""
+        a, m, g = self.self_attn, self.mlp, self.self_attn.g
         projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-        return (all(type(p) is PanelLinear and p.bias is None for p in projections)
-                and native.masks_rows(torch.float32, a.g.num_heads, a.g.num_kv_heads, a.g.head_dim)
-                and native.decodes())
+        dtype = self.input_layernorm.weight.dtype
+        if not (all(type(p) is PanelLinear and p.bias is None for p in projections)
+                and native.masks_rows(dtype, g.num_heads, g.num_kv_heads, g.head_dim) and native.decodes(dtype)):
+            self.row = None
+            return
+        norms = (a.q_norm.weight, a.k_norm.weight) if g.qk_norm else (None, None)
+        self.row = native.DecodeRow(self.input_layernorm.weight, self.input_layernorm.eps,
+                                    _adjoin(a.q_proj, a.k_proj, a.v_proj), norms, a.q_norm.eps if g.qk_norm else 0.0,
+                                    a.o_proj.panels, self.post_attention_layernorm.weight,
+                                    self.post_attention_layernorm.eps, _adjoin(m.gate_proj, m.up_proj),
+                                    m.down_proj.panels, g.num_heads, g.num_kv_heads, g.head_dim)
 
     def decode_row(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    write: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One decode row h [1, hidden] through the layer in place (where `fused`), its K/V stored by `write`,
-        the cache's, which returns every key and value as [kv_heads, S, d] with rows d apart."""
-        a, m, g = self.self_attn, self.mlp, self.self_attn.g
-        norms = (a.q_norm.weight, a.k_norm.weight) if g.qk_norm else (None, None)
-        q, k, v = native.decode_qkv(h, self.input_layernorm.weight, self.input_layernorm.eps,
-                                    (a.q_proj.panels, a.k_proj.panels, a.v_proj.panels), norms,
-                                    a.q_norm.eps if g.qk_norm else 0.0, cos, sin, g.num_heads, g.num_kv_heads,
-                                    g.head_dim)
-        keys, values = write(k, v)
-        native.decode_rest(h, q, keys, values, (a.o_proj.panels, m.gate_proj.panels, m.up_proj.panels,
-                                                 m.down_proj.panels), self.post_attention_layernorm.weight,
-                           self.post_attention_layernorm.eps, m.gate_proj.out_features)
+        """One decode row h [1, hidden] through the layer in place (where `row` is bound), its K/V stored by
+        `write`, the cache's, which returns every key and value as [kv_heads, S, d] with rows d apart."""
+        q, k, v = self.row.qkv(h, cos, sin)
+        self.row.rest(h, *write(k, v))
 
 
 class PackedLinear(nn.Module):
     """A bf16 linear whose weight oneDNN reordered once for this CPU's matrix units: a decode step's
     matrix-vector products read it faster than a row-major weight, and any number of rows gets each row's
-    result bitwise as one row alone does (docs/performance.md, bf16 on CPU)."""
+    result bitwise as one row alone does (docs/performance.md, bf16 on CPU). Where kernels.c's AMX panels
+    serve, PanelLinear runs instead."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -213,9 +215,9 @@ class ColumnLinear(nn.Linear):
 
 
 class PanelLinear(nn.Module):
-    """An fp32 linear on kernels.c's panelled weight: one row reads it at the memory's rate, a few rows share
-    each read, a prefill runs as fast as MKL's, and every row gets the bits it gets alone
-    (docs/performance.md, The engine at its floor)."""
+    """A linear on kernels.c's panelled weight (fp32; bf16 on AMX): one row reads it at near the memory's rate,
+    a few rows share each read, a prefill runs as fast as MKL's (oneDNN's), and every row gets the bits it gets
+    alone (docs/performance.md, The engine at its floor)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -237,8 +239,8 @@ def packs(weight: torch.Tensor) -> bool:
 
 
 def pack_linears(layers: nn.ModuleList) -> None:
-    """Every projection of `layers` as a PackedLinear where `packs` says so, a PanelLinear where kernels.c's
-    panels serve, else a ColumnLinear (inference only: a packed weight takes no gradient)."""
+    """Every projection of `layers` as a PanelLinear where kernels.c's panels serve, a PackedLinear where
+    `packs` says so, else a ColumnLinear (inference only: a packed weight takes no gradient)."""
     for layer in layers:
         for block in (layer.self_attn, layer.mlp):
             for name, child in list(block.named_children()):
@@ -246,10 +248,20 @@ def pack_linears(layers: nn.ModuleList) -> None:
                     setattr(block, name, _packed(child))
 
 
+def _adjoin(*linears: PanelLinear) -> torch.Tensor:
+    """The linears' panels in one tensor, one after another, each linear keeping a view of its own."""
+    joint = torch.cat([p.panels for p in linears])
+    start = 0
+    for p in linears:
+        p.panels = joint[start:start + p.out_features]
+        start += p.out_features
+    return joint
+
+
 def _packed(linear: nn.Linear) -> nn.Module:
-    if packs(linear.weight):
-        return PackedLinear(linear)
-    return PanelLinear(linear) if native.paneled(linear.weight) else _columns(linear)
+    if native.paneled(linear.weight):
+        return PanelLinear(linear)
+    return PackedLinear(linear) if packs(linear.weight) else _columns(linear)
 
 
 def _columns(linear: nn.Linear) -> ColumnLinear:

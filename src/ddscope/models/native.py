@@ -1,6 +1,6 @@
-"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, fp32 projections on panelled weights, the
-attention of a few rows (a decode step's, a tree's under its mask), the MLP's silu(gate) * up, and an fp32
-decode row through a whole layer in two calls.
+"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, projections on panelled weights (fp32; bf16
+on AMX), the attention of a few rows (a decode step's, a tree's under its mask), the MLP's silu(gate) * up, and
+a decode row through a whole layer in two calls.
 
 torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step; its fp32 products of one or a
 few rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other bits
@@ -30,14 +30,22 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _T: the threads to run on
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
 _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
+                     "pack_bf16": (_P, _P, _I, _I, _T), "linear_bf16": (_P, _P, _P, _I, _I, _I, _T), "amx_ready": (),
                      "attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "attend_bf16": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "silu_mul_f32": (_P, _P, _P, _I, _T), "silu_mul_bf16": (_P, _P, _P, _I, _T),
-                     "decode_qkv_f32": (_P, _P, _F, _P, _P, _P, _P, _P, _F, _P, _P, *[_P] * 6, *[_I] * 4, _T),
-                     "decode_rest_f32": (*[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 8, *[_I] * 5, _F, _T)}
+                     **{f"decode_qkv_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 6, *[_I] * 4, _T)
+                        for s in _DTYPES.values()},
+                     **{f"decode_rest_{s}": (*[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 6, *[_I] * 5, _F, _T)
+                        for s in _DTYPES.values()},
+                     **{f"decode_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 9,
+                                              *[_I] * 5, _F, _T) for s in _DTYPES.values()}}
 MAX_HEAD = 256  # kernels.c's attention: the widest head
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
-PANEL_OUTPUTS = 128  # a panelled weight's rows come in multiples of this (kernels.c: 8 panels of 16)
+# A panelled weight's rows (outputs) and columns come in multiples of these: fp32, kernels.c's 8 panels of 16;
+# bf16, its AMX tiles' 2 panels of 16 by k blocks of 32.
+PANEL_OUTPUTS = {torch.float32: 128, torch.bfloat16: 32}
+PANEL_INPUTS = {torch.float32: 1, torch.bfloat16: 32}
 
 
 def _cpu_key() -> str:
@@ -133,16 +141,19 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
 
 
 def paneled(weight: torch.Tensor) -> bool:
-    """Whether `linear` serves this weight: fp32 on a CPU with AVX-512, rows a multiple of PANEL_OUTPUTS."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[0] % PANEL_OUTPUTS == 0 and _has("linear_f32"))
+    """Whether `linear` serves this weight: on a CPU with AVX-512, fp32, or bf16 where the CPU has AMX and Linux
+    lends it; its shape whole panels."""
+    dtype = weight.dtype
+    return (dtype in PANEL_OUTPUTS and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[0] % PANEL_OUTPUTS[dtype] == 0 and weight.shape[1] % PANEL_INPUTS[dtype] == 0
+            and _has(f"linear_{_DTYPES[dtype]}") and (dtype != torch.bfloat16 or bool(library().amx_ready())))
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight [N, K] reordered for `linear`: panels of 16 outputs, k-major within each."""
+    """A weight [N, K] reordered for `linear`: panels of 16 outputs, k-major within each (bf16: k in pairs)."""
     weight = weight.detach().contiguous()
     out = torch.empty_like(weight)
-    _call("pack_f32", weight.data_ptr(), out.data_ptr(), *weight.shape)
+    _call(f"pack_{_DTYPES[weight.dtype]}", weight.data_ptr(), out.data_ptr(), *weight.shape)
     return out
 
 
@@ -150,7 +161,7 @@ def linear(x: torch.Tensor, panelled: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T with W as `panels` gave it: each row's result the same bits whatever M."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], panelled.shape[0], dtype=x.dtype)
-    _call("linear_f32", x.data_ptr(), panelled.data_ptr(), y.data_ptr(), *x.shape, panelled.shape[0])
+    _call(f"linear_{_DTYPES[x.dtype]}", x.data_ptr(), panelled.data_ptr(), y.data_ptr(), *x.shape, panelled.shape[0])
     return y
 
 
@@ -196,36 +207,57 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def decodes() -> bool:
+def decodes(dtype: torch.dtype) -> bool:
     """Whether the library has the two calls of a decode row through a layer (`decode_qkv`, `decode_rest`)."""
-    return _has("decode_qkv_f32")
+    return dtype in _DTYPES and _has(f"decode_qkv_{_DTYPES[dtype]}")
 
 
-def decode_qkv(h: torch.Tensor, w_in: torch.Tensor, eps: float, panels: tuple[torch.Tensor, ...],
-               norms: tuple[torch.Tensor | None, torch.Tensor | None], qk_eps: float, cos: torch.Tensor,
-               sin: torch.Tensor, heads: int, kv_heads: int,
-               d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One fp32 row h [1, hidden] through a layer's input norm, q/k/v on `panels` and the heads' norm + RoPE:
-    (q [heads, 1, d], k [kv_heads, 1, d], v [kv_heads, 1, d]), the bits the modules give one by one."""
-    hidden = h.shape[-1]
-    xn, qraw, kraw = torch.empty(hidden), torch.empty(heads * d), torch.empty(kv_heads * d)
-    q, k, v = torch.empty(heads, 1, d), torch.empty(kv_heads, 1, d), torch.empty(kv_heads, 1, d)
-    qn, kn = (None if w is None else w.data_ptr() for w in norms)
-    _call("decode_qkv_f32", h.data_ptr(), w_in.data_ptr(), eps, *(p.data_ptr() for p in panels), qn, kn, qk_eps,
-          cos.data_ptr(), sin.data_ptr(), xn.data_ptr(), qraw.data_ptr(), kraw.data_ptr(), q.data_ptr(), k.data_ptr(),
-          v.data_ptr(), hidden, heads, kv_heads, d)
-    return q, k, v
+class DecodeRow:
+    """One decode row h [1, hidden] through a layer in kernels.c, the bits its modules give one by one: in one
+    call where the cache's slots lie in one run (`layer`), else in two around the cache's write (`qkv`, `rest`).
+    The layer's weights, geometry and scratch are bound once, so a step's Python is those calls. `qkv` holds
+    q's, k's and v's panels one after another, `gate_up` the gate's and up's (one product each; every output is
+    summed alone, so the modules' views of them give the same bits). A layer decodes one row at a time."""
 
+    def __init__(self, w_in: torch.Tensor, eps: float, qkv: torch.Tensor,
+                 norms: tuple[torch.Tensor | None, torch.Tensor | None], qk_eps: float, o: torch.Tensor,
+                 w_post: torch.Tensor, post_eps: float, gate_up: torch.Tensor, down: torch.Tensor, heads: int,
+                 kv_heads: int, d: int):
+        dtype, hidden, inter = w_in.dtype, w_in.shape[0], down.shape[1]
+        self._weights = (w_in, qkv, *norms, o, w_post, gate_up, down)  # alive while their pointers are bound
+        self._suffix = _DTYPES[dtype]
+        xn, row, att, out, gu = (torch.empty(n, dtype=dtype) for n in
+                                 (hidden, (heads + 2 * kv_heads) * d, heads * d, hidden, 2 * inter))
+        self._scratch = (xn, row, att, out, gu)
+        self.q, self.k = torch.empty(heads, 1, d, dtype=dtype), torch.empty(kv_heads, 1, d, dtype=dtype)
+        self.v = row[(heads + kv_heads) * d:].view(kv_heads, 1, d)
+        qn, kn = (None if w is None else w.data_ptr() for w in norms)
+        inputs = (w_in.data_ptr(), eps, qkv.data_ptr(), qn, kn, qk_eps)
+        ptr = [t.data_ptr() for t in (xn, row, self.q, self.k, att, out, gu)]
+        geometry = (hidden, heads, kv_heads, d, inter, d ** -0.5)
+        tail = (o.data_ptr(), w_post.data_ptr(), post_eps, gate_up.data_ptr(), down.data_ptr())
+        self._qkv = (inputs, (*ptr[:4], *geometry[:4]))
+        self._rest = ((*tail, ptr[4], ptr[5], ptr[0], ptr[6], hidden, heads), geometry[3:])
+        self._layer = (inputs, (*tail, *ptr, *geometry))
 
-def decode_rest(h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                panels: tuple[torch.Tensor, ...], w_post: torch.Tensor, eps: float, inter: int) -> None:
-    """h [1, hidden] += the attention of q over keys/values [kv_heads, S, d] through o_proj, then += the MLP of
-    its post-attention norm: in place, the bits the modules give one by one."""
-    heads, _, d = q.shape
-    hidden = h.shape[-1]
-    att, o, xn, g, u = torch.empty(heads * d), torch.empty(hidden), torch.empty(hidden), torch.empty(inter), \
-        torch.empty(inter)
-    po, pg, pu, pd = (p.data_ptr() for p in panels)
-    _call("decode_rest_f32", h.data_ptr(), q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
-          keys.stride(0), po, w_post.data_ptr(), eps, pg, pu, pd, att.data_ptr(), o.data_ptr(), xn.data_ptr(),
-          g.data_ptr(), u.data_ptr(), hidden, heads, keys.shape[0], d, inter, d ** -0.5)
+    def layer(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: int, values: int, length: int,
+              head_stride: int) -> None:
+        """The whole layer in place, its K/V stored at position `length - 1` of the cache's keys/values (their
+        addresses: [kv_heads, length, d], heads `head_stride` elements apart, rows d apart)."""
+        inputs, rest = self._layer
+        _call(f"decode_layer_{self._suffix}", h.data_ptr(), *inputs, cos.data_ptr(), sin.data_ptr(), keys, values,
+              length, head_stride, *rest)
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The input norm, q/k/v and the heads' norm + RoPE: (q [heads, 1, d], k and v [kv_heads, 1, d]),
+        the layer's scratch (read before its next call)."""
+        inputs, scratch = self._qkv
+        _call(f"decode_qkv_{self._suffix}", h.data_ptr(), *inputs, cos.data_ptr(), sin.data_ptr(), *scratch)
+        return self.q, self.k, self.v
+
+    def rest(self, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """h += the attention of `qkv`'s q over keys/values [kv_heads, S, d] through o_proj, then += the MLP of
+        its post-attention norm, in place."""
+        weights, geometry = self._rest
+        _call(f"decode_rest_{self._suffix}", h.data_ptr(), self.q.data_ptr(), keys.data_ptr(), values.data_ptr(),
+              keys.shape[1], keys.stride(0), *weights, keys.shape[0], *geometry)

@@ -41,6 +41,10 @@ class KVCache:
         self.v[layer, :, start:end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """K/V [layers, kv_heads, slots, d] and the slot of position 0: its slots lie in one run."""
+        return self.k, self.v, 0
+
     def keep(self, start: int, slots: torch.Tensor) -> None:
         """Move the accepted tree slots `start + slots` to `[start, start + len(slots))` and truncate."""
         n = slots.numel()
@@ -62,6 +66,11 @@ class Cache(Protocol):
     capacity: int
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Where positions [0, length] lie in one run of slots: K/V [layers, kv_heads, slots, d] and the slot
+        of position 0 (a decode row's layers then store their K/V themselves); else None."""
         ...
 
 
@@ -103,7 +112,7 @@ class Target(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTable(g.head_dim, g.rope_theta)
-        self._fused = False  # every layer `fused` (`decode_row` serves): set once `load` packed the projections
+        self._fused = False  # every layer's decode row bound (`decode_row` serves): set once `load` packed them
 
     @classmethod
     def load(cls, directory: Path, device: torch.device, dtype: torch.dtype) -> "Target":
@@ -120,7 +129,9 @@ class Target(nn.Module):
         model = model.to(dtype).eval()
         if model.lm_head.weight.device.type == "cpu":
             pack_linears(model.model.layers)
-            model._fused = all(layer.fused for layer in model.model.layers)
+            for layer in model.model.layers:
+                layer.bind_decode()
+            model._fused = all(layer.row is not None for layer in model.model.layers)
         return model
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -160,12 +171,9 @@ class Target(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         row = self._one_row(segments, plans, h, cos, sin)
-        for i, layer in enumerate(self.model.layers):
-            if row is not None:  # a decode step: the layer in two C calls, the same bits without the Python
-                layer.decode_row(h, cos, sin, lambda k, v, i=i: row.write(i, row.length, k, v))
-                if i in capture and i != last:
-                    captured[i] = h.clone()
-                continue
+        if row is not None:  # a decode step: each layer in kernels.c, the same bits without the Python
+            self._decode_row(row, h, cos, sin, capture, captured)
+        for i, layer in enumerate(self.model.layers if row is None else ()):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             k, v = attn.key_value(x, cos, sin)
@@ -200,6 +208,24 @@ class Target(nn.Module):
         plain = all(mask is None and not causal for mask, causal in (plans[0].body, plans[0].last))
         one = len(segments) == 1 and h.shape[0] == 1 and segments[0].rows == 1 and plain
         return segments[0].cache if one and self._fused and native.serves(h, cos, sin) else None
+
+    def _decode_row(self, cache: Cache, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    capture: tuple[int, ...], captured: dict[int, torch.Tensor]) -> None:
+        """One row h [1, hidden] through every layer in place: a C call a layer where the cache's slots lie in
+        one run (it stores the K/V itself), else two around the cache's write."""
+        last, run = len(self.model.layers) - 1, cache.run()
+        if run is not None:
+            k, v, first = run  # [layers, kv_heads, slots, d]; position 0 at slot `first`
+            size = k.element_size()
+            k0, v0 = k.data_ptr() + first * k.stride(2) * size, v.data_ptr() + first * v.stride(2) * size
+            step = k.stride(0) * size
+        for i, layer in enumerate(self.model.layers):
+            if run is None:
+                layer.decode_row(h, cos, sin, lambda k, v, i=i: cache.write(i, cache.length, k, v))
+            else:
+                layer.row.layer(h, cos, sin, k0 + i * step, v0 + i * step, cache.length + 1, k.stride(1))
+            if i in capture and i != last:
+                captured[i] = h.clone()
 
     def _plan(self, seg: Segment) -> "_Masks":
         """Each segment's (mask, causal) for the layers before the last and for the last (its `tail` rows)."""
