@@ -322,6 +322,24 @@ static inline __m512 load16_bf16(const uint16_t *x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
 }
 
+/* A thread's scratch of at least n floats, kept for its next call: a fresh malloc of this size is fresh pages,
+ * whose first touch costs a fault each (an attention call over a long context is tens of microseconds). */
+static float *scratch(int64_t n) {
+  static __thread float *buffer;
+  static __thread int64_t size;
+  if (n > size) {
+    free(buffer);
+    buffer = malloc(sizeof(float) * n);
+    size = n;
+  }
+  return buffer;
+}
+
+#define AHEAD 16384 /* bytes: a pass over keys or values asks for its lines this far ahead of their use */
+static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefetchers alone keep too short */
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)at + AHEAD + l, _MM_HINT_T1);
+}
+
 #define MAX_HEAD 256      /* head_dim */
 #define TILE_VECTORS 64   /* query vectors a tile: each tile reads its K/V head once */
 #define BLOCK_BYTES 24576 /* a block of keys (or values) that stays in L1 while a tile's vectors pass */
@@ -334,6 +352,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
  * of FMAs over the visible keys in order; the register blocks only decide which chains run side by side. */
 #define SCORES(LOAD, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                      \
   for (int64_t s = b; s < end; s += KB) { /* past `end`, a repeated key, never stored */                       \
+    if (u0 == 0) ahead(kh + s * d, KB * d * sizeof(*kh));                                                       \
     __m512 dot[N][KB];                                                                                          \
     for (int i = 0; i < N; i++)                                                                                 \
       for (int j = 0; j < KB; j++) dot[i][j] = _mm512_setzero_ps();                                             \
@@ -341,7 +360,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
       __m512 kc[KB];                                                                                            \
       for (int j = 0; j < KB; j++) kc[j] = LOAD(kh + (s + j < end ? s + j : end - 1) * d + c * 16);              \
       for (int i = 0; i < N; i++) {                                                                             \
-        __m512 qc = LOAD(qs[u0 + i] + c * 16);                                                                  \
+        __m512 qc = _mm512_loadu_ps(qs[u0 + i] + c * 16);                                                                  \
         for (int j = 0; j < KB; j++) dot[i][j] = _mm512_fmadd_ps(qc, kc[j], dot[i][j]);                         \
       }                                                                                                         \
     }                                                                                                           \
@@ -365,6 +384,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
       for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = acc[u0 + i][c0 + cc];                          \
     }                                                                                                           \
     for (int64_t s = b; s < end; s++) {                                                                         \
+      if (u0 == 0 && c0 == 0) ahead(vh + s * d, d * sizeof(*vh));                                               \
       __m512 vc[KB];                                                                                            \
       for (int cc = 0; cc < KB && c0 + cc < CH; cc++) vc[cc] = LOAD(vh + s * d + (c0 + cc) * 16);               \
       for (int i = 0; i < N; i++) { /* a key it may not see leaves a vector's sums as they are */              \
@@ -390,7 +410,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
     if (u0 < m) { PASS(LOAD, CH, 1) }                                                                           \
   }
 #define ATTEND_TILE(SUFFIX, T, LOAD, STORE, CH)                                                                 \
-  static void tile_##SUFFIX##_##CH(const T *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m,    \
+  static void tile_##SUFFIX##_##CH(const float *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m, \
                                    const T *kh, const T *vh, int64_t S, float scale, float *scores) {           \
     const int64_t d = 16 * CH, block = BLOCK_BYTES / (d * (int64_t)sizeof(T)) / KB * KB;                        \
     float top[TILE_VECTORS], total[TILE_VECTORS];                                                               \
@@ -421,7 +441,7 @@ static inline __m512 load16_bf16(const uint16_t *x) {
   ATTEND_TILE(SUFFIX, T, LOAD, STORE, 11) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 12)                                \
   ATTEND_TILE(SUFFIX, T, LOAD, STORE, 13) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 14)                                \
   ATTEND_TILE(SUFFIX, T, LOAD, STORE, 15) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 16)                                \
-  typedef void (*tile_##SUFFIX)(const T *const *, const uint8_t *const *, T *const *, int64_t, const T *,        \
+  typedef void (*tile_##SUFFIX)(const float *const *, const uint8_t *const *, T *const *, int64_t, const T *,    \
                                 const T *, int64_t, float, float *);                                            \
   static const tile_##SUFFIX TILES_##SUFFIX[MAX_HEAD / 16 + 1] = {                                              \
       0, tile_##SUFFIX##_1, tile_##SUFFIX##_2, tile_##SUFFIX##_3, tile_##SUFFIX##_4, tile_##SUFFIX##_5,            \
@@ -435,23 +455,26 @@ static inline __m512 load16_bf16(const uint16_t *x) {
     int64_t tiles = (vectors + TILE_VECTORS - 1) / TILE_VECTORS, busy = (threads + kv_heads - 1) / kv_heads;     \
     if (tiles < busy) tiles = busy < vectors ? busy : vectors; /* a unit for every thread */                    \
     _Pragma("omp parallel num_threads(threads)") {                                                              \
-      float *scores = malloc(sizeof(float) * TILE_VECTORS * (S + 16));                                          \
+      float *scores = scratch(TILE_VECTORS * (S + 16 + MAX_HEAD)), *wide = scores + TILE_VECTORS * (S + 16);      \
       _Pragma("omp for schedule(static)")                                                                       \
       for (int64_t unit = 0; unit < kv_heads * tiles; unit++) {                                                 \
         int64_t kv = unit / tiles, u0 = vectors * (unit % tiles) / tiles;                                       \
         int64_t m = vectors * (unit % tiles + 1) / tiles - u0;                                                  \
-        const T *qs[TILE_VECTORS];                                                                              \
+        const float *qs[TILE_VECTORS];                                                                          \
         const uint8_t *seen[TILE_VECTORS];                                                                      \
         T *outs[TILE_VECTORS];                                                                                  \
         for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */                           \
           int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;                                      \
-          qs[u] = q + h * q_stride + r * d, seen[u] = mask ? mask + r * S : 0, outs[u] = out + (r * heads + h) * d; \
+          qs[u] = widen_##SUFFIX(q + h * q_stride + r * d, wide + u * MAX_HEAD, d);                                     \
+          seen[u] = mask ? mask + r * S : 0, outs[u] = out + (r * heads + h) * d;                                 \
         }                                                                                                       \
         TILES_##SUFFIX[d / 16](qs, seen, outs, m, k + kv * head_stride, v + kv * head_stride, S, scale, scores); \
       }                                                                                                         \
-      free(scores);                                                                                             \
     }                                                                                                           \
   }
+/* A query vector as the scores read it, in fp32: as it is, or widened once (exact) into `buf`. */
+static inline const float *widen_f32(const float *q, float *buf, int64_t d) { return (void)buf, (void)d, q; }
+static inline const float *widen_bf16(const uint16_t *q, float *buf, int64_t d) { return widen(q, buf, d), buf; }
 static inline void store16_f32(float *y, __m512 x) { _mm512_storeu_ps(y, x); }
 static inline void store16_bf16(uint16_t *y, __m512 x) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x)); }
 ATTEND(f32, float, load16_f32, store16_f32)
