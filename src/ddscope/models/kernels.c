@@ -251,6 +251,10 @@ static void amx_block(const uint16_t *x, const uint16_t *p, int64_t K, int64_t m
     _tile_zero(3);
   }
   for (int64_t kb = 0; kb < K / 32; kb++) {
+    if (kb % 4 == 0) { /* a new 4 KB page of each panel: ask for the one two pages on, the L2 streamer stops at each */
+      _mm_prefetch((const char *)(b0 + (kb + 8) * 512), _MM_HINT_T1);
+      _mm_prefetch((const char *)(b1 + (kb + 8) * 512), _MM_HINT_T1);
+    }
     _tile_loadd(4, a0 + kb * 32, K * 2);
     _tile_loadd(6, b0 + kb * 512, 64);
     _tile_loadd(7, b1 + kb * 512, 64);
