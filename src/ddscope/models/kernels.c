@@ -1,6 +1,7 @@
 /* A step's ops on the CPU (ddscope.models.native builds this file and says why): RMSNorm and the heads' norm
- * + RoPE, one call each instead of torch's five to eight dispatches; fp32 projections on weights reordered into
- * panels; the attention of a few rows; an fp32 decode row through a layer in two calls. Each row is computed
+ * + RoPE, one call each instead of torch's five to eight dispatches; projections on weights reordered into
+ * panels (fp32 on AVX-512, bf16 on AMX); the attention of a few rows; a decode row through a layer in one call
+ * (or two around the cache's write). Each row is computed
  * alone, in the same order whatever the number of rows, so a tree's verify sees what a decode step sees. bf16
  * variants round where torch's ops would: after the normalisation, after each product and after the sum. */
 #include <immintrin.h>
@@ -508,7 +509,7 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n,
   }
 }
 
-/* ---- one decode row through a layer, in two calls around the cache write ------------------------------------
+/* ---- one decode row through a layer: one call, or two around the cache's write -------------------------------
  * The same kernels in the same order as the layer's modules call them one by one (so the same bits), without
  * the Python between them: after each projection has streamed megabytes through the caches, that Python
  * runs cold. */

@@ -149,7 +149,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(g, bias)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.mlp = MLP(g)
-        self.row: native.DecodeRow | None = None  # a decode row's two calls, once `bind_decode` finds they serve
+        self.row: native.DecodeRow | None = None  # a decode row's C calls, once `bind_decode` finds they serve
 
     def bind_decode(self) -> None:
         """Bind `row` where kernels.c's decode calls serve: panels without bias for every projection, a head

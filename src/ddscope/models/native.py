@@ -1,13 +1,14 @@
 """kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, projections on panelled weights (fp32; bf16
 on AMX), the attention of a few rows (a decode step's, a tree's under its mask), the MLP's silu(gate) * up, and
-a decode row through a whole layer in two calls.
+a decode row through a whole layer in one call.
 
-torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step; its fp32 products of one or a
-few rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other bits
-among others than alone; its attention of one row reads a long context's K/V slower than the memory allows
-(docs/performance.md, The engine at its floor). The file is compiled with the system C compiler on first use
-and cached under DDSCOPE_CACHE by its source, compiler and CPU; with no compiler, or with DDSCOPE_NATIVE=0,
-torch's ops run instead; all but the norms need AVX-512.
+torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step; its products of one or a few
+rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other bits
+among others than alone (oneDNN's bf16 too, at 512 rows and more); its attention of one row reads a long
+context's K/V slower than the memory allows (docs/performance.md, The engine at its floor). The file is
+compiled with the system C compiler on first use and cached under DDSCOPE_CACHE by its source, compiler and
+CPU; with no compiler, or with DDSCOPE_NATIVE=0, torch's ops run instead; all but the norms need AVX-512, and
+the bf16 products AMX.
 """
 from __future__ import annotations
 

@@ -215,15 +215,15 @@ class Target(nn.Module):
         one run (it stores the K/V itself), else two around the cache's write."""
         last, run = len(self.model.layers) - 1, cache.run()
         if run is not None:
-            k, v, first = run  # [layers, kv_heads, slots, d]; position 0 at slot `first`
-            size = k.element_size()
-            k0, v0 = k.data_ptr() + first * k.stride(2) * size, v.data_ptr() + first * v.stride(2) * size
-            step = k.stride(0) * size
+            keys, values, first = run  # [layers, kv_heads, slots, d]; position 0 at slot `first`
+            size = keys.element_size()
+            k0, v0 = (t.data_ptr() + first * t.stride(2) * size for t in (keys, values))
+            step = keys.stride(0) * size
         for i, layer in enumerate(self.model.layers):
             if run is None:
                 layer.decode_row(h, cos, sin, lambda k, v, i=i: cache.write(i, cache.length, k, v))
             else:
-                layer.row.layer(h, cos, sin, k0 + i * step, v0 + i * step, cache.length + 1, k.stride(1))
+                layer.row.layer(h, cos, sin, k0 + i * step, v0 + i * step, cache.length + 1, keys.stride(1))
             if i in capture and i != last:
                 captured[i] = h.clone()
 
