@@ -151,23 +151,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(g)
         self.row: native.DecodeRow | None = None  # a decode row's C calls, once `bind_decode` finds they serve
 
-    def bind_decode(self) -> None:
-        """Bind `row` where kernels.c's decode calls serve: panels without bias for every projection, a head
-        its attention takes, its calls in this dtype. q/k/v's panels, and gate/up's, then lie one after another
-        (one product each), the modules reading their own views."""
+    def bind_decode(self) -> bool:
+        """Bind `row` where kernels.c's decode calls serve (whether they do): panels without bias for every
+        projection, a head its attention takes, its calls in this dtype. q/k/v's panels, and gate/up's, then
+        lie one after another (one product each), the modules reading their own views."""
         a, m, g = self.self_attn, self.mlp, self.self_attn.g
         projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
         dtype = self.input_layernorm.weight.dtype
         if not (all(type(p) is PanelLinear and p.bias is None for p in projections)
                 and native.masks_rows(dtype, g.num_heads, g.num_kv_heads, g.head_dim) and native.decodes(dtype)):
             self.row = None
-            return
+            return False
         norms = (a.q_norm.weight, a.k_norm.weight) if g.qk_norm else (None, None)
         self.row = native.DecodeRow(self.input_layernorm.weight, self.input_layernorm.eps,
                                     _adjoin(a.q_proj, a.k_proj, a.v_proj), norms, a.q_norm.eps if g.qk_norm else 0.0,
                                     a.o_proj.panels, self.post_attention_layernorm.weight,
                                     self.post_attention_layernorm.eps, _adjoin(m.gate_proj, m.up_proj),
                                     m.down_proj.panels, g.num_heads, g.num_kv_heads, g.head_dim)
+        return True
 
     def decode_row(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    write: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:

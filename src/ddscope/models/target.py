@@ -69,8 +69,7 @@ class Cache(Protocol):
         ...
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """Where positions [0, length] lie in one run of slots: K/V [layers, kv_heads, slots, d] and the slot
-        of position 0 (a decode row's layers then store their K/V themselves); else None."""
+        """Where positions [0, length] are one run of slots: K/V [layers, kv_heads, slots, d], position 0's slot."""
         ...
 
 
@@ -112,7 +111,7 @@ class Target(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTable(g.head_dim, g.rope_theta)
-        self._fused = False  # every layer's decode row bound (`decode_row` serves): set once `load` packed them
+        self._fused = False  # every layer's decode row bound (kernels.c serves it): set once `load` packed them
 
     @classmethod
     def load(cls, directory: Path, device: torch.device, dtype: torch.dtype) -> "Target":
@@ -129,9 +128,7 @@ class Target(nn.Module):
         model = model.to(dtype).eval()
         if model.lm_head.weight.device.type == "cpu":
             pack_linears(model.model.layers)
-            for layer in model.model.layers:
-                layer.bind_decode()
-            model._fused = all(layer.row is not None for layer in model.model.layers)
+            model._fused = all([layer.bind_decode() for layer in model.model.layers])  # binds every layer
         return model
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -204,7 +201,7 @@ class Target(nn.Module):
 
     def _one_row(self, segments: list[Segment], plans: list["_Masks"], h: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> Cache | None:
-        """The cache of a forward that is one decode row of one sequence, where every layer is `fused`."""
+        """The cache of a forward that is one decode row of one sequence, where every layer's row is bound."""
         plain = all(mask is None and not causal for mask, causal in (plans[0].body, plans[0].last))
         one = len(segments) == 1 and h.shape[0] == 1 and segments[0].rows == 1 and plain
         return segments[0].cache if one and self._fused and native.serves(h, cos, sin) else None
