@@ -1,9 +1,9 @@
 /* A step's ops on the CPU (ddscope.models.native builds this file and says why): RMSNorm and the heads' norm
  * + RoPE, one call each instead of torch's five to eight dispatches; projections on weights reordered into
  * panels (fp32 on AVX-512, bf16 on AMX); the attention of a few rows; a decode row through a layer in one call
- * (or two around the cache's write). Each row is computed
- * alone, in the same order whatever the number of rows, so a tree's verify sees what a decode step sees. bf16
- * variants round where torch's ops would: after the normalisation, after each product and after the sum. */
+ * (or two around the cache's write). Each row is computed alone, in the same order whatever the number of rows,
+ * so a tree's verify sees what a decode step sees. bf16 variants round where torch's ops would: after the
+ * normalisation, after each product and after the sum. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -365,7 +365,7 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
       __m512 kc[KB];                                                                                            \
       for (int j = 0; j < KB; j++) kc[j] = LOAD(kh + (s + j < end ? s + j : end - 1) * d + c * 16);              \
       for (int i = 0; i < N; i++) {                                                                             \
-        __m512 qc = _mm512_loadu_ps(qs[u0 + i] + c * 16);                                                                  \
+        __m512 qc = LOAD(qs[u0 + i] + c * 16);                                                                  \
         for (int j = 0; j < KB; j++) dot[i][j] = _mm512_fmadd_ps(qc, kc[j], dot[i][j]);                         \
       }                                                                                                         \
     }                                                                                                           \
@@ -415,7 +415,7 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
     if (u0 < m) { PASS(LOAD, CH, 1) }                                                                           \
   }
 #define ATTEND_TILE(SUFFIX, T, LOAD, STORE, CH)                                                                 \
-  static void tile_##SUFFIX##_##CH(const float *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m, \
+  static void tile_##SUFFIX##_##CH(const T *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m,    \
                                    const T *kh, const T *vh, int64_t S, float scale, float *scores) {           \
     const int64_t d = 16 * CH, block = BLOCK_BYTES / (d * (int64_t)sizeof(T)) / KB * KB;                        \
     float top[TILE_VECTORS], total[TILE_VECTORS];                                                               \
@@ -446,7 +446,7 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
   ATTEND_TILE(SUFFIX, T, LOAD, STORE, 11) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 12)                                \
   ATTEND_TILE(SUFFIX, T, LOAD, STORE, 13) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 14)                                \
   ATTEND_TILE(SUFFIX, T, LOAD, STORE, 15) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 16)                                \
-  typedef void (*tile_##SUFFIX)(const float *const *, const uint8_t *const *, T *const *, int64_t, const T *,    \
+  typedef void (*tile_##SUFFIX)(const T *const *, const uint8_t *const *, T *const *, int64_t, const T *,        \
                                 const T *, int64_t, float, float *);                                            \
   static const tile_##SUFFIX TILES_##SUFFIX[MAX_HEAD / 16 + 1] = {                                              \
       0, tile_##SUFFIX##_1, tile_##SUFFIX##_2, tile_##SUFFIX##_3, tile_##SUFFIX##_4, tile_##SUFFIX##_5,            \
@@ -460,26 +460,22 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
     int64_t tiles = (vectors + TILE_VECTORS - 1) / TILE_VECTORS, busy = (threads + kv_heads - 1) / kv_heads;     \
     if (tiles < busy) tiles = busy < vectors ? busy : vectors; /* a unit for every thread */                    \
     _Pragma("omp parallel num_threads(threads)") {                                                              \
-      float *scores = scratch(TILE_VECTORS * (S + 16 + MAX_HEAD)), *wide = scores + TILE_VECTORS * (S + 16);      \
+      float *scores = scratch(TILE_VECTORS * (S + 16));                                                          \
       _Pragma("omp for schedule(static)")                                                                       \
       for (int64_t unit = 0; unit < kv_heads * tiles; unit++) {                                                 \
         int64_t kv = unit / tiles, u0 = vectors * (unit % tiles) / tiles;                                       \
         int64_t m = vectors * (unit % tiles + 1) / tiles - u0;                                                  \
-        const float *qs[TILE_VECTORS];                                                                          \
+        const T *qs[TILE_VECTORS];                                                                              \
         const uint8_t *seen[TILE_VECTORS];                                                                      \
         T *outs[TILE_VECTORS];                                                                                  \
         for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */                           \
           int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;                                      \
-          qs[u] = widen_##SUFFIX(q + h * q_stride + r * d, wide + u * MAX_HEAD, d);                                     \
-          seen[u] = mask ? mask + r * S : 0, outs[u] = out + (r * heads + h) * d;                                 \
+          qs[u] = q + h * q_stride + r * d, seen[u] = mask ? mask + r * S : 0, outs[u] = out + (r * heads + h) * d; \
         }                                                                                                       \
         TILES_##SUFFIX[d / 16](qs, seen, outs, m, k + kv * head_stride, v + kv * head_stride, S, scale, scores); \
       }                                                                                                         \
     }                                                                                                           \
   }
-/* A query vector as the scores read it, in fp32: as it is, or widened once (exact) into `buf`. */
-static inline const float *widen_f32(const float *q, float *buf, int64_t d) { return (void)buf, (void)d, q; }
-static inline const float *widen_bf16(const uint16_t *q, float *buf, int64_t d) { return widen(q, buf, d), buf; }
 static inline void store16_f32(float *y, __m512 x) { _mm512_storeu_ps(y, x); }
 static inline void store16_bf16(uint16_t *y, __m512 x) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x)); }
 ATTEND(f32, float, load16_f32, store16_f32)

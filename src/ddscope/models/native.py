@@ -229,17 +229,17 @@ class DecodeRow:
         self._suffix = _DTYPES[dtype]
         xn, row, att, out, gu = (torch.empty(n, dtype=dtype) for n in
                                  (hidden, (heads + 2 * kv_heads) * d, heads * d, hidden, 2 * inter))
-        self._scratch = (xn, row, att, out, gu)
+        self._scratch = (xn, row, att, out, gu)  # alive while their pointers are bound
         self.q, self.k = torch.empty(heads, 1, d, dtype=dtype), torch.empty(kv_heads, 1, d, dtype=dtype)
         self.v = row[(heads + kv_heads) * d:].view(kv_heads, 1, d)
         qn, kn = (None if w is None else w.data_ptr() for w in norms)
+        xn_p, row_p, q_p, k_p, att_p, out_p, gu_p = (t.data_ptr() for t in (xn, row, self.q, self.k, att, out, gu))
         inputs = (w_in.data_ptr(), eps, qkv.data_ptr(), qn, kn, qk_eps)
-        ptr = [t.data_ptr() for t in (xn, row, self.q, self.k, att, out, gu)]
-        geometry = (hidden, heads, kv_heads, d, inter, d ** -0.5)
         tail = (o.data_ptr(), w_post.data_ptr(), post_eps, gate_up.data_ptr(), down.data_ptr())
-        self._qkv = (inputs, (*ptr[:4], *geometry[:4]))
-        self._rest = ((*tail, ptr[4], ptr[5], ptr[0], ptr[6], hidden, heads), geometry[3:])
-        self._layer = (inputs, (*tail, *ptr, *geometry))
+        self._qkv = (inputs, (xn_p, row_p, q_p, k_p, hidden, heads, kv_heads, d))
+        self._rest = ((*tail, att_p, out_p, xn_p, gu_p, hidden, heads), (d, inter, d ** -0.5))
+        self._layer = (inputs, (*tail, xn_p, row_p, q_p, k_p, att_p, out_p, gu_p, hidden, heads, kv_heads, d, inter,
+                                d ** -0.5))
 
     def layer(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: int, values: int, length: int,
               head_stride: int) -> None:
