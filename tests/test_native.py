@@ -126,6 +126,18 @@ def test_panelled_products_match_torch_and_each_row_alone(dtype, bias):
                 assert torch.equal(panelled(x[r:r + 1]), got[r:r + 1])
 
 
+def test_huge_memory_is_aligned_to_its_pages_and_holds_what_is_written():
+    big = native.huge((1024, 1024), torch.float32)  # 4 MiB
+    small = native.huge((3, 5), torch.bfloat16)
+    assert (big.shape, big.dtype, small.shape, small.dtype) == ((1024, 1024), torch.float32, (3, 5), torch.bfloat16)
+    if sys.platform == "linux":
+        assert big.data_ptr() % native.HUGE_PAGE == 0
+    values = torch.randn(1024, 1024)
+    big.copy_(values)
+    torch.randn(4096, 1024).fill_(7)  # memory allocated and freed after it is not the tensor's
+    assert torch.equal(big, values)
+
+
 def test_panels_serve_only_weights_of_whole_panels():
     assert native.paneled(torch.ones(256, 64)) == hasattr(native.library(), "linear_f32")
     assert not native.paneled(torch.ones(200, 64))

@@ -124,25 +124,27 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     for (int64_t k = 0; k < K; k++) p[((n / 16) * K + k) * 16 + n % 16] = w[n * K + k];
 }
 
-/* A tile; with `next`, it also prefetches lines [l, l1) of the next panel group into L2, evenly over its k
- * loop: the group's later tiles run from L2 while the memory streams the next one in (a few rows' tiles,
- * whose first pass over a group would otherwise wait on the memory alone). */
+/* A tile over k in [k0, k1), its sums carried in y from the step before; with `next`, it also prefetches lines
+ * [l, l1) of the next panel group into L2, evenly over its k loop: the group's later tiles run from L2 (or L1,
+ * in steps of k) while the memory streams the next one in. */
 #define TILE(MR)                                                                                                \
-  static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0) { \
+  static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0, \
+                        int64_t k0, int64_t k1) {                                                               \
     TILE_BODY(MR, )                                                                                             \
   }                                                                                                             \
   static void fetching_tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0,     \
-                                 int64_t q0, const float *next, int64_t l, int64_t l1) {                        \
+                                 int64_t q0, int64_t k0, int64_t k1, const float *next, int64_t l, int64_t l1) { \
     int64_t due = 0;                                                                                            \
-    TILE_BODY(MR, for (due += l1 - l; due >= K && l < l1; due -= K, l++) _mm_prefetch(                          \
+    TILE_BODY(MR, for (due += l1 - l; due >= k1 - k0 && l < l1; due -= k1 - k0, l++) _mm_prefetch(              \
                       (const char *)(next + (l % TILE_PANELS) * K * 16 + (l / TILE_PANELS) * 16), _MM_HINT_T1);) \
   }
 #define TILE_BODY(MR, FETCH)                                                                                    \
     __m512 acc[MR][TILE_PANELS];                                                                                \
     for (int i = 0; i < MR; i++)                                                                                \
-      for (int j = 0; j < TILE_PANELS; j++) acc[i][j] = _mm512_setzero_ps();                                    \
-    const float *pk = p + q0 * K * 16, *xr = x + m0 * K;                                                        \
-    for (int64_t k = 0; k < K; k++, pk += 16) {                                                                 \
+      for (int j = 0; j < TILE_PANELS; j++)                                                                     \
+        acc[i][j] = k0 ? _mm512_loadu_ps(y + (m0 + i) * N + (q0 + j) * 16) : _mm512_setzero_ps();               \
+    const float *pk = p + (q0 * K + k0) * 16, *xr = x + m0 * K;                                                 \
+    for (int64_t k = k0; k < k1; k++, pk += 16) {                                                               \
       FETCH                                                                                                     \
       __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + K * 16);                                       \
       __m512 w2 = _mm512_loadu_ps(pk + 2 * K * 16), w3 = _mm512_loadu_ps(pk + 3 * K * 16);                      \
@@ -157,13 +159,15 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (m0 + i) * N + (q0 + j) * 16, acc[i][j]);
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
-typedef void (*tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
-typedef void (*fetching_tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
-                                 const float *, int64_t, int64_t);
+typedef void (*tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+typedef void (*fetching_tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, const float *, int64_t, int64_t);
 static const tile_fn TILES[TILE_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 static const fetching_tile_fn FETCHING_TILES[TILE_ROWS + 1] = {0, fetching_tile_1, fetching_tile_2, fetching_tile_3,
                                                                fetching_tile_4, fetching_tile_5, fetching_tile_6};
 #define FETCH_TILES 12 /* at most this many tiles of a row block prefetch: a prefill's many rows run from L2 */
+#define STEP_TILES 4   /* from this many tiles, k in steps of K_STEP: a group's panels for it (32 KB) stay in L1 */
+#define K_STEP 128
 
 static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t q0) {
   __m512 acc[ROW_PANELS];
@@ -188,15 +192,20 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
       int64_t groups = panels / TILE_PANELS, g0 = groups * t / T, g1 = groups * (t + 1) / T;
       for (int64_t mc = 0; mc < M; mc += ROW_BLOCK) {
         int64_t rows = M - mc < ROW_BLOCK ? M - mc : ROW_BLOCK, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-        for (int64_t g = g0; g < g1; g++)
-          for (int64_t i = 0; i < tiles; i++) { /* tiles of even height: 33 rows as 6, 6, 6, 5, 5, 5 */
-            int64_t a = rows * i / tiles, b = rows * (i + 1) / tiles, lines = TILE_PANELS * K;
-            if (tiles <= FETCH_TILES && g + 1 < g1)
-              FETCHING_TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, p + (g + 1) * TILE_PANELS * K * 16,
-                                    lines * i / tiles, lines * (i + 1) / tiles);
-            else
-              TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS);
-          }
+        int64_t step = tiles >= STEP_TILES && tiles <= FETCH_TILES ? K_STEP : K, steps = (K + step - 1) / step;
+        for (int64_t g = g0; g < g1; g++) { /* tiles of even height: 33 rows as 6, 6, 6, 5, 5, 5 */
+          const float *next = tiles <= FETCH_TILES && g + 1 < g1 ? p + (g + 1) * TILE_PANELS * K * 16 : 0;
+          int64_t lines = TILE_PANELS * K, calls = tiles * steps, c = 0;
+          for (int64_t k0 = 0; k0 < K; k0 += step)
+            for (int64_t i = 0; i < tiles; i++, c++) {
+              int64_t a = rows * i / tiles, b = rows * (i + 1) / tiles, k1 = k0 + step < K ? k0 + step : K;
+              if (next)
+                FETCHING_TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, k0, k1, next, lines * c / calls,
+                                      lines * (c + 1) / calls);
+              else
+                TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, k0, k1);
+            }
+        }
       }
     }
   }

@@ -251,7 +251,8 @@ def pack_linears(layers: nn.ModuleList) -> None:
 
 def _adjoin(*linears: PanelLinear) -> torch.Tensor:
     """The linears' panels in one tensor, one after another, each linear keeping a view of its own."""
-    joint = torch.cat([p.panels for p in linears])
+    parts = [p.panels for p in linears]
+    joint = torch.cat(parts, out=native.huge((sum(len(q) for q in parts), *parts[0].shape[1:]), parts[0].dtype))
     start = 0
     for p in linears:
         p.panels = joint[start:start + p.out_features]
