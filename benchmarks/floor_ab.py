@@ -17,8 +17,11 @@ commit; the prefill row is the prefill). A is the engine without the change, B w
   `packed-bf16`'s oneDNN products and the modules.
 - `attention-fp32`, `attention-bf16`: a decode step's attention in one C call (ddscope.models.native.attend)
   against SDPA.
-- `tree-attention-fp32`, `tree-attention-bf16`: a tree's masked attention in kernels.c's attention (each row
-  the bits of a decode step over its keys) against the grouped bias on batched products (fp32) or SDPA (bf16).
+- `tree-attention-fp32`: a tree's masked attention as kernels.c's two panel products (`tree_attend`) against
+  the grouped bias on batched products.
+- `tree-attention-bf16`: a tree's masked attention in kernels.c's `attend` (each row the bits of a decode step
+  over its keys) against SDPA.
+- `pages-fp32`: panelled weights on 2 MiB pages (ddscope.models.pages) against 4 KiB ones.
 - `native-fp32`, `native-bf16`: RMSNorm and the heads' norm + RoPE as one C call each (ddscope.models.native)
   against torch's ops.
 """
@@ -38,6 +41,7 @@ from floor_check import prompt
 
 import ddscope.models.layers as layers
 import ddscope.models.native as native
+import ddscope.models.pages as pages
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine
 
@@ -61,6 +65,10 @@ def _no_attention():
     return patched("attends", lambda *tensors: False, native)
 
 
+def _small_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 def _no_tree_attention():
     """A tree's rows on the grouped bias and batched products (or SDPA), decode steps still on kernels.c's."""
     return patched("masks_rows", lambda *geometry: False, native)
@@ -75,6 +83,7 @@ CHANGES: dict[str, tuple[str, Callable]] = {"packed-bf16": ("bfloat16", lambda: 
                                             "attention-bf16": ("bfloat16", _no_attention),
                                             "tree-attention-fp32": ("float32", _no_tree_attention),
                                             "tree-attention-bf16": ("bfloat16", _no_tree_attention),
+                                            "pages-fp32": ("float32", lambda: patched("huge", _small_pages, pages)),
                                             "native-fp32": ("float32", _torch_ops),
                                             "native-bf16": ("bfloat16", _torch_ops)}
 CASES = (("ar decode @16", 16, dict(method="ar")), ("ar decode @4096", 4096, dict(method="ar")),

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from ddscope.models import native
+from ddscope.models import native, pages
 from ddscope.models.layers import RMSNorm, apply_rope, rope
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="kernels.c did not build here")
@@ -127,11 +127,11 @@ def test_panelled_products_match_torch_and_each_row_alone(dtype, bias):
 
 
 def test_huge_memory_is_aligned_to_its_pages_and_holds_what_is_written():
-    big = native.huge((1024, 1024), torch.float32)  # 4 MiB
-    small = native.huge((3, 5), torch.bfloat16)
+    big = pages.huge((1024, 1024), torch.float32)  # 4 MiB
+    small = pages.huge((3, 5), torch.bfloat16)
     assert (big.shape, big.dtype, small.shape, small.dtype) == ((1024, 1024), torch.float32, (3, 5), torch.bfloat16)
     if sys.platform == "linux":
-        assert big.data_ptr() % native.HUGE_PAGE == 0
+        assert big.data_ptr() % pages.HUGE_PAGE == 0
     values = torch.randn(1024, 1024)
     big.copy_(values)
     torch.randn(4096, 1024).fill_(7)  # memory allocated and freed after it is not the tensor's
@@ -202,6 +202,29 @@ def test_tree_attention_matches_sdpa_and_each_row_is_a_decode_step(dtype, heads,
             seen = mask[r].nonzero().flatten()
             alone = native.attend(q[:, r:r + 1].contiguous(), k[:, seen].contiguous(), v[:, seen].contiguous())
             assert torch.equal(got[r:r + 1], alone), f"row {r}"
+
+
+@pytest.mark.skipif(not hasattr(native.library(), "tree_attend_f32"), reason="needs AVX-512")
+@pytest.mark.parametrize("heads,kv_heads,d,n,keys", [(4, 2, 256, 33, 1057), (8, 1, 128, 65, 300), (2, 2, 64, 9, 40),
+                                                      (4, 2, 64, 128, 130)])
+def test_tree_products_match_sdpa_and_give_a_row_its_bits_whatever_rows_are_beside_it(heads, kv_heads, d, n, keys):
+    """fp32 trees on `tree_attend`: units of vectors split across lanes, panels and threads, keys past a block
+    of either pass, rows hidden from keys past the context; a row alone under its own mask gets the same bits."""
+    torch.manual_seed(6)
+    q = torch.randn(heads, n, d)
+    k, v = torch.randn(kv_heads, keys + 7, d)[:, :keys], torch.randn(kv_heads, keys + 7, d)[:, :keys]  # a cache's
+    mask = _tree_mask(n, keys, seed=n)
+    with torch.inference_mode():
+        assert native.attends(q, k, v, mask) and native.tree_rows(torch.float32, heads, kv_heads, d)
+        got = native.tree_attend(q, k, v, mask)
+        want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                                enable_gqa=True)[0]
+        _close(got, want.transpose(0, 1).reshape(n, -1), torch.float32)
+        for r in {0, n // 2, n - 1}:
+            alone = native.tree_attend(q[:, r:r + 1].contiguous(), k, v, mask[r:r + 1].contiguous())
+            assert torch.equal(got[r:r + 1], alone), f"row {r}"
+    assert not native.tree_rows(torch.bfloat16, heads, kv_heads, d)  # bf16 trees: `attend`, a decode's bits
+    assert not native.tree_rows(torch.float32, 4, 2, 80)
 
 
 def test_attention_takes_torch_ops_where_kernels_c_cannot():

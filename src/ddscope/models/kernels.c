@@ -490,6 +490,145 @@ static inline void store16_bf16(uint16_t *y, __m512 x) { _mm256_storeu_si256((__
 ATTEND(f32, float, load16_f32, store16_f32)
 ATTEND(bf16, uint16_t, load16_bf16, store16_bf16)
 /* ---- the MLP's gate: silu(gate) * up, elementwise ------------------------------------------------------- */
+/* ---- a tree's attention in fp32 as two products: q [H, n, d], k and v [Hkv, S, d] as `attend_f32` takes them,
+ * mask [n, S] (nonzero: may attend) -> out [n, H * d], head_dim a multiple of 64. The query vectors of a K/V
+ * head (its query heads times the rows) go in units of up to 80, 16 to a register's lanes: a key's scores
+ * for 16 vectors are one FMA a head dim, with no sum across lanes, and the values' sums are a panel product
+ * whose weights are the value rows as the cache holds them. Every score and sum is one chain in a fixed
+ * order (head dims, then keys, in order), so a row's result does not depend on the rows beside it. */
+#define TREE_VECTORS 80 /* query vectors a unit: 5 panels of 16 */
+#define D_STEP 64       /* head dims a pass over a block of keys: the unit's query panels for them (20 KB) in L1 */
+#define SCORE_BLOCK 32  /* keys a block of the scores: their rows stay in L1 while each pass over them runs */
+#define SCORE_KEYS 4    /* keys a register block of the scores (by up to 5 panels) */
+#define MIX_BLOCK 128   /* keys a block of the values' sums, its weights in L1 while every vector passes */
+#define MIX_VECTORS 6   /* vectors a register block of the sums (by 64 head dims) */
+#define SCORES_TILE(P)                                                                                          \
+  static void scores_##P(const float *qp, const float *kh, float *t, int64_t S, int64_t d, int64_t c0,        \
+                         int64_t s) {                                                                           \
+    __m512 acc[SCORE_KEYS][P];                                                                                  \
+    const float *kr[SCORE_KEYS]; /* past S, the last key again, never stored */                                 \
+    for (int i = 0; i < SCORE_KEYS; i++) {                                                                      \
+      kr[i] = kh + (s + i < S ? s + i : S - 1) * d;                                                             \
+      for (int j = 0; j < P; j++)                                                                               \
+        acc[i][j] = c0 ? _mm512_loadu_ps(t + (s + i) * TREE_VECTORS + j * 16) : _mm512_setzero_ps();           \
+    }                                                                                                           \
+    for (int64_t c = c0; c < c0 + D_STEP; c++) {                                                                \
+      __m512 qv[P];                                                                                             \
+      for (int j = 0; j < P; j++) qv[j] = _mm512_loadu_ps(qp + (j * d + c) * 16);                               \
+      for (int i = 0; i < SCORE_KEYS; i++) {                                                                    \
+        __m512 kb = _mm512_set1_ps(kr[i][c]);                                                                   \
+        for (int j = 0; j < P; j++) acc[i][j] = _mm512_fmadd_ps(kb, qv[j], acc[i][j]);                          \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int i = 0; i < SCORE_KEYS && s + i < S; i++)                                                           \
+      for (int j = 0; j < P; j++) _mm512_storeu_ps(t + (s + i) * TREE_VECTORS + j * 16, acc[i][j]);             \
+  }
+SCORES_TILE(1) SCORES_TILE(2) SCORES_TILE(3) SCORES_TILE(4) SCORES_TILE(5)
+typedef void (*scores_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
+static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, scores_2, scores_3, scores_4, scores_5};
+
+/* Vectors [u, u + MR) of the weights t over keys [s0, s1), values' head dims [c0, c0 + 64): added to their
+ * sums in o [m][d]. */
+#define MIX_TILE(MR)                                                                                            \
+  static void mix_##MR(const float *t, const float *vh, int64_t s0, int64_t s1, int64_t d, int64_t c0,          \
+                       int64_t u, float *o) {                                                                   \
+    __m512 acc[MR][4];                                                                                          \
+    for (int i = 0; i < MR; i++)                                                                                \
+      for (int j = 0; j < 4; j++) acc[i][j] = _mm512_loadu_ps(o + (u + i) * d + c0 + j * 16);                   \
+    for (int64_t s = s0; s < s1; s++) {                                                                         \
+      const float *vr = vh + s * d + c0, *ts = t + s * TREE_VECTORS + u;                                        \
+      __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);                                           \
+      __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);                                      \
+      for (int i = 0; i < MR; i++) {                                                                            \
+        __m512 w = _mm512_set1_ps(ts[i]);                                                                       \
+        acc[i][0] = _mm512_fmadd_ps(w, v0, acc[i][0]);                                                          \
+        acc[i][1] = _mm512_fmadd_ps(w, v1, acc[i][1]);                                                          \
+        acc[i][2] = _mm512_fmadd_ps(w, v2, acc[i][2]);                                                          \
+        acc[i][3] = _mm512_fmadd_ps(w, v3, acc[i][3]);                                                          \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int i = 0; i < MR; i++)                                                                                \
+      for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + (u + i) * d + c0 + j * 16, acc[i][j]);                   \
+  }
+MIX_TILE(1) MIX_TILE(2) MIX_TILE(3) MIX_TILE(4) MIX_TILE(5) MIX_TILE(6)
+typedef void (*mix_fn)(const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, float *);
+static const mix_fn MIX_TILES[MIX_VECTORS + 1] = {0, mix_1, mix_2, mix_3, mix_4, mix_5, mix_6};
+
+/* Scores [S][TREE_VECTORS] of one unit's m vectors -> their softmax weights (exactly 0 where a vector may not
+ * attend), and each vector's sum of them. Keys before `open` are every row's: the mask is read past it only. */
+static void softmax_keys(float *t, int64_t S, int64_t m, int64_t open, const uint8_t *const *seen, float scale,
+                         float *sum) {
+  for (int64_t s = open; s < S; s++)
+    for (int64_t u = 0; u < m; u++)
+      if (!seen[u][s]) t[s * TREE_VECTORS + u] = -INFINITY;
+  int P = (int)((m + 15) / 16);
+  for (int j = 0; j < P; j++) {
+    __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps(), sc = _mm512_set1_ps(scale);
+    for (int64_t s = 0; s < S; s++) top = _mm512_max_ps(top, _mm512_loadu_ps(t + s * TREE_VECTORS + j * 16));
+    for (int64_t s = 0; s < S; s++) {
+      float *at = t + s * TREE_VECTORS + j * 16;
+      __m512 x = _mm512_loadu_ps(at);
+      __mmask16 on = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+      __m512 e = _mm512_maskz_mov_ps(on, exp16(_mm512_mul_ps(_mm512_sub_ps(x, top), sc)));
+      _mm512_storeu_ps(at, e);
+      total = _mm512_add_ps(total, e);
+    }
+    _mm512_storeu_ps(sum + j * 16, total);
+  }
+}
+
+void tree_attend_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out, int64_t heads,
+                     int64_t kv_heads, int64_t n, int64_t S, int64_t d, int64_t q_stride, int64_t head_stride,
+                     float scale, int threads) {
+  int64_t group = heads / kv_heads, vectors = group * n, open = S;
+  for (int64_t r = 0; r < n; r++) { /* the first key some row may not see */
+    const uint8_t *hidden = memchr(mask + r * S, 0, open);
+    if (hidden) open = hidden - (mask + r * S);
+  }
+  int64_t tiles = (vectors + TREE_VECTORS - 1) / TREE_VECTORS, busy = (threads + kv_heads - 1) / kv_heads;
+  if (tiles < busy) tiles = busy < vectors ? busy : vectors;
+#pragma omp parallel num_threads(threads)
+  {
+    float *qp = scratch((2 * TREE_VECTORS + 1) * d + S * TREE_VECTORS + TREE_VECTORS), *o = qp + TREE_VECTORS * d;
+    float *t = o + TREE_VECTORS * d, *sum = t + S * TREE_VECTORS;
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < kv_heads * tiles; unit++) {
+      int64_t kv = unit / tiles, u0 = vectors * (unit % tiles) / tiles;
+      int64_t m = vectors * (unit % tiles + 1) / tiles - u0, P = (m + 15) / 16;
+      const uint8_t *seen[TREE_VECTORS];
+      memset(qp, 0, sizeof(float) * P * 16 * d);
+      memset(o, 0, sizeof(float) * m * d);
+      for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h, in lane u % 16 of panel u / 16 */
+        int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;
+        const float *qr = q + h * q_stride + r * d;
+        for (int64_t c = 0; c < d; c++) qp[((u / 16) * d + c) * 16 + u % 16] = qr[c];
+        seen[u] = mask + r * S;
+      }
+      const float *kh = k + kv * head_stride, *vh = v + kv * head_stride;
+      for (int64_t b = 0; b < S; b += SCORE_BLOCK) {
+        int64_t end = S < b + SCORE_BLOCK ? S : b + SCORE_BLOCK;
+        ahead(kh + b * d, (end - b) * d * sizeof(float));
+        for (int64_t c0 = 0; c0 < d; c0 += D_STEP)
+          for (int64_t s = b; s < end; s += SCORE_KEYS) SCORES_TILES[P](qp, kh, t, S, d, c0, s);
+      }
+      softmax_keys(t, S, m, open, seen, scale, sum);
+      for (int64_t b = 0; b < S; b += MIX_BLOCK) {
+        int64_t end = S < b + MIX_BLOCK ? S : b + MIX_BLOCK;
+        ahead(vh + b * d, (end - b) * d * sizeof(float));
+        for (int64_t c0 = 0; c0 < d; c0 += 64)
+          for (int64_t u = 0; u < m; u += MIX_VECTORS)
+            MIX_TILES[m - u < MIX_VECTORS ? m - u : MIX_VECTORS](t, vh, b, end, d, c0, u, o);
+      }
+      for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */
+        int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;
+        __m512 inv = _mm512_set1_ps(1.0f / sum[u]);
+        for (int64_t c = 0; c < d; c += 16)
+          _mm512_storeu_ps(out + (r * heads + h) * d + c, _mm512_mul_ps(_mm512_loadu_ps(o + u * d + c), inv));
+      }
+    }
+  }
+}
+
 static inline __m512 silu16(__m512 g) { /* g / (1 + e^-g) */
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }

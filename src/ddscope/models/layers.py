@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddscope.config import DecoderGeometry
-from ddscope.models import native
+from ddscope.models import native, pages
 
 
 BMM_ATTENTION = (torch.float32,)  # dtypes whose masked grouped attention runs as two batched products
-# Dtypes whose trees attend in kernels.c's kernel, each row with a decode step's bits: in bf16 the batched
-# products' other sums flip greedy near-ties; in fp32 they flipped none measured, and run faster at 33 rows
-# and more (docs/performance.md, The engine at its floor).
+# Dtypes whose trees attend in kernels.c's `attend`, each row with a decode step's bits: in bf16 other sums
+# flip greedy near-ties; in fp32 they flipped none measured, and fp32 trees run faster as `tree_attend`'s
+# products (docs/performance.md, The engine at its floor).
 EXACT_TREES = (torch.bfloat16,)
 
 
@@ -106,7 +106,9 @@ class Attention(nn.Module):
         attend), or the additive bias of `grouped_bias`, which runs the queries grouped; None: all keys (or
         `causal`)."""
         heads, n, d = q.shape
-        if not causal and native.attends(q, k, v, mask):
+        if not causal and native.attends(q, k, v, mask):  # few rows: kernels.c's (a tree's fp32 rows as products)
+            if n > 1 and mask is not None and native.tree_rows(q.dtype, heads, k.shape[0], d):
+                return native.tree_attend(q, k, v, mask)
             return native.attend(q, k, v, mask)
         if causal or (mask is not None and mask.dtype == torch.bool):
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
@@ -252,7 +254,7 @@ def pack_linears(layers: nn.ModuleList) -> None:
 def _adjoin(*linears: PanelLinear) -> torch.Tensor:
     """The linears' panels in one tensor, one after another, each linear keeping a view of its own."""
     parts = [p.panels for p in linears]
-    joint = torch.cat(parts, out=native.huge((sum(len(q) for q in parts), *parts[0].shape[1:]), parts[0].dtype))
+    joint = torch.cat(parts, out=pages.huge((sum(len(q) for q in parts), *parts[0].shape[1:]), parts[0].dtype))
     start = 0
     for p in linears:
         p.panels = joint[start:start + p.out_features]

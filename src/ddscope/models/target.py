@@ -239,12 +239,12 @@ class Target(nn.Module):
         return _Masks(body, (self._grouped(tail) if rows <= GROUPED_QUERIES else tail, False))
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
-        """A few rows' mask as their attention takes it: boolean for kernels.c's attention in the dtypes of
-        `EXACT_TREES` (each row then gets the bits a decode step of its token gets), else an additive bias for
-        grouped queries."""
+        """A few rows' mask as their attention takes it: boolean for kernels.c's (the exact kernel in the
+        dtypes of `EXACT_TREES`, fp32's tree products), else an additive bias for grouped queries."""
         g, dtype = self.cfg.geometry, self.lm_head.weight.dtype
-        if (dtype in layers.EXACT_TREES and native.masks_rows(dtype, g.num_heads, g.num_kv_heads, g.head_dim)
-                and mask.shape[0] <= native.MAX_ROWS):
+        geometry = (dtype, g.num_heads, g.num_kv_heads, g.head_dim)
+        kernel = native.masks_rows(*geometry) if dtype in layers.EXACT_TREES else native.tree_rows(*geometry)
+        if kernel and mask.shape[0] <= native.MAX_ROWS:
             return mask.contiguous()
         return grouped_bias(mask, g.num_heads // g.num_kv_heads, dtype)
 

@@ -1,0 +1,89 @@
+"""A/B of kernels.c's projections against a git revision's, on floor.py's model shapes (24 layers of a
+hidden-1024 Qwen3: q/k/v and gate/up adjoined, o, down), weights streamed from memory as in a step.
+
+    python benchmarks/kernels_ab.py --base b36f347 [--rows 1,9,33,64] [--dtype float32] [--repeats 9]
+
+A is the revision's kernels.c, B the working tree's; each arm packs its own weights (same values, on 2 MiB
+pages for both) and the arms take turns. Every B output is checked bitwise against A's: a change here may
+move time, never a result. Prints the median time of all 96 products and their FLOP rate.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import ddscope.models.native as native
+from ddscope.bench.sweep import cpu_model
+
+SHAPES = ((2048, 1024), (1024, 1024), (4096, 1024), (1024, 2048))  # qkv, o, gate_up, down of one layer
+LAYERS = 24
+
+
+def library(source: Path):
+    """kernels.c at `source`, built and loaded as ddscope loads its own."""
+    native.SOURCE = source
+    native.library.cache_clear()
+    return native.library()
+
+
+def arm(lib, weights: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    native.library = lambda: lib
+    return [[native.panels(w) for w in layer] for layer in weights]
+
+
+def sweep(lib, panels: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> tuple[float, torch.Tensor]:
+    native.library = lambda: lib
+    start = time.perf_counter()
+    for layer in panels:
+        for (_, k), p in zip(SHAPES, layer):
+            y = native.linear(xs[k], p)
+    return time.perf_counter() - start, y
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="the git revision whose kernels.c is arm A")
+    ap.add_argument("--rows", default="1,9,33,64")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    dtype, here = getattr(torch, args.dtype), native.SOURCE
+    old = subprocess.run(["git", "show", f"{args.base}:src/ddscope/models/kernels.c"], cwd=here.parent, check=True,
+                         capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "kernels.c"
+        base.write_text(old)
+        libs = {"A": library(base), "B": library(here)}
+    torch.manual_seed(0)
+    weights = [[(torch.randn(n, k) * 0.02).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)]
+    arms = {name: arm(lib, weights) for name, lib in libs.items()}
+    del weights
+    print(f"# kernels.c {args.base} (A) against the working tree (B), {args.dtype}, {cpu_model()}, "
+          f"{torch.get_num_threads()} threads, {args.repeats} repeats\n")
+    print("| rows | A ms | B ms | B/A | B GFLOP/s |\n|---|---|---|---|---|")
+    flop_per_row = 2 * LAYERS * sum(n * k for n, k in SHAPES)
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
+        times: dict[str, list[float]] = {"A": [], "B": []}
+        for rep in range(args.repeats):
+            outs = {}
+            for name in ("AB" if rep % 2 == 0 else "BA"):
+                times[name].append((t := sweep(libs[name], arms[name], xs))[0])
+                outs[name] = t[1]
+            if not torch.equal(outs["A"], outs["B"]):
+                raise SystemExit(f"{rows} rows: B's products differ from A's")
+        a, b = (statistics.median(times[name]) for name in "AB")
+        print(f"| {rows} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {flop_per_row * rows / b / 1e9:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
