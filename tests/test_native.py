@@ -215,7 +215,7 @@ def test_tree_products_match_sdpa_and_give_a_row_its_bits_whatever_rows_are_besi
     k, v = torch.randn(kv_heads, keys + 7, d)[:, :keys], torch.randn(kv_heads, keys + 7, d)[:, :keys]  # a cache's
     mask = _tree_mask(n, keys, seed=n)
     with torch.inference_mode():
-        assert native.attends(q, k, v, mask) and native.tree_rows(torch.float32, heads, kv_heads, d)
+        assert native.attends(q, k, v, mask) and native.tree_rows(torch.float32, heads, kv_heads, d, keys)
         got = native.tree_attend(q, k, v, mask)
         want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                                 enable_gqa=True)[0]
@@ -223,8 +223,9 @@ def test_tree_products_match_sdpa_and_give_a_row_its_bits_whatever_rows_are_besi
         for r in {0, n // 2, n - 1}:
             alone = native.tree_attend(q[:, r:r + 1].contiguous(), k, v, mask[r:r + 1].contiguous())
             assert torch.equal(got[r:r + 1], alone), f"row {r}"
-    assert not native.tree_rows(torch.bfloat16, heads, kv_heads, d)  # bf16 trees: `attend`, a decode's bits
-    assert not native.tree_rows(torch.float32, 4, 2, 80)
+    assert not native.tree_rows(torch.bfloat16, heads, kv_heads, d, keys)  # bf16: `attend`, a decode's bits
+    assert not native.tree_rows(torch.float32, 4, 2, 80, keys)
+    assert not native.tree_rows(torch.float32, heads, kv_heads, d, native.TREE_KEYS + 1)
 
 
 def test_attention_takes_torch_ops_where_kernels_c_cannot():

@@ -107,7 +107,7 @@ class Attention(nn.Module):
         `causal`)."""
         heads, n, d = q.shape
         if not causal and native.attends(q, k, v, mask):  # few rows: kernels.c's (a tree's fp32 rows as products)
-            if n > 1 and mask is not None and native.tree_rows(q.dtype, heads, k.shape[0], d):
+            if n > 1 and mask is not None and native.tree_rows(q.dtype, heads, k.shape[0], d, k.shape[1]):
                 return native.tree_attend(q, k, v, mask)
             return native.attend(q, k, v, mask)
         if causal or (mask is not None and mask.dtype == torch.bool):

@@ -45,6 +45,7 @@ _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _
                      **{f"decode_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 9,
                                               *[_I] * 5, _F, _T) for s in _DTYPES.values()}}
 MAX_HEAD = 256  # kernels.c's attention: the widest head
+TREE_KEYS = 2048  # the most keys `tree_attend` takes (floor_ab.py, tree-attention-fp32: 0.93 at 1057, 1.04 at 4129)
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
 # A panelled weight's rows (outputs) and columns come in multiples of these: fp32, kernels.c's 8 panels of 16;
 # bf16, its AMX tiles' 2 panels of 16 by k blocks of 32.
@@ -199,10 +200,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out
 
 
-def tree_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether `tree_attend` serves this geometry and dtype (fp32, head_dim a multiple of 64)."""
-    return (dtype == torch.float32 and head_dim % 64 == 0 and masks_rows(dtype, heads, kv_heads, head_dim)
-            and _has("tree_attend_f32"))
+def tree_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, keys: int) -> bool:
+    """Whether `tree_attend` serves this geometry, dtype and keys (fp32, head_dim a multiple of 64, keys up to
+    TREE_KEYS: past them a unit's scores leave L2, and MKL's batched products were faster)."""
+    return (dtype == torch.float32 and head_dim % 64 == 0 and keys <= TREE_KEYS
+            and masks_rows(dtype, heads, kv_heads, head_dim) and _has("tree_attend_f32"))
 
 
 def tree_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -243,8 +243,8 @@ class Target(nn.Module):
         dtypes of `EXACT_TREES`, fp32's tree products), else an additive bias for grouped queries."""
         g, dtype = self.cfg.geometry, self.lm_head.weight.dtype
         geometry = (dtype, g.num_heads, g.num_kv_heads, g.head_dim)
-        kernel = native.masks_rows(*geometry) if dtype in layers.EXACT_TREES else native.tree_rows(*geometry)
-        if kernel and mask.shape[0] <= native.MAX_ROWS:
+        if mask.shape[0] <= native.MAX_ROWS and (native.masks_rows(*geometry) if dtype in layers.EXACT_TREES
+                                                 else native.tree_rows(*geometry, mask.shape[1])):
             return mask.contiguous()
         return grouped_bias(mask, g.num_heads // g.num_kv_heads, dtype)
 
