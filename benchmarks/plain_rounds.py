@@ -20,7 +20,7 @@ from engine_args import parser
 from ddscope import Engine
 from ddscope.bench.sweep import cpu_model
 from ddscope.bench.workloads import fit_ids, load_workload
-from ddscope.models.target import KVCache
+from ddscope.models.kv_pool import KVCache
 
 ARMS = {"ar": {"method": "ar"}, "auto": {"method": "ddtree", "budget": "auto"}}
 

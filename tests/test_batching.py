@@ -11,7 +11,8 @@ import torch
 from ddscope.bench.synthetic import oracle_engine
 from ddscope.engine import Engine
 from ddscope.models.kv_pool import KVPool, Pages
-from ddscope.models.target import KVCache, Segment
+from ddscope.models.kv_pool import KVCache
+from ddscope.models.target import Segment
 from support.pool_check import assert_pool_empty
 
 REQUESTS = [  # (prompt, kwargs): different lengths, methods, samplers and stops

@@ -250,10 +250,11 @@ def test_silu_mul_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch,pages", [("qwen3", None), ("llama", None), ("qwen3", [4, 0, 3, 1, 2])])
-def test_a_decode_row_in_kernels_is_the_modules_bits(tmp_path, arch, pages, dtype):
-    """A decode step's row through each layer in kernels.c (one call a layer on a cache whose slots lie in a
-    run, which stores the K/V itself; two around the cache's write on a paged table out of order) gives the
-    logits, captured features and K/V the modules give one by one."""
+def test_rows_in_kernels_are_the_modules_bits(tmp_path, arch, pages, dtype):
+    """Decode steps' rows, then a tree's rows under its mask, through each layer in kernels.c (one call a layer
+    on a cache whose slots lie in a run, which stores the K/V itself; a decode row in two calls around the
+    cache's write on a paged table out of order, a tree in the modules) give the logits, captured features
+    and K/V the modules give one by one."""
     from ddscope.bench.synthetic import make_target
     from ddscope.models.kv_pool import KVPool, Pages
     from ddscope.models.target import Target
@@ -261,7 +262,10 @@ def test_a_decode_row_in_kernels_is_the_modules_bits(tmp_path, arch, pages, dtyp
     if not (native.decodes(dtype) and _panels(dtype)):
         pytest.skip(f"no decode calls for {dtype} here (fp32 needs AVX-512, bf16 AMX)")
     target = Target.load(make_target(tmp_path / arch, arch, hidden=256, layers=3), torch.device("cpu"), dtype)
-    prompt, new = torch.randint(4, 200, (70,)), torch.randint(4, 200, (6,))
+    prompt, new, tree = torch.randint(4, 200, (50,)), torch.randint(4, 200, (6,)), torch.randint(4, 200, (9,))
+    mask = _tree_mask(9, 65, seed=9)
+    depth = mask[:, 56:].sum(1) - 1  # a node's position: its parent's plus one
+    in_c = []
 
     def cache():
         if pages is None:
@@ -270,21 +274,22 @@ def test_a_decode_row_in_kernels_is_the_modules_bits(tmp_path, arch, pages, dtyp
         table.extend(pages)
         return KVPool(target.cfg.geometry, None, 0, len(pages), torch.device("cpu"), dtype, 16).target_cache(table)
 
-    def decode(fused: bool):
-        before = target._one_row
-        if not fused:
-            target._one_row = lambda *args: None
+    def forward(fused: bool):
+        before = target._in_c
+        target._in_c = (lambda *args: in_c.append(before(*args)) or in_c[-1]) if fused else (lambda *args: None)
         try:
             with torch.inference_mode():
                 c = cache()
-                target(prompt, torch.arange(70), c)
-                outs = [target(new[i:i + 1], torch.arange(70 + i, 71 + i), c, capture=(0, 2)) for i in range(6)]
+                target(prompt, torch.arange(50), c)
+                outs = [target(new[i:i + 1], torch.arange(50 + i, 51 + i), c, capture=(0, 2)) for i in range(6)]
+                outs.append(target(tree, 56 + depth, c, mask=mask, capture=(0, 2)))
         finally:
-            target._one_row = before
+            target._in_c = before
         return outs, c
 
-    (fused, a), (plain, b) = decode(True), decode(False)
+    (fused, a), (plain, b) = forward(True), forward(False)
     assert target._fused, "every layer should take the kernels' calls: the test lost its power"
+    assert all(x is not None for x in in_c[1:7]) and (in_c[7] is not None) == (pages is None)
     assert (a.run() is None) == (pages is not None)
     assert all(torch.equal(x.logits, y.logits) and torch.equal(x.features, y.features) for x, y in zip(fused, plain))
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)

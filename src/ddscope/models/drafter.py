@@ -17,7 +17,8 @@ from torch import nn
 
 from ddscope.config import CheckpointError, DecoderGeometry, DrafterConfig, LayerAttention
 from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias
-from ddscope.models.target import KVCache, Target, joined
+from ddscope.models.kv_pool import KVCache
+from ddscope.models.target import Target, joined
 from ddscope.models.weights import load_into, read_state_dict
 
 if TYPE_CHECKING:

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ddscope.config import (SUPPORTED_TARGETS, CheckpointError, DecoderGeometry, TargetConfig, read_json, text_config,
                             token_ids)
-from ddscope.models.target import ForwardOut, KVCache, KVCacheFull, Segment, Target
+from ddscope.models.kv_pool import KVCache
+from ddscope.models.target import ForwardOut, KVCacheFull, Segment, Target
 
 BACKENDS = ("auto", "native", "transformers")
 

@@ -336,18 +336,20 @@ static inline __m512 load16_bf16(const uint16_t *x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
 }
 
-/* A thread's scratch of at least n floats, kept for its next call: a fresh malloc of this size is fresh pages,
- * whose first touch costs a fault each (an attention call over a long context is tens of microseconds). */
-static float *scratch(int64_t n) {
-  static __thread float *buffer;
-  static __thread int64_t size;
-  if (n > size) {
-    free(buffer);
-    buffer = malloc(sizeof(float) * n);
-    size = n;
+/* A thread's scratch of at least `bytes` in one of its slots (0: the attention's, 1: a layer's rows), kept for
+ * its next call: a fresh malloc of this size is fresh pages, whose first touch costs a fault each (an
+ * attention call over a long context is tens of microseconds). */
+static void *scratch_in(int slot, int64_t bytes) {
+  static __thread void *buffer[2];
+  static __thread int64_t size[2];
+  if (bytes > size[slot]) {
+    free(buffer[slot]);
+    buffer[slot] = malloc(bytes);
+    size[slot] = bytes;
   }
-  return buffer;
+  return buffer[slot];
 }
+static float *scratch(int64_t n) { return scratch_in(0, n * (int64_t)sizeof(float)); }
 
 #define AHEAD 16384 /* bytes: a pass over keys or values asks for its lines this far ahead of their use */
 static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefetchers alone keep too short */
@@ -653,11 +655,12 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n,
   }
 }
 
-/* ---- one decode row through a layer: one call, or two around the cache's write -------------------------------
+/* ---- rows through a layer: a decode row or a tree's rows in one call, or a decode row in two around the cache's
+ * write ------------------------------------------------------------------------------------------------------
  * The same kernels in the same order as the layer's modules call them one by one (so the same bits), without
  * the Python between them: after each projection has streamed megabytes through the caches, that Python
  * runs cold. */
-#define DECODE(SUFFIX, T, ADD)                                                                                  \
+#define DECODE(SUFFIX, T, ADD, TREES)                                                                   \
   /* pqkv: q's, k's and v's panels one after another (one product); qkv: their rows, v's in place */            \
   void decode_qkv_##SUFFIX(const T *h, const T *w_in, float eps, const T *pqkv, const T *q_norm,                 \
                            const T *k_norm, float qk_eps, const T *cos, const T *sin, T *xn, T *qkv, T *q, T *k, \
@@ -682,27 +685,48 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n,
     linear_##SUFFIX(gu, pd, o, 1, inter, hidden, threads);                                                      \
     for (int64_t i = 0; i < hidden; i++) h[i] = ADD(h[i], o[i]);                                                \
   }                                                                                                             \
-  /* Both, the new K/V stored between them as position S - 1 of keys/values [kv_heads, S, d] (heads             \
-   * head_stride apart, rows d apart): a cache whose slots lie in one run, with no Python between. */           \
-  void decode_layer_##SUFFIX(T *h, const T *w_in, float eps, const T *pqkv, const T *q_norm, const T *k_norm,    \
-                             float qk_eps, const T *cos, const T *sin, T *keys, T *values, int64_t S,             \
-                             int64_t head_stride, const T *po, const T *w_post, float post_eps, const T *pgu,     \
-                             const T *pd, T *xn, T *qkv, T *q, T *k, T *att, T *o, T *gu, int64_t hidden,          \
-                             int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, float scale,             \
-                             int threads) {                                                                     \
-    decode_qkv_##SUFFIX(h, w_in, eps, pqkv, q_norm, k_norm, qk_eps, cos, sin, xn, qkv, q, k, hidden, heads,      \
-                        kv_heads, d, threads);                                                                  \
-    for (int64_t j = 0; j < kv_heads; j++) {                                                                    \
-      memcpy(keys + j * head_stride + (S - 1) * d, k + j * d, d * sizeof(T));                                   \
-      memcpy(values + j * head_stride + (S - 1) * d, qkv + (heads + kv_heads + j) * d, d * sizeof(T));          \
+  /* n rows at positions S - n .. S - 1 (a decode row, a tree's rows under `mask` [n, S]) through the whole   \
+   * layer, their K/V stored into keys/values [kv_heads, S, d] (heads head_stride apart, rows d apart): a cache \
+   * whose slots lie in one run, with no Python between. The kernels the modules call, in their order.         \
+   * The attention: one row's, `attend`; a tree's, TREES (fp32: `tree_attend_f32`; bf16: `attend`, each row   \
+   * with a decode step's bits, ddscope.models.layers.EXACT_TREES). */                                         \
+  void rows_layer_##SUFFIX(T *h, const T *w_in, float eps, const T *pqkv, const T *q_norm, const T *k_norm,      \
+                           float qk_eps, const T *cos, const T *sin, T *keys, T *values, int64_t S,               \
+                           int64_t head_stride, const uint8_t *mask, const T *po, const T *w_post, float post_eps, \
+                           const T *pgu, const T *pd, int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads, \
+                           int64_t d, int64_t inter, float scale, int threads) {                                  \
+    int64_t width = (heads + 2 * kv_heads) * d, qw = heads * d, kw = kv_heads * d;                               \
+    T *xn = scratch_in(1, n * (2 * hidden + 2 * width + 2 * qw + 3 * inter) * (int64_t)sizeof(T));              \
+    T *qkv = xn + n * hidden, *qx = qkv + n * width, *kx = qx + n * qw, *q = kx + n * kw, *k = q + n * qw;        \
+    T *att = k + n * kw, *o = att + n * qw, *gu = o + n * hidden, *act = gu + 2 * n * inter;                     \
+    rms_norm_##SUFFIX(h, w_in, xn, n, hidden, eps, threads);                                                    \
+    linear_##SUFFIX(xn, pqkv, qkv, n, hidden, width, threads);                                                  \
+    for (int64_t r = 0; r < n; r++) { /* q's and k's columns as the norm + RoPE takes them */                   \
+      memcpy(qx + r * qw, qkv + r * width, qw * sizeof(T));                                                     \
+      memcpy(kx + r * kw, qkv + r * width + qw, kw * sizeof(T));                                                \
     }                                                                                                           \
-    decode_rest_##SUFFIX(h, q, keys, values, S, head_stride, po, w_post, post_eps, pgu, pd, att, o, xn, gu,       \
-                         hidden, heads, kv_heads, d, inter, scale, threads);                                    \
+    norm_rope_##SUFFIX(qx, q_norm, cos, sin, q, n, heads, d, qk_eps, threads);                                  \
+    norm_rope_##SUFFIX(kx, k_norm, cos, sin, k, n, kv_heads, d, qk_eps, threads);                               \
+    for (int64_t j = 0; j < kv_heads; j++)                                                                      \
+      for (int64_t r = 0; r < n; r++) {                                                                         \
+        memcpy(keys + j * head_stride + (S - n + r) * d, k + (j * n + r) * d, d * sizeof(T));                   \
+        memcpy(values + j * head_stride + (S - n + r) * d, qkv + r * width + qw + kw + j * d, d * sizeof(T));   \
+      }                                                                                                         \
+    (n > 1 ? TREES : attend_##SUFFIX)(q, keys, values, mask, att, heads, kv_heads, n, S, d, n * d, head_stride,   \
+                                      scale, threads);                                                          \
+    linear_##SUFFIX(att, po, o, n, qw, hidden, threads);                                                        \
+    for (int64_t i = 0; i < n * hidden; i++) h[i] = ADD(h[i], o[i]);                                            \
+    rms_norm_##SUFFIX(h, w_post, xn, n, hidden, post_eps, threads);                                             \
+    linear_##SUFFIX(xn, pgu, gu, n, hidden, 2 * inter, threads);                                                \
+    for (int64_t r = 0; r < n; r++)                                                                             \
+      silu_mul_##SUFFIX(gu + 2 * r * inter, gu + (2 * r + 1) * inter, act + r * inter, inter, threads);         \
+    linear_##SUFFIX(act, pd, o, n, inter, hidden, threads);                                                     \
+    for (int64_t i = 0; i < n * hidden; i++) h[i] = ADD(h[i], o[i]);                                            \
   }
 #define ADD_F32(a, b) ((a) + (b))
 #define ADD_BF16(a, b) f2bf(bf2f(a) + bf2f(b)) /* rounded once, as torch's bf16 add */
-DECODE(f32, float, ADD_F32)
+DECODE(f32, float, ADD_F32, tree_attend_f32)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-DECODE(bf16, uint16_t, ADD_BF16)
+DECODE(bf16, uint16_t, ADD_BF16, attend_bf16)
 #endif
 #endif /* __AVX512F__ */

@@ -1,5 +1,6 @@
-"""The paged KV cache: one pool of fixed blocks holding, per slot, the target's K/V, the drafter's K/V and
-the target features the drafter drafts from; each sequence sees its own slots through its block table.
+"""The KV caches. `KVCache`: one sequence's slots in order. The paged one: one pool of fixed blocks holding, per
+slot, the target's K/V, the drafter's K/V and the target features the drafter drafts from; each sequence sees
+its own slots through its block table.
 
 A sequence whose blocks lie in a row (the common case: blocks are handed out in order) reads its K/V
 as a view, so a batch of one costs what a contiguous cache does; a fragmented table gathers them.
@@ -11,6 +12,35 @@ import torch
 from ddscope.config import DecoderGeometry
 
 BLOCK = 64  # slots a block; the prefix cache shares whole blocks
+
+
+class KVCache:
+    """Preallocated per-layer K/V in slot order; `length` slots are valid."""
+
+    def __init__(self, g: DecoderGeometry, capacity: int, device: torch.device, dtype: torch.dtype):
+        shape = (g.num_layers, g.num_kv_heads, capacity, g.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+        self.length = 0
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[1]
+        self.k[layer, :, start:end] = k
+        self.v[layer, :, start:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def run(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """K/V [layers, kv_heads, slots, d] and the slot of position 0: its slots lie in one run."""
+        return self.k, self.v, 0
+
+    def keep(self, start: int, slots: torch.Tensor) -> None:
+        """Move the accepted tree slots `start + slots` to `[start, start + len(slots))` and truncate."""
+        n = slots.numel()
+        src = slots + start
+        self.k[:, :, start:start + n] = self.k.index_select(2, src)
+        self.v[:, :, start:start + n] = self.v.index_select(2, src)
+        self.length = start + n
 
 
 class Pages:
@@ -85,9 +115,9 @@ class PagedCache:
         self.v[layer].index_copy_(1, dst, v)
         return self.k[layer].index_select(1, every), self.v[layer].index_select(1, every)
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """`Cache.run`: the pool's K/V and the slot of position 0, where positions [0, length] are a run."""
-        every = self.pages.slots(0, self.length + 1)
+    def run(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """`Cache.run`: the pool's K/V and the slot of position 0, where positions [0, length + rows) are a run."""
+        every = self.pages.slots(0, self.length + rows)
         return (self.k, self.v, every.start) if isinstance(every, slice) else None
 
     def keep(self, start: int, slots: torch.Tensor) -> None:

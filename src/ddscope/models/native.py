@@ -42,8 +42,8 @@ _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _
                         for s in _DTYPES.values()},
                      **{f"decode_rest_{s}": (*[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 6, *[_I] * 5, _F, _T)
                         for s in _DTYPES.values()},
-                     **{f"decode_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 9,
-                                              *[_I] * 5, _F, _T) for s in _DTYPES.values()}}
+                     **{f"rows_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _P, _F, _P, _P,
+                                            *[_I] * 6, _F, _T) for s in _DTYPES.values()}}
 MAX_HEAD = 256  # kernels.c's attention: the widest head
 TREE_KEYS = 2048  # the most keys `tree_attend` takes (floor_ab.py, tree-attention-fp32: 0.93 at 1057, 1.04 at 4129)
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
@@ -260,16 +260,17 @@ class DecodeRow:
         tail = (o.data_ptr(), w_post.data_ptr(), post_eps, gate_up.data_ptr(), down.data_ptr())
         self._qkv = (inputs, (xn_p, row_p, q_p, k_p, hidden, heads, kv_heads, d))
         self._rest = ((*tail, att_p, out_p, xn_p, gu_p, hidden, heads), (d, inter, d ** -0.5))
-        self._layer = (inputs, (*tail, xn_p, row_p, q_p, k_p, att_p, out_p, gu_p, hidden, heads, kv_heads, d, inter,
-                                d ** -0.5))
+        self._layer = (inputs, tail, (hidden, heads, kv_heads, d, inter, d ** -0.5))
 
     def layer(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: int, values: int, length: int,
-              head_stride: int) -> None:
-        """The whole layer in place, its K/V stored at position `length - 1` of the cache's keys/values (their
-        addresses: [kv_heads, length, d], heads `head_stride` elements apart, rows d apart)."""
-        inputs, rest = self._layer
-        _call(f"decode_layer_{self._suffix}", h.data_ptr(), *inputs, cos.data_ptr(), sin.data_ptr(), keys, values,
-              length, head_stride, *rest)
+              head_stride: int, mask: torch.Tensor | None = None) -> None:
+        """Rows h [n, hidden] through the whole layer in place (a decode row; a tree's rows under `mask`, a
+        contiguous boolean [n, length] that `attends` takes, in fp32 one `tree_rows` serves), their K/V stored
+        at positions `length - n` .. `length - 1` of the cache's keys/values (their addresses: [kv_heads,
+        length, d], heads `head_stride` elements apart, rows d apart)."""
+        inputs, tail, geometry = self._layer
+        _call(f"rows_layer_{self._suffix}", h.data_ptr(), *inputs, cos.data_ptr(), sin.data_ptr(), keys, values,
+              length, head_stride, None if mask is None else mask.data_ptr(), *tail, h.shape[0], *geometry)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The input norm, q/k/v and the heads' norm + RoPE: (q [heads, 1, d], k and v [kv_heads, 1, d]),

@@ -14,6 +14,7 @@ from torch import nn
 
 from ddscope.config import DecoderGeometry, TargetConfig
 from ddscope.models import layers, native
+from ddscope.models.kv_pool import KVCache
 from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias, pack_linears
 from ddscope.models.weights import load_into, read_state_dict
 
@@ -23,35 +24,6 @@ class KVCacheFull(RuntimeError):
 
 
 GROUPED_QUERIES = 128  # up to this many queries (a decode step, a tree) attend grouped; a prefill, not
-
-
-class KVCache:
-    """Preallocated per-layer K/V in slot order; `length` slots are valid."""
-
-    def __init__(self, g: DecoderGeometry, capacity: int, device: torch.device, dtype: torch.dtype):
-        shape = (g.num_layers, g.num_kv_heads, capacity, g.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.capacity = capacity
-        self.length = 0
-
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.shape[1]
-        self.k[layer, :, start:end] = k
-        self.v[layer, :, start:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
-
-    def run(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """K/V [layers, kv_heads, slots, d] and the slot of position 0: its slots lie in one run."""
-        return self.k, self.v, 0
-
-    def keep(self, start: int, slots: torch.Tensor) -> None:
-        """Move the accepted tree slots `start + slots` to `[start, start + len(slots))` and truncate."""
-        n = slots.numel()
-        src = slots + start
-        self.k[:, :, start:start + n] = self.k.index_select(2, src)
-        self.v[:, :, start:start + n] = self.v.index_select(2, src)
-        self.length = start + n
 
 
 @dataclass
@@ -68,8 +40,9 @@ class Cache(Protocol):
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ...
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """Where positions [0, length] are one run of slots: K/V [layers, kv_heads, slots, d], position 0's slot."""
+    def run(self, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Where positions [0, length + rows) are one run of slots: K/V [layers, kv_heads, slots, d], position
+        0's slot."""
         ...
 
 
@@ -167,10 +140,10 @@ class Target(nn.Module):
         h = self.embed(joined([seg.tokens for seg in segments]))
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
-        row = self._one_row(segments, plans, h, cos, sin)
-        if row is not None:  # a decode step: each layer in kernels.c, the same bits without the Python
-            self._decode_row(row, h, cos, sin, capture, captured)
-        for i, layer in enumerate(self.model.layers if row is None else ()):
+        rows = self._in_c(segments, plans, h, cos, sin)
+        if rows is not None:  # a decode step or a tree: each layer in kernels.c, the same bits without the Python
+            self._c_rows(*rows, h, cos, sin, capture, captured)
+        for i, layer in enumerate(self.model.layers if rows is None else ()):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             k, v = attn.key_value(x, cos, sin)
@@ -199,18 +172,23 @@ class Target(nn.Module):
             captured[last] = h
         return self._outputs(segments, sizes, h, captured, capture)
 
-    def _one_row(self, segments: list[Segment], plans: list["_Masks"], h: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> Cache | None:
-        """The cache of a forward that is one decode row of one sequence, where every layer's row is bound."""
-        plain = all(mask is None and not causal for mask, causal in (plans[0].body, plans[0].last))
-        one = len(segments) == 1 and h.shape[0] == 1 and segments[0].rows == 1 and plain
-        return segments[0].cache if one and self._fused and native.serves(h, cos, sin) else None
+    def _in_c(self, segments: list[Segment], plans: list["_Masks"], h: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[Cache, torch.Tensor | None] | None:
+        """(cache, mask) of a forward whose rows go through every layer in kernels.c, every layer's row bound:
+        one sequence's decode row, or its tree's rows over a cache in one run under a mask kernels.c's attention
+        takes (`_grouped` left it boolean)."""
+        (mask, causal), n, seg = plans[0].body, h.shape[0], segments[0]
+        if (len(segments) > 1 or seg.rows != n or plans[0].last is not plans[0].body or causal or not self._fused
+                or not native.serves(h, cos, sin)):
+            return None
+        tree = n > 1 and mask is not None and mask.dtype == torch.bool and seg.cache.run(n) is not None
+        return (seg.cache, mask) if tree or (n == 1 and mask is None) else None
 
-    def _decode_row(self, cache: Cache, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    capture: tuple[int, ...], captured: dict[int, torch.Tensor]) -> None:
-        """One row h [1, hidden] through every layer in place: a C call a layer where the cache's slots lie in
-        one run (it stores the K/V itself), else two around the cache's write."""
-        last, run = len(self.model.layers) - 1, cache.run()
+    def _c_rows(self, cache: Cache, mask: torch.Tensor | None, h: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, capture: tuple[int, ...], captured: dict[int, torch.Tensor]) -> None:
+        """Rows h [n, hidden] through every layer in place: a C call a layer where the cache's slots lie in one
+        run (it stores the K/V itself), else (a decode row) two around the cache's write."""
+        last, run, n = len(self.model.layers) - 1, cache.run(h.shape[0]), h.shape[0]
         if run is not None:
             keys, values, first = run  # [layers, kv_heads, slots, d]; position 0 at slot `first`
             size = keys.element_size()
@@ -220,7 +198,7 @@ class Target(nn.Module):
             if run is None:
                 layer.decode_row(h, cos, sin, lambda k, v, i=i: cache.write(i, cache.length, k, v))
             else:
-                layer.row.layer(h, cos, sin, k0 + i * step, v0 + i * step, cache.length + 1, keys.stride(1))
+                layer.row.layer(h, cos, sin, k0 + i * step, v0 + i * step, cache.length + n, keys.stride(1), mask)
             if i in capture and i != last:
                 captured[i] = h.clone()
 
