@@ -1,9 +1,10 @@
 /* A step's ops on the CPU (ddscope.models.native builds this file and says why): RMSNorm and the heads' norm
  * + RoPE, one call each instead of torch's five to eight dispatches; projections on weights reordered into
- * panels (fp32 on AVX-512, bf16 on AMX); the attention of a few rows; a decode row through a layer in one call
- * (or two around the cache's write). Each row is computed alone, in the same order whatever the number of rows,
- * so a tree's verify sees what a decode step sees. bf16 variants round where torch's ops would: after the
- * normalisation, after each product and after the sum. */
+ * panels (fp32 on AVX-512, bf16 on AMX); the attention of a few rows (fp32 trees as two panel products); a decode
+ * row or a tree's rows through a layer in one call (a decode row on a scattered cache: two around its write).
+ * Each row is computed alone, in the same order whatever the number of rows, so a row's result does not depend
+ * on the rows beside it (and in bf16 a tree's verify sees what a decode step sees). bf16 variants round where
+ * torch's ops would: after the normalisation, after each product and after the sum. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

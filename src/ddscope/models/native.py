@@ -1,6 +1,6 @@
 """kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, projections on panelled weights (fp32; bf16
-on AMX), the attention of a few rows (a decode step's, a tree's under its mask), the MLP's silu(gate) * up, and
-a decode row through a whole layer in one call.
+on AMX), the attention of a few rows (a decode step's, a tree's under its mask; fp32 trees as two panel
+products), the MLP's silu(gate) * up, and a decode row or a tree's rows through a whole layer in one call.
 
 torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step; its products of one or a few
 rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other bits
@@ -231,7 +231,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def decodes(dtype: torch.dtype) -> bool:
-    """Whether the library has the two calls of a decode row through a layer (`decode_qkv`, `decode_rest`)."""
+    """Whether the library has the calls of rows through a layer (`rows_layer`; a decode row's `decode_qkv`,
+    `decode_rest`)."""
     return dtype in _DTYPES and _has(f"decode_qkv_{_DTYPES[dtype]}")
 
 

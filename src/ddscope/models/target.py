@@ -181,7 +181,8 @@ class Target(nn.Module):
         if (len(segments) > 1 or seg.rows != n or plans[0].last is not plans[0].body or causal or not self._fused
                 or not native.serves(h, cos, sin)):
             return None
-        tree = n > 1 and mask is not None and mask.dtype == torch.bool and seg.cache.run(n) is not None
+        tree = (1 < n <= GROUPED_QUERIES and mask is not None and mask.dtype == torch.bool
+                and seg.cache.run(n) is not None)
         return (seg.cache, mask) if tree or (n == 1 and mask is None) else None
 
     def _c_rows(self, cache: Cache, mask: torch.Tensor | None, h: torch.Tensor, cos: torch.Tensor,
