@@ -125,6 +125,15 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     for (int64_t k = 0; k < K; k++) p[((n / 16) * K + k) * 16 + n % 16] = w[n * K + k];
 }
 
+/* A register tile's step: acc[i][j] += (row i's scalar, an expression of i) * wj, for MR rows by 4 vectors. */
+#define FMA_ROWS(MR, SCALAR)                                                                                    \
+  for (int i = 0; i < MR; i++) {                                                                                \
+    __m512 b = _mm512_set1_ps(SCALAR);                                                                          \
+    acc[i][0] = _mm512_fmadd_ps(b, w0, acc[i][0]);                                                              \
+    acc[i][1] = _mm512_fmadd_ps(b, w1, acc[i][1]);                                                              \
+    acc[i][2] = _mm512_fmadd_ps(b, w2, acc[i][2]);                                                              \
+    acc[i][3] = _mm512_fmadd_ps(b, w3, acc[i][3]);                                                              \
+  }
 /* A tile over k in [k0, k1), its sums carried in y from the step before; with `next`, it also prefetches lines
  * [l, l1) of the next panel group into L2, evenly over its k loop: the group's later tiles run from L2 (or L1,
  * in steps of k) while the memory streams the next one in. */
@@ -149,13 +158,7 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
       FETCH                                                                                                     \
       __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + K * 16);                                       \
       __m512 w2 = _mm512_loadu_ps(pk + 2 * K * 16), w3 = _mm512_loadu_ps(pk + 3 * K * 16);                      \
-      for (int i = 0; i < MR; i++) {                                                                            \
-        __m512 xb = _mm512_set1_ps(xr[i * K + k]);                                                              \
-        acc[i][0] = _mm512_fmadd_ps(xb, w0, acc[i][0]);                                                         \
-        acc[i][1] = _mm512_fmadd_ps(xb, w1, acc[i][1]);                                                         \
-        acc[i][2] = _mm512_fmadd_ps(xb, w2, acc[i][2]);                                                         \
-        acc[i][3] = _mm512_fmadd_ps(xb, w3, acc[i][3]);                                                         \
-      }                                                                                                         \
+      FMA_ROWS(MR, xr[i * K + k])                                                                               \
     }                                                                                                           \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (m0 + i) * N + (q0 + j) * 16, acc[i][j]);
@@ -540,15 +543,9 @@ static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, score
       for (int j = 0; j < 4; j++) acc[i][j] = _mm512_loadu_ps(o + (u + i) * d + c0 + j * 16);                   \
     for (int64_t s = s0; s < s1; s++) {                                                                         \
       const float *vr = vh + s * d + c0, *ts = t + s * TREE_VECTORS + u;                                        \
-      __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);                                           \
-      __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);                                      \
-      for (int i = 0; i < MR; i++) {                                                                            \
-        __m512 w = _mm512_set1_ps(ts[i]);                                                                       \
-        acc[i][0] = _mm512_fmadd_ps(w, v0, acc[i][0]);                                                          \
-        acc[i][1] = _mm512_fmadd_ps(w, v1, acc[i][1]);                                                          \
-        acc[i][2] = _mm512_fmadd_ps(w, v2, acc[i][2]);                                                          \
-        acc[i][3] = _mm512_fmadd_ps(w, v3, acc[i][3]);                                                          \
-      }                                                                                                         \
+      __m512 w0 = _mm512_loadu_ps(vr), w1 = _mm512_loadu_ps(vr + 16);                                           \
+      __m512 w2 = _mm512_loadu_ps(vr + 32), w3 = _mm512_loadu_ps(vr + 48);                                      \
+      FMA_ROWS(MR, ts[i])                                                                                       \
     }                                                                                                           \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + (u + i) * d + c0 + j * 16, acc[i][j]);                   \
