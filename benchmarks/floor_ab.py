@@ -21,6 +21,8 @@ commit; the prefill row is the prefill). A is the engine without the change, B w
   the grouped bias on batched products.
 - `tree-attention-bf16`: a tree's masked attention in kernels.c's `attend` (each row the bits of a decode step
   over its keys) against SDPA.
+  In both, arm A's tree rows run the modules (a tree's one C call a layer takes the kernels' boolean mask);
+  its decode steps stay on kernels.c's calls.
 - `pages-fp32`: panelled weights on 2 MiB pages (ddscope.models.pages) against 4 KiB ones.
 - `native-fp32`, `native-bf16`: RMSNorm and the heads' norm + RoPE as one C call each (ddscope.models.native)
   against torch's ops.
@@ -69,9 +71,12 @@ def _small_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _no_tree_attention():
-    """A tree's rows on the grouped bias and batched products (or SDPA), decode steps still on kernels.c's."""
-    return patched("masks_rows", lambda *geometry: False, native)
+def _no_tree_attention_fp32():
+    return patched("tree_rows", lambda *geometry: False, native)
+
+
+def _no_exact_trees():
+    return patched("EXACT_TREES", ())
 
 
 CHANGES: dict[str, tuple[str, Callable]] = {"packed-bf16": ("bfloat16", lambda: patched("packs", lambda w: False)),
@@ -81,8 +86,8 @@ CHANGES: dict[str, tuple[str, Callable]] = {"packed-bf16": ("bfloat16", lambda: 
                                             "panels-bf16": ("bfloat16", lambda: patched("paneled", lambda w: False, native)),
                                             "attention-fp32": ("float32", _no_attention),
                                             "attention-bf16": ("bfloat16", _no_attention),
-                                            "tree-attention-fp32": ("float32", _no_tree_attention),
-                                            "tree-attention-bf16": ("bfloat16", _no_tree_attention),
+                                            "tree-attention-fp32": ("float32", _no_tree_attention_fp32),
+                                            "tree-attention-bf16": ("bfloat16", _no_exact_trees),
                                             "pages-fp32": ("float32", lambda: patched("huge", _small_pages, pages)),
                                             "native-fp32": ("float32", _torch_ops),
                                             "native-bf16": ("bfloat16", _torch_ops)}
