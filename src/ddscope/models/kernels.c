@@ -496,6 +496,15 @@ static inline void store16_bf16(uint16_t *y, __m512 x) { _mm256_storeu_si256((__
 ATTEND(f32, float, load16_f32, store16_f32)
 ATTEND(bf16, uint16_t, load16_bf16, store16_bf16)
 /* ---- the MLP's gate: silu(gate) * up, elementwise ------------------------------------------------------- */
+/* Lines [0, lines) of `at`, call c's share of `calls`: the next block of a stream, fetched evenly over the calls
+ * of this one (in one burst, the prefetches stall the FMAs they should hide behind). */
+static inline void fetch_share(const void *at, int64_t lines, int64_t c, int64_t calls) {
+  for (int64_t l = lines * c / calls; l < lines * (c + 1) / calls; l++)
+    _mm_prefetch((const char *)at + l * 64, _MM_HINT_T1);
+}
+static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d) { /* fp32 rows [from, +keys) */
+  return ((S < from + keys ? S : from + keys) - from) * d / 16;
+}
 /* ---- a tree's attention in fp32 as two products: q [H, n, d], k and v [Hkv, S, d] as `attend_f32` takes them,
  * mask [n, S] (nonzero: may attend) -> out [n, H * d], head_dim a multiple of 64. The query vectors of a K/V
  * head (its query heads times the rows) go in units of up to 80, 16 to a register's lanes: a key's scores
@@ -605,19 +614,27 @@ void tree_attend_f32(const float *q, const float *k, const float *v, const uint8
         seen[u] = mask + r * S;
       }
       const float *kh = k + kv * head_stride, *vh = v + kv * head_stride;
-      for (int64_t b = 0; b < S; b += SCORE_BLOCK) {
-        int64_t end = S < b + SCORE_BLOCK ? S : b + SCORE_BLOCK;
-        ahead(kh + b * d, (end - b) * d * sizeof(float));
+      fetch_share(kh, lines_of(S, 0, SCORE_BLOCK, d), 0, 1);
+      for (int64_t b = 0; b < S; b += SCORE_BLOCK) { /* each block's calls fetch the next (the last: v's first) */
+        int64_t end = S < b + SCORE_BLOCK ? S : b + SCORE_BLOCK, c = 0;
+        int64_t calls = d / D_STEP * ((end - b + SCORE_KEYS - 1) / SCORE_KEYS);
+        const float *next = end < S ? kh + end * d : vh;
+        int64_t lines = end < S ? lines_of(S, end, SCORE_BLOCK, d) : lines_of(S, 0, MIX_BLOCK, d);
         for (int64_t c0 = 0; c0 < d; c0 += D_STEP)
-          for (int64_t s = b; s < end; s += SCORE_KEYS) SCORES_TILES[P](qp, kh, t, S, d, c0, s);
+          for (int64_t s = b; s < end; s += SCORE_KEYS, c++) {
+            fetch_share(next, lines, c, calls);
+            SCORES_TILES[P](qp, kh, t, S, d, c0, s);
+          }
       }
       softmax_keys(t, S, m, open, seen, scale, sum);
       for (int64_t b = 0; b < S; b += MIX_BLOCK) {
-        int64_t end = S < b + MIX_BLOCK ? S : b + MIX_BLOCK;
-        ahead(vh + b * d, (end - b) * d * sizeof(float));
+        int64_t end = S < b + MIX_BLOCK ? S : b + MIX_BLOCK, c = 0, lines = lines_of(S, end, MIX_BLOCK, d);
+        int64_t calls = d / 64 * ((m + MIX_VECTORS - 1) / MIX_VECTORS);
         for (int64_t c0 = 0; c0 < d; c0 += 64)
-          for (int64_t u = 0; u < m; u += MIX_VECTORS)
+          for (int64_t u = 0; u < m; u += MIX_VECTORS, c++) {
+            fetch_share(vh + end * d, lines, c, calls);
             MIX_TILES[m - u < MIX_VECTORS ? m - u : MIX_VECTORS](t, vh, b, end, d, c0, u, o);
+          }
       }
       for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */
         int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;
