@@ -495,7 +495,7 @@ static inline void store16_f32(float *y, __m512 x) { _mm512_storeu_ps(y, x); }
 static inline void store16_bf16(uint16_t *y, __m512 x) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x)); }
 ATTEND(f32, float, load16_f32, store16_f32)
 ATTEND(bf16, uint16_t, load16_bf16, store16_bf16)
-/* ---- the MLP's gate: silu(gate) * up, elementwise ------------------------------------------------------- */
+
 /* Lines [0, lines) of `at`, call c's share of `calls`: the next block of a stream, fetched evenly over the calls
  * of this one (in one burst, the prefetches stall the FMAs they should hide behind). */
 static inline void fetch_share(const void *at, int64_t lines, int64_t c, int64_t calls) {
@@ -646,6 +646,7 @@ void tree_attend_f32(const float *q, const float *k, const float *v, const uint8
   }
 }
 
+/* ---- the MLP's gate: silu(gate) * up, elementwise ------------------------------------------------------- */
 static inline __m512 silu16(__m512 g) { /* g / (1 + e^-g) */
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
