@@ -182,6 +182,20 @@ def test_host_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert first.bandwidth_gbps > 1 and first.tflops["fp32"] > 0.001 and "bf16" in first.tflops
     assert hw_module.host(1) == first and calls == [1]
     assert list(tmp_path.glob("host-floor-*.json"))
+    for kind, peak in first.tflops.items():  # the higher of the library's matmul and the units' own loop
+        assert peak == max(first.measured["matmul_tflops"][kind], first.measured["loop_tflops"][kind])
+
+
+@pytest.mark.parametrize("kind, most", [("fp32", 2 * 16 * 2 * 6e9), ("bf16", 1024 * 6e9)])
+def test_the_units_peak_loops_count_their_flops(kind, most):
+    """kernels.c's register-only loops run and are not optimised away: on one thread they stay under what
+    the units could retire at 6 GHz (two 16-lane FMA ports; AMX's 1024 FLOPs a cycle)."""
+    from ddscope.bench.limit import hardware as hw_module
+    from ddscope.models import native
+
+    if native.peak_loop(kind) is None:
+        pytest.skip(f"kernels.c has no {kind} peak loop here (it needs AVX-512, and AMX for bf16)")
+    assert 1e9 < hw_module._loop_tflops(kind, 1) * 1e12 <= most
 
 
 # ---- refusals ----------------------------------------------------------------------------------------------

@@ -745,4 +745,52 @@ DECODE(f32, float, ADD_F32, tree_attend_f32)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 DECODE(bf16, uint16_t, ADD_BF16, attend_bf16)
 #endif
+/* ---- the units' peak (ddscope.bench.limit.hardware: the host's compute floor) -------------------------------
+ * Independent chains in registers, nothing read from memory: the most FLOPs the FMA units (the tile unit)
+ * retire here, which a library's matmul only bounds from below. */
+#define PEAK_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define PEAK_START(i) __m512 a##i = _mm512_set1_ps((float)i);
+#define PEAK_FMA(i) a##i = _mm512_fmadd_ps(a##i, m, c);
+#define PEAK_SUM(i) s = _mm512_add_ps(s, a##i);
+
+void fma_peak_f32(int64_t steps, float *sink, int threads) { /* a step: 12 FMAs of 16 lanes a thread */
+#pragma omp parallel num_threads(threads)
+  {
+    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f); /* each chain tends to 1: no denormals */
+    PEAK_CHAINS(PEAK_START)
+    for (int64_t i = 0; i < steps; i++) { PEAK_CHAINS(PEAK_FMA) }
+    __m512 s = _mm512_setzero_ps();
+    PEAK_CHAINS(PEAK_SUM)
+    sink[omp_get_thread_num()] = _mm512_reduce_add_ps(s);
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+void amx_peak_bf16(int64_t steps, float *sink, int threads) { /* a step: 4 products of 16 x 32 by 32 x 16 a thread */
+#pragma omp parallel num_threads(threads)
+  {
+    uint16_t ones[16 * 32];
+    float out[16 * 16];
+    for (int i = 0; i < 16 * 32; i++) ones[i] = 0x3c00; /* 2^-7: the sums stay exact and finite */
+    configure(16, 16);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(5, ones, 64);
+    _tile_loadd(6, ones, 64);
+    _tile_loadd(7, ones, 64);
+    for (int64_t i = 0; i < steps; i++) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, 64);
+    sink[omp_get_thread_num()] = out[0];
+    _tile_release();
+  }
+}
+#endif
 #endif /* __AVX512F__ */

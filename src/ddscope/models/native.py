@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -34,6 +35,7 @@ _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
 _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
                      "pack_bf16": (_P, _P, _I, _I, _T), "linear_bf16": (_P, _P, _P, _I, _I, _I, _T), "amx_ready": (),
+                     "fma_peak_f32": (_I, _P, _T), "amx_peak_bf16": (_I, _P, _T),
                      "attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "attend_bf16": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "tree_attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
@@ -44,6 +46,9 @@ _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _
                         for s in _DTYPES.values()},
                      **{f"rows_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _P, _F, _P, _P,
                                             *[_I] * 6, _F, _T) for s in _DTYPES.values()}}
+# kernels.c's register-only loops at the units' peak: each thread's FLOPs a step (12 FMAs of 16 lanes; 4 AMX
+# products of 16 x 32 by 32 x 16)
+PEAK_LOOPS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2)}
 MAX_HEAD = 256  # kernels.c's attention: the widest head
 TREE_KEYS = 2048  # the most keys `tree_attend` takes (floor_ab.py, tree-attention-fp32: 0.93 at 1057, 1.04 at 4129)
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
@@ -124,6 +129,15 @@ def _call(name: str, *args) -> None:
     """kernels.c's `name` on torch's intra-op threads: a thread of its own (a server's worker) has OpenMP's
     default, not what torch was told."""
     getattr(library(), name)(*args, torch.get_num_threads())
+
+
+def peak_loop(kind: str) -> tuple[Callable[[int, int], None], int] | None:
+    """kernels.c's loop at the peak of `kind`'s units ("fp32": the FMA units, "bf16": AMX), as `run(steps,
+    threads)` and each thread's FLOPs a step; None where the library lacks it (no AVX-512, no AMX)."""
+    name, flops = PEAK_LOOPS[kind]
+    if not _has(name) or (kind == "bf16" and not library().amx_ready()):
+        return None
+    return lambda steps, threads: getattr(library(), name)(steps, (ctypes.c_float * threads)(), threads), flops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

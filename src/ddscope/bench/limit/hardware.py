@@ -110,6 +110,9 @@ def hardware_named(name: str) -> Hardware:
 
 # ---- this machine, measured -----------------------------------------------------------------------
 
+LOOP_SECONDS = 0.05  # each timed run of a peak loop
+HOST_METHOD = "units-peak"  # in the cache's key: a host measured another way is measured again
+
 def _best_s(fn, repeats: int) -> float:
     """The least time of `repeats` runs after one warm-up: other load only adds time."""
     fn()
@@ -121,9 +124,26 @@ def _best_s(fn, repeats: int) -> float:
     return best
 
 
+def _loop_tflops(kind: str, threads: int) -> float:
+    """The peak of `kind`'s units on `threads` threads, from kernels.c's register-only loop run about
+    LOOP_SECONDS; 0 where the loop is not built here."""
+    from ddscope.models import native
+
+    loop = native.peak_loop(kind)
+    if loop is None:
+        return 0.0
+    run, flops = loop
+    probe = 10_000
+    steps = max(probe, int(probe * LOOP_SECONDS / _best_s(lambda: run(probe, threads), 1)))
+    return threads * steps * flops / _best_s(lambda: run(steps, threads), 5) / 1e12
+
+
 def measure_host(threads: int) -> Hardware:
     """Memory bandwidth as a batch-1 matrix-vector product sees it (a decode step's weight read, over a
-    matrix far larger than any cache), and fp32/bf16 matmul FLOPs, on `threads` torch threads."""
+    matrix far larger than any cache), and fp32/bf16 FLOPs on `threads` torch threads: the higher of a
+    2048-cube matmul's and the units' own peak (kernels.c's register-only loops: the FMA units for fp32, AMX
+    for bf16), since a library's matmul may run below the units (oneMKL's fp32 reached 0.6 of them on an
+    Emerald Rapids VM) and a floor must stay below every kernel."""
     import torch
 
     from ddscope.bench.sweep import cpu_model
@@ -134,17 +154,18 @@ def measure_host(threads: int) -> Hardware:
         matrix = torch.ones(32768, 8192)  # 1 GiB of fp32, past any cache; written once, so no page fault is timed
         vector = torch.ones(8192)
         mv = _best_s(lambda: torch.mv(matrix, vector), 5)
-        tflops = {}
+        matmul, loops = {}, {}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             a = torch.ones(2048, 2048, dtype=dtype)
-            tflops[name] = 2 * 2048 ** 3 / _best_s(lambda: torch.mm(a, a), 3) / 1e12
+            matmul[name] = round(2 * 2048 ** 3 / _best_s(lambda: torch.mm(a, a), 3) / 1e12, 4)
+            loops[name] = round(_loop_tflops(name, threads), 4)
     finally:
         torch.set_num_threads(before)
     bandwidth = 32768 * 8192 * 4 / mv / 1e9
-    return Hardware("host", round(bandwidth, 2), {k: round(v, 4) for k, v in tflops.items()}, None, "",
+    return Hardware("host", round(bandwidth, 2), {k: max(matmul[k], loops[k]) for k in matmul}, None, "",
                     f"measured on {cpu_model()}, {threads} thread(s)",
                     {"cpu": cpu_model(), "threads": threads, "torch": torch.__version__,
-                     "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                     "matmul_tflops": matmul, "loop_tflops": loops, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def host(threads: int | None = None) -> Hardware:
@@ -155,7 +176,7 @@ def host(threads: int | None = None) -> Hardware:
 
     threads = threads or len(os.sched_getaffinity(0))
     root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
-    key = hashlib.sha1(f"{cpu_model()}|{threads}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{cpu_model()}|{threads}|{HOST_METHOD}".encode()).hexdigest()[:16]
     path = root / f"host-floor-{key}.json"
     try:
         doc = json.loads(path.read_text())
