@@ -36,8 +36,9 @@ from floor_check import prompt, together  # the served prompts and concurrent re
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddscope.bench.limit import step_floor
+from ddscope.bench.limit.floor import Floor
 from ddscope.bench.limit.hardware import Hardware, measure_host
-from ddscope.bench.limit.shape import load_shape
+from ddscope.bench.limit.shape import ModelShape, load_shape
 from ddscope.bench.sweep import cpu_model
 from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
 from ddscope.engine import Engine
@@ -51,17 +52,44 @@ VERIFY_CONTEXT = 1024
 GENERATED, DRAFTS = "vllm:generation_tokens_total", "vllm:spec_decode_num_drafts_total"
 
 
-def measured_host(times: int = 3) -> Hardware:
-    """This machine now: the highest bandwidth and FLOP rates of `times` measurements (the strictest floor)."""
-    runs = [measure_host(len(os.sched_getaffinity(0))) for _ in range(times)]
-    best = max(runs, key=lambda h: h.bandwidth_gbps)
+class Floors:
+    """Each run's floor from this machine as measured around it: the VM's bandwidth and FLOP rates swing by a
+    third within minutes (23-32 GB/s, 219-399 fp32 GFLOPS of the FMA loop on 2026-12-05), so a floor measured
+    once would set a slow minute's step against a fast minute's machine. A run's floor takes the higher rates
+    of the measurements just before and just after it (the stricter); back-to-back runs share one."""
 
-    def most(rates) -> dict[str, float]:
-        return {k: max(rates(h)[k] for h in runs) for k in best.tflops}
+    def __init__(self, shapes: dict[str, ModelShape]):
+        self.shapes, self.hosts, self.last = shapes, [], None
 
-    return replace(best, tflops=most(lambda h: h.tflops),
-                   measured={**best.measured, **{key: most(lambda h, key=key: h.measured[key])
-                                                 for key in ("matmul_tflops", "loop_tflops")}})
+    def _measure(self) -> Hardware:
+        self.hosts.append(measure_host(len(os.sched_getaffinity(0))))
+        return self.hosts[-1]
+
+    def stale(self) -> None:
+        """Other work ran since the last measurement (a server's start): the next run measures before it."""
+        self.last = None
+
+    def around(self, dtype: str, context: int, nodes: int, batch: int, run):
+        """`run()`'s result and its step's floor (a prefill: context 0, a causal chain)."""
+        before = self.last or self._measure()
+        result = run()
+        self.last = after = self._measure()
+        hw = replace(before, bandwidth_gbps=max(before.bandwidth_gbps, after.bandwidth_gbps),
+                     tflops={k: max(before.tflops[k], after.tflops[k]) for k in before.tflops})
+        return result, step_floor(self.shapes[dtype], hw, context=context, nodes=nodes, batch=batch,
+                                  causal=context == 0)
+
+    def span(self) -> str:
+        """The range of what was measured, for the report."""
+        def lo_hi(values: list[float], scale: float = 1) -> str:
+            return f"{scale * min(values):.0f}-{scale * max(values):.0f}"
+
+        loops = [h.measured["loop_tflops"] for h in self.hosts]
+        matmuls = [h.measured["matmul_tflops"] for h in self.hosts]
+        return (f"{lo_hi([h.bandwidth_gbps for h in self.hosts])} GB/s; FLOPs, the higher of the units' own loop "
+                f"(fp32 {lo_hi([x['fp32'] for x in loops], 1e3)}, bf16 {lo_hi([x['bf16'] for x in loops], 1e3)} "
+                f"GFLOPS) and a 2048-cube matmul (fp32 {lo_hi([x['fp32'] for x in matmuls], 1e3)}, bf16 "
+                f"{lo_hi([x['bf16'] for x in matmuls], 1e3)}); {len(self.hosts)} measurements")
 
 
 def build(root: Path) -> tuple[Path, Path]:
@@ -74,6 +102,12 @@ def chain_drafter(root: Path, target: Path) -> Path:
     forward is a tenth of a verify's)."""
     out = root / "drafter-33"
     return out if (out / "config.json").is_file() else make_drafter(out, target, block_size=33)
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _late(values: list) -> list:
@@ -117,31 +151,35 @@ class Ddscope:
         return (statistics.median(r.step_ms for r in late), statistics.median(r.verify_ms for r in late))
 
 
-def ddscope_rows(target: Path, drafter: Path, dtype: str, repeats: int, floors) -> list[dict]:
+def ddscope_rows(target: Path, drafter: Path, dtype: str, repeats: int, floors: Floors) -> list[dict]:
     engine = Engine.load(target, drafter, dtype=dtype, max_model_len=4096 + TOKENS + 8, max_prefill_tokens=4096,
                          max_num_seqs=8, kv_cache_mb=2048)
     bench = Ddscope(engine)
     bench.decode(16)  # warm-up: first calls allocate
+    floors.stale()
     cases = ([(f"ar decode @{c}", c, 1, 1, lambda c=c: bench.decode(c)) for c in DECODE_CONTEXTS]
              + [(f"verify {b} @{VERIFY_CONTEXT}", VERIFY_CONTEXT, b + 1, 1, lambda b=b: bench.verify(b)) for b in BUDGETS]
              + [(f"prefill {n}", 0, n, 1, lambda n=n: bench.prefill(n)) for n in PREFILLS]
              + [(f"decode x{b}", 16, 1, b, lambda b=b: bench.batch(b)) for b in BATCHES])
-    runs: dict[str, list[tuple[float, float]]] = {phase: [] for phase, *_ in cases}
+    runs: dict[str, list[tuple[float, float | None, Floor]]] = {phase: [] for phase, *_ in cases}
     for r in range(repeats):  # every phase once a round: a slow minute of the VM falls on one repeat of each
-        for phase, *_, run in cases:
-            runs[phase].append(run())
+        for phase, context, nodes, batch, run in cases:
+            (step, forward), floor = floors.around(dtype, context, nodes, batch, run)
+            runs[phase].append((step, forward, floor))
         print(f"ddscope {dtype}: round {r + 1} of {repeats} done", file=sys.stderr, flush=True)
-    rows = []
-    for phase, context, nodes, batch, _ in cases:
-        rows.append(_row("ddscope", dtype, phase, statistics.median(s for s, _ in runs[phase]),
-                         statistics.median(f for _, f in runs[phase]), floors(dtype, context, nodes, batch)))
-        print(json.dumps(rows[-1]), flush=True)
+    rows = [_row("ddscope", dtype, phase, runs[phase]) for phase in runs]
+    for row in rows:
+        print(json.dumps(row), flush=True)
     return rows
 
 
-def _row(engine: str, dtype: str, phase: str, step_ms: float, forward_ms: float | None, floor) -> dict:
-    return {"engine": engine, "dtype": dtype, "phase": phase, "step_ms": step_ms, "forward_ms": forward_ms,
-            "floor_ms": floor.floor_ms, "bound": floor.bound, "x_floor": step_ms / floor.floor_ms}
+def _row(engine: str, dtype: str, phase: str, runs: list[tuple[float, float | None, Floor]]) -> dict:
+    """Medians over the runs; `x_floor`: the median of each run's step over its own floor."""
+    forwards = [f for _, f, _ in runs if f is not None]
+    return {"engine": engine, "dtype": dtype, "phase": phase, "step_ms": statistics.median(s for s, _, _ in runs),
+            "forward_ms": statistics.median(forwards) if forwards else None,
+            "floor_ms": statistics.median(f.floor_ms for _, _, f in runs), "bound": runs[0][2].bound,
+            "x_floor": statistics.median(s / f.floor_ms for s, _, f in runs), "runs": len(runs)}
 
 
 def counters(url: str) -> dict[str, float]:
@@ -167,54 +205,53 @@ def streamed_steps(url: str, body: dict, counter: str) -> list[float]:
     return gaps
 
 
-def vllm_rows(target: Path, dtype: str, tmp: Path, floors) -> list[dict]:
+def vllm_rows(target: Path, dtype: str, tmp: Path, floors: Floors) -> list[dict]:
     from ddscope.peers.vllm import vllm_server
 
     rows, n = [], 10_000
-    with vllm_server(target, None, tmp / f"vllm-{dtype}.log", extra=("--dtype", dtype, "--max-num-seqs", "8")) as url:
-        def body(context: int, tokens: int) -> dict:
-            nonlocal n
-            n += 1
-            return {"model": str(target), "prompt": prompt(context, n), "max_tokens": tokens, "temperature": 0,
-                    "ignore_eos": True}
 
+    def body(context: int, tokens: int) -> dict:
+        nonlocal n
+        n += 1
+        return {"model": str(target), "prompt": prompt(context, n), "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}
+
+    def measure(phase: str, context: int, nodes: int, batch: int, step_ms) -> None:
+        step, floor = floors.around(dtype, context, nodes, batch, step_ms)
+        rows.append(_row("vllm-cpu", dtype, phase, [(step, None, floor)]))
+
+    def decode_ms(context: int, counter: str) -> float:
+        return statistics.median(_late(streamed_steps(url, body(context, TOKENS), counter)))
+
+    def batch_ms(size: int) -> float:
+        outs = together(url, [body(16, TOKENS) for _ in range(size)], stream=True)
+        return statistics.median(statistics.median(_late(o["gaps"])) for o in outs)
+
+    with vllm_server(target, None, tmp / f"vllm-{dtype}.log", extra=("--dtype", dtype, "--max-num-seqs", "8")) as url:
         together(url, [body(16, 4)])  # warm-up
+        floors.stale()
         for context in DECODE_CONTEXTS:
-            gaps = streamed_steps(url, body(context, TOKENS), GENERATED)
-            rows.append(_row("vllm-cpu", dtype, f"ar decode @{context}", statistics.median(_late(gaps)), None,
-                             floors(dtype, context, 1, 1)))
+            measure(f"ar decode @{context}", context, 1, 1, lambda: decode_ms(context, GENERATED))
         for length in PREFILLS:
-            t0 = time.perf_counter()
-            together(url, [body(length, 1)])
-            rows.append(_row("vllm-cpu", dtype, f"prefill {length}", 1e3 * (time.perf_counter() - t0), None,
-                             floors(dtype, 0, length, 1)))
+            measure(f"prefill {length}", 0, length, 1, lambda: 1e3 * _seconds(lambda: together(url, [body(length, 1)])))
         for size in BATCHES:
-            outs = together(url, [body(16, TOKENS) for _ in range(size)], stream=True)
-            rows.append(_row("vllm-cpu", dtype, f"decode x{size}",
-                             statistics.median(statistics.median(_late(o["gaps"])) for o in outs), None,
-                             floors(dtype, 16, 1, size)))
+            measure(f"decode x{size}", 16, 1, size, lambda: batch_ms(size))
     drafter = chain_drafter(tmp, target)
     with vllm_server(target, drafter, tmp / f"vllm-dflash-{dtype}.log", extra=("--dtype", dtype), num_spec=32) as url:
         together(url, [body(16, 4)])  # warm-up
-        gaps = streamed_steps(url, body(VERIFY_CONTEXT, TOKENS), DRAFTS)
-        rows.append(_row("vllm-cpu", dtype, f"verify 32 @{VERIFY_CONTEXT}", statistics.median(_late(gaps)), None,
-                         floors(dtype, VERIFY_CONTEXT, 33, 1)))
+        floors.stale()
+        measure(f"verify 32 @{VERIFY_CONTEXT}", VERIFY_CONTEXT, 33, 1, lambda: decode_ms(VERIFY_CONTEXT, DRAFTS))
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
 
 
-def _gflops(tflops: dict[str, float]) -> str:
-    return " and ".join(f"{k} {1e3 * v:.0f}" for k, v in tflops.items())
-
-
-def markdown(rows: list[dict], hw, shape) -> str:
+def markdown(rows: list[dict], floors: Floors, shape: ModelShape) -> str:
     lines = [f"# Each phase beside its floor ({cpu_model()}, {torch.get_num_threads()} threads)", "",
-             f"`python benchmarks/floor.py`: a random Qwen3, {shape.params / 1e6:.0f}M parameters. `host`: "
-             f"{hw.bandwidth_gbps:g} GB/s, fp32 {1e3 * hw.tflops['fp32']:.0f} and bf16 "
-             f"{1e3 * hw.tflops.get('bf16', 0):.0f} GFLOPS ({hw.source}; each the higher of the units' own "
-             f"loop, {_gflops(hw.measured['loop_tflops'])}, and a 2048-cube matmul, "
-             f"{_gflops(hw.measured['matmul_tflops'])}).", "",
+             f"`python benchmarks/floor.py`: a random Qwen3, {shape.params / 1e6:.0f}M parameters. `host`, "
+             f"measured around each run: {floors.span()}. Step, forward and floor: medians over the runs "
+             f"(ddscope: `--repeats`; vLLM: one); x floor: the median of each run's step over its own floor (from "
+             f"the faster of the measurements just before and after it).", "",
              "| phase | dtype | engine | step ms | forward ms | floor ms | bound | x floor |",
              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["phase"], r["dtype"], r["engine"])):
@@ -232,15 +269,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    hw = measured_host()  # before anything else runs
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         target, drafter = build(Path(tmp))
         shapes = {dt: load_shape(target, dt) for dt in args.dtypes.split(",")}
-
-        def floors(dtype: str, context: int, nodes: int, batch: int):  # a prefill: context 0, a causal chain
-            return step_floor(shapes[dtype], hw, context=context, nodes=nodes, batch=batch, causal=context == 0)
-
+        floors = Floors(shapes)
         for dtype in shapes:
             rows += ddscope_rows(target, drafter, dtype, args.repeats, floors)
         if not args.skip_vllm:
@@ -248,10 +281,10 @@ def main() -> int:
                 rows += vllm_rows(target, dtype, Path(tmp), floors)
     shape = shapes[next(iter(shapes))]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "floor.json").write_text(json.dumps({"cpu": cpu_model(), "host": hw.to_dict(), "rows": rows},
-                                                    indent=1))
-    (args.out / "floor.md").write_text(markdown(rows, hw, shape))
-    print(markdown(rows, hw, shape))
+    (args.out / "floor.json").write_text(json.dumps({"cpu": cpu_model(), "hosts": [h.to_dict() for h in floors.hosts],
+                                                    "rows": rows}, indent=1))
+    (args.out / "floor.md").write_text(markdown(rows, floors, shape))
+    print(markdown(rows, floors, shape))
     below = [r for r in rows if r["x_floor"] < 1]
     if below:
         print(f"{len(below)} row(s) measured below the floor: a wrong model or input", file=sys.stderr)
