@@ -745,6 +745,7 @@ DECODE(f32, float, ADD_F32, tree_attend_f32)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 DECODE(bf16, uint16_t, ADD_BF16, attend_bf16)
 #endif
+
 /* ---- the units' peak (ddscope.bench.limit.hardware: the host's compute floor) -------------------------------
  * Independent chains in registers, nothing read from memory: the most FLOPs the FMA units (the tile unit)
  * retire here, which a library's matmul only bounds from below. */
@@ -771,7 +772,7 @@ void amx_peak_bf16(int64_t steps, float *sink, int threads) { /* a step: 4 produ
   {
     uint16_t ones[16 * 32];
     float out[16 * 16];
-    for (int i = 0; i < 16 * 32; i++) ones[i] = 0x3c00; /* 2^-7: the sums stay exact and finite */
+    for (int i = 0; i < 16 * 32; i++) ones[i] = 0x3c00; /* 2^-7: the sums stay small and finite */
     configure(16, 16);
     _tile_zero(0);
     _tile_zero(1);

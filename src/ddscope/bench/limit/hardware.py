@@ -113,6 +113,7 @@ def hardware_named(name: str) -> Hardware:
 LOOP_SECONDS = 0.05  # each timed run of a peak loop
 HOST_METHOD = "units-peak"  # in the cache's key: a host measured another way is measured again
 
+
 def _best_s(fn, repeats: int) -> float:
     """The least time of `repeats` runs after one warm-up: other load only adds time."""
     fn()
@@ -142,8 +143,9 @@ def measure_host(threads: int) -> Hardware:
     """Memory bandwidth as a batch-1 matrix-vector product sees it (a decode step's weight read, over a
     matrix far larger than any cache), and fp32/bf16 FLOPs on `threads` torch threads: the higher of a
     2048-cube matmul's and the units' own peak (kernels.c's register-only loops: the FMA units for fp32, AMX
-    for bf16), since a library's matmul may run below the units (oneMKL's fp32 reached 0.6 of them on an
-    Emerald Rapids VM) and a floor must stay below every kernel."""
+    for bf16), since a library's matmul may run below the units (on an Emerald Rapids VM, oneMKL's fp32
+    measured a median 0.84 of the FMA loop and its bf16 0.40 of AMX's) and a floor must stay below every
+    kernel."""
     import torch
 
     from ddscope.bench.sweep import cpu_model
