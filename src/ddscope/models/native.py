@@ -46,9 +46,7 @@ _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _
                         for s in _DTYPES.values()},
                      **{f"rows_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _P, _F, _P, _P,
                                             *[_I] * 6, _F, _T) for s in _DTYPES.values()}}
-# kernels.c's register-only loops at the units' peak: each thread's FLOPs a step (12 FMAs of 16 lanes; 4 AMX
-# products of 16 x 32 by 32 x 16)
-PEAK_LOOPS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2)}
+PEAK_LOOPS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2)}  # FLOPs a step
 MAX_HEAD = 256  # kernels.c's attention: the widest head
 TREE_KEYS = 2048  # the most keys `tree_attend` takes (floor_ab.py, tree-attention-fp32: 0.93 at 1057, 1.04 at 4129)
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
@@ -132,8 +130,8 @@ def _call(name: str, *args) -> None:
 
 
 def peak_loop(kind: str) -> tuple[Callable[[int, int], None], int] | None:
-    """kernels.c's loop at the peak of `kind`'s units ("fp32": the FMA units, "bf16": AMX), as `run(steps,
-    threads)` and each thread's FLOPs a step; None where the library lacks it (no AVX-512, no AMX)."""
+    """kernels.c's register-only loop at the peak of `kind`'s units (fp32: FMA, bf16: AMX) as `run(steps, threads)`,
+    and a thread's FLOPs a step (12 FMAs of 16 lanes; 4 tile products); None without AVX-512 or AMX."""
     name, flops = PEAK_LOOPS[kind]
     if not _has(name) or (kind == "bf16" and not library().amx_ready()):
         return None
