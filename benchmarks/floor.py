@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -37,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ddscope.bench.limit import step_floor
 from ddscope.bench.limit.floor import Floor
-from ddscope.bench.limit.hardware import Hardware, measure_host
+from ddscope.bench.limit.hardware import Hardware, faster, measure_host
 from ddscope.bench.limit.shape import ModelShape, load_shape
 from ddscope.bench.sweep import cpu_model
 from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
@@ -74,10 +73,8 @@ class Floors:
         before = self.last or self._measure()
         result = run()
         self.last = after = self._measure()
-        hw = replace(before, bandwidth_gbps=max(before.bandwidth_gbps, after.bandwidth_gbps),
-                     tflops={k: max(before.tflops[k], after.tflops[k]) for k in before.tflops})
-        return result, step_floor(self.shapes[dtype], hw, context=context, nodes=nodes, batch=batch,
-                                  causal=context == 0)
+        return result, step_floor(self.shapes[dtype], faster(before, after), context=context, nodes=nodes,
+                                  batch=batch, causal=context == 0)
 
     def span(self) -> str:
         """The range of what was measured, for the report."""

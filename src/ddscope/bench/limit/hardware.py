@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,12 @@ def measure_host(threads: int) -> Hardware:
                     f"measured on {cpu_model()}, {threads} thread(s)",
                     {"cpu": cpu_model(), "threads": threads, "torch": torch.__version__,
                      "matmul_tflops": matmul, "loop_tflops": loops, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def faster(a: Hardware, b: Hardware) -> Hardware:
+    """`a` with the higher bandwidth and FLOP rates of two measurements of one machine: the stricter floor."""
+    return replace(a, bandwidth_gbps=max(a.bandwidth_gbps, b.bandwidth_gbps),
+                   tflops={k: max(v, b.tflops.get(k, 0.0)) for k, v in a.tflops.items()})
 
 
 def host(threads: int | None = None) -> Hardware:
