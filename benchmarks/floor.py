@@ -13,9 +13,9 @@ same model and prompts: its decode steps are the gaps between streamed tokens, i
 verifying chains of 32 drafts (a random drafter, so a step commits one token; the step includes its one-layer
 drafter), each request's gaps checked against vLLM's own counters to be its steps; its prefill is the latency of
 a one-token request. The floor is `ddscope bench limit`'s for the phase's step on `host` (a prefill's with its
-causal attention among its own tokens), for the dtype in use, with the bandwidth and FLOP peaks (the higher of a
-matmul's and the units' own loop) measured at the start of this run (the best of three: machines of this kind
-differ, and one VM from day to day), not read from the cache.
+causal attention among its own tokens), for the dtype in use, on the bandwidth and FLOP peaks (the higher of a
+matmul's and the units' own loop) measured just before and just after each run, the faster of the two (`Floors`:
+machines of this kind differ, and one VM from minute to minute), not read from the cache.
 Writes OUT/floor.md and .json.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ GENERATED, DRAFTS = "vllm:generation_tokens_total", "vllm:spec_decode_num_drafts
 
 class Floors:
     """Each run's floor from this machine as measured around it: the VM's bandwidth and FLOP rates swing by a
-    third within minutes (23-32 GB/s, 219-399 fp32 GFLOPS of the FMA loop on 2026-12-05), so a floor measured
+    third within minutes (16-32 GB/s, 174-399 fp32 GFLOPS of the FMA loop on 2026-12-05), so a floor measured
     once would set a slow minute's step against a fast minute's machine. A run's floor takes the higher rates
     of the measurements just before and just after it (the stricter); back-to-back runs share one."""
 
