@@ -62,6 +62,8 @@ def main() -> int:
         base = Path(tmp) / "kernels.c"
         base.write_text(old)
         libs = {"A": library(base), "B": library(here)}
+    if dtype == torch.bfloat16 and not all(lib.amx_ready() for lib in libs.values()):  # asks Linux for the tiles
+        raise SystemExit("bf16 products need AMX, and this CPU or kernel does not lend it")
     torch.manual_seed(0)
     weights = [[(torch.randn(n, k) * 0.02).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)]
     arms = {name: arm(lib, weights) for name, lib in libs.items()}

@@ -224,6 +224,7 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX_ROW_BLOCK 256 /* rows whose activations stay in L2 while a thread's panels pass */
+#define AMX_STREAM_ROWS 128 /* up to this many rows, a row block's first pass asks for each panel line ahead */
 
 int amx_ready(void) { /* Linux lends a process the tile registers on request (arch_prctl XCOMP_PERM, XTILEDATA) */
   static int ready = -1;
@@ -255,8 +256,10 @@ static void configure(int r0, int r1) {
   _tile_loadconfig(&c);
 }
 
-/* Rows [m, m + r0 + r1) by panels 2 cp, 2 cp + 1. */
-static void amx_block(const uint16_t *x, const uint16_t *p, int64_t K, int64_t m, int64_t cp, int r1) {
+/* Rows [m, m + r0 + r1) by panels 2 cp, 2 cp + 1. `stream`: the panels come from memory for a few rows, whose
+ * tile products leave the L2 streamer behind: each line is asked for into L1 two k blocks ahead. */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, const uint16_t *p, int64_t K, int64_t m,
+                                                          int64_t cp, int r1, const int stream) {
   const uint16_t *a0 = x + m * K, *a1 = a0 + 16 * K, *b0 = p + cp * 2 * K * 16, *b1 = b0 + K * 16;
   _tile_zero(0);
   _tile_zero(1);
@@ -265,7 +268,12 @@ static void amx_block(const uint16_t *x, const uint16_t *p, int64_t K, int64_t m
     _tile_zero(3);
   }
   for (int64_t kb = 0; kb < K / 32; kb++) {
-    if (kb % 4 == 0) { /* a new 4 KB page of each panel: ask for the one two pages on, the L2 streamer stops at each */
+    if (stream)
+      for (int l = 0; l < 16; l++) {
+        _mm_prefetch((const char *)(b0 + (kb + 2) * 512 + l * 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b1 + (kb + 2) * 512 + l * 32), _MM_HINT_T0);
+      }
+    else if (kb % 4 == 0) { /* a new 4 KB page of each panel: ask for the one 2 on, the L2 streamer stops at each */
       _mm_prefetch((const char *)(b0 + (kb + 8) * 512), _MM_HINT_T1);
       _mm_prefetch((const char *)(b1 + (kb + 8) * 512), _MM_HINT_T1);
     }
@@ -295,7 +303,10 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
         for (int64_t m = mc; m < m1; m += 32) {
           int r0 = m1 - m < 16 ? (int)(m1 - m) : 16, r1 = m1 - m - r0 < 16 ? (int)(m1 - m - r0) : 16;
           if (shape != r0 * 32 + r1) configure(r0, r1), shape = r0 * 32 + r1;
-          amx_block(x, p, K, m, cp, r1);
+          if (m == mc && m1 - mc <= AMX_STREAM_ROWS) /* two copies, each loop unswitched */
+            amx_block(x, p, K, m, cp, r1, 1);
+          else
+            amx_block(x, p, K, m, cp, r1, 0);
           _tile_stored(0, &sums[0][0], 128);
           _tile_stored(1, &sums[0][16], 128);
           if (r1) {
