@@ -7,9 +7,11 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddscope.bench.limit import (CARDS, ConfigError, FloorError, HardwareError, break_even, experts_touched, floor_line,
                                  hardware_named, model_shape, step_floor)
@@ -185,6 +187,7 @@ def test_host_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert list(tmp_path.glob("host-floor-*.json"))
     for kind, peak in first.tflops.items():  # the higher of the library's matmul and the units' own loop
         assert peak == max(first.measured["matmul_tflops"][kind], first.measured["loop_tflops"][kind])
+    assert first.bandwidth_gbps == max(first.measured["read_gbps"].values())  # a product's read or a read alone
 
 
 @pytest.mark.parametrize("kind, most", [("fp32", 2 * 16 * 2 * 6e9), ("bf16", 1024 * 6e9)])
@@ -192,11 +195,26 @@ def test_the_units_peak_loops_count_their_flops(kind, most):
     """kernels.c's register-only loops run and are not optimised away: on one thread they stay under what
     the units could retire at 6 GHz (two 16-lane FMA ports; AMX's 1024 FLOPs a cycle)."""
     from ddscope.bench.limit import hardware as hw_module
-    from ddscope.models import native
+    from ddscope.models import peaks
 
-    if native.peak_loop(kind) is None:
+    if peaks.units(kind) is None:
         pytest.skip(f"kernels.c has no {kind} peak loop here (it needs AVX-512, and AMX for bf16)")
     assert 1e9 < hw_module._loop_tflops(kind, 1) * 1e12 <= most
+
+
+def test_the_read_loop_reads_what_it_is_given():
+    """kernels.c's read alone sums each thread's share (so the loads are not optimised away) and is timed at
+    no more than one 64-byte line a cycle at 6 GHz a thread, far past any memory's rate."""
+    from ddscope.models import peaks
+
+    read = peaks.read()
+    if read is None:
+        pytest.skip("kernels.c has no read loop here (it needs AVX-512)")
+    data = torch.ones(2 * 128 * 4096)
+    data[-1] = 3.0
+    start = time.perf_counter()
+    assert read(data, 2) == [data.numel() / 2, data.numel() / 2 + 2]
+    assert data.numel() * 4 / (time.perf_counter() - start) < 2 * 64 * 6e9
 
 
 # ---- refusals ----------------------------------------------------------------------------------------------

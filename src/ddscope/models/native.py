@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -35,7 +34,7 @@ _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
 _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
                      "pack_bf16": (_P, _P, _I, _I, _T), "linear_bf16": (_P, _P, _P, _I, _I, _I, _T), "amx_ready": (),
-                     "fma_peak_f32": (_I, _P, _T), "amx_peak_bf16": (_I, _P, _T),
+                     "fma_peak_f32": (_I, _P, _T), "amx_peak_bf16": (_I, _P, _T), "read_peak_f32": (_P, _I, _P, _T),
                      "attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "attend_bf16": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "tree_attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
@@ -46,12 +45,11 @@ _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _
                         for s in _DTYPES.values()},
                      **{f"rows_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _P, _F, _P, _P,
                                             *[_I] * 6, _F, _T) for s in _DTYPES.values()}}
-PEAK_LOOPS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2)}  # FLOPs a step
 MAX_HEAD = 256  # kernels.c's attention: the widest head
 TREE_KEYS = 2048  # the most keys `tree_attend` takes (floor_ab.py, tree-attention-fp32: 0.93 at 1057, 1.04 at 4129)
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
-# A panelled weight's rows (outputs) and columns come in multiples of these: fp32, kernels.c's 8 panels of 16;
-# bf16, its AMX tiles' 2 panels of 16 by k blocks of 32.
+# A panelled weight's rows (outputs) and columns come in multiples of these: fp32, two of kernels.c's groups of 4
+# panels of 16 (one would do; two keep the weights it serves); bf16, its AMX tiles' 2 panels of 16 by k blocks of 32.
 PANEL_OUTPUTS = {torch.float32: 128, torch.bfloat16: 32}
 PANEL_INPUTS = {torch.float32: 1, torch.bfloat16: 32}
 
@@ -129,15 +127,6 @@ def _call(name: str, *args) -> None:
     getattr(library(), name)(*args, torch.get_num_threads())
 
 
-def peak_loop(kind: str) -> tuple[Callable[[int, int], None], int] | None:
-    """kernels.c's register-only loop at the peak of `kind`'s units (fp32: FMA, bf16: AMX) as `run(steps, threads)`,
-    and a thread's FLOPs a step (12 FMAs of 16 lanes; 4 tile products); None without AVX-512 or AMX."""
-    name, flops = PEAK_LOOPS[kind]
-    if not _has(name) or (kind == "bf16" and not library().amx_ready()):
-        return None
-    return lambda steps, threads: getattr(library(), name)(steps, (ctypes.c_float * threads)(), threads), flops
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * RMSNorm(x)` over the last dimension."""
     y = torch.empty_like(x)
@@ -167,7 +156,7 @@ def paneled(weight: torch.Tensor) -> bool:
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
-    """A weight [N, K] reordered for `linear`: panels of 16 outputs, k-major within each (bf16: k in pairs)."""
+    """A weight [N, K] reordered for `linear`: panels of 16 outputs, k-major (fp32: 4 side by side; bf16: k paired)."""
     weight = weight.detach().contiguous()
     out = pages.huge(weight.shape, weight.dtype)
     _call(f"pack_{_DTYPES[weight.dtype]}", weight.data_ptr(), out.data_ptr(), *weight.shape)

@@ -111,7 +111,7 @@ def hardware_named(name: str) -> Hardware:
 # ---- this machine, measured -----------------------------------------------------------------------
 
 LOOP_SECONDS = 0.05  # each timed run of a peak loop
-HOST_METHOD = "units-peak"  # in the cache's key: a host measured another way is measured again
+HOST_METHOD = "units-and-read-peak"  # in the cache's key: a host measured another way is measured again
 
 
 def _best_s(fn, repeats: int) -> float:
@@ -128,9 +128,9 @@ def _best_s(fn, repeats: int) -> float:
 def _loop_tflops(kind: str, threads: int) -> float:
     """The peak of `kind`'s units on `threads` threads, from kernels.c's register-only loop run about
     LOOP_SECONDS; 0 where the loop is not built here."""
-    from ddscope.models import native
+    from ddscope.models import peaks
 
-    loop = native.peak_loop(kind)
+    loop = peaks.units(kind)
     if loop is None:
         return 0.0
     run, flops = loop
@@ -140,22 +140,25 @@ def _loop_tflops(kind: str, threads: int) -> float:
 
 
 def measure_host(threads: int) -> Hardware:
-    """Memory bandwidth as a batch-1 matrix-vector product sees it (a decode step's weight read, over a
-    matrix far larger than any cache), and fp32/bf16 FLOPs on `threads` torch threads: the higher of a
-    2048-cube matmul's and the units' own peak (kernels.c's register-only loops: the FMA units for fp32, AMX
-    for bf16), since a library's matmul may run below the units (on an Emerald Rapids VM, oneMKL's fp32
-    measured a median 0.84 of the FMA loop and its bf16 0.40 of AMX's) and a floor must stay below every
-    kernel."""
+    """Memory bandwidth and fp32/bf16 FLOPs on `threads` torch threads, each the higher of a library's rate
+    and kernels.c's own (ddscope.models.peaks), since a library may run below the machine and a floor must
+    stay below every kernel. Bandwidth: a batch-1 matrix-vector product (a decode step's weight read) or a
+    read alone, over 1 GiB, far past any cache. FLOPs: a 2048-cube matmul or the units' register-only loops
+    (on an Emerald Rapids VM, oneMKL's fp32 measured a median 0.84 of the FMA loop and its bf16 0.40 of
+    AMX's)."""
     import torch
 
     from ddscope.bench.sweep import cpu_model
+    from ddscope.models import peaks
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         matrix = torch.ones(32768, 8192)  # 1 GiB of fp32, past any cache; written once, so no page fault is timed
-        vector = torch.ones(8192)
-        mv = _best_s(lambda: torch.mv(matrix, vector), 5)
+        vector, read = torch.ones(8192), peaks.read()
+        reads = {"mv": _best_s(lambda: torch.mv(matrix, vector), 5)}
+        if read is not None:
+            reads["read"] = _best_s(lambda: read(matrix, threads), 5)
         matmul, loops = {}, {}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             a = torch.ones(2048, 2048, dtype=dtype)
@@ -163,10 +166,10 @@ def measure_host(threads: int) -> Hardware:
             loops[name] = round(_loop_tflops(name, threads), 4)
     finally:
         torch.set_num_threads(before)
-    bandwidth = 32768 * 8192 * 4 / mv / 1e9
-    return Hardware("host", round(bandwidth, 2), {k: max(matmul[k], loops[k]) for k in matmul}, None, "",
+    gbps = {name: round(matrix.numel() * 4 / s / 1e9, 2) for name, s in reads.items()}
+    return Hardware("host", max(gbps.values()), {k: max(matmul[k], loops[k]) for k in matmul}, None, "",
                     f"measured on {cpu_model()}, {threads} thread(s)",
-                    {"cpu": cpu_model(), "threads": threads, "torch": torch.__version__,
+                    {"cpu": cpu_model(), "threads": threads, "torch": torch.__version__, "read_gbps": gbps,
                      "matmul_tflops": matmul, "loop_tflops": loops, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 

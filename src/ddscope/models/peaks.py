@@ -1,0 +1,43 @@
+"""kernels.c's loops at this machine's peaks, for the host's floor (ddscope.bench.limit.hardware): the FMA
+units' and the tile unit's FLOPs from chains held in registers, and the memory's read rate from a read alone.
+A library's matmul or matrix-vector product only bounds these from below, and a floor must stay below every
+kernel of ddscope's."""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+from ddscope.models import native
+
+UNITS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2)}  # FLOPs a step
+
+
+def _built(name: str) -> ctypes.CDLL | None:
+    lib = native.library()
+    return lib if lib is not None and hasattr(lib, name) else None
+
+
+def units(kind: str) -> tuple[Callable[[int, int], None], int] | None:
+    """The register-only loop at the peak of `kind`'s units (fp32: FMA, bf16: AMX) as `run(steps, threads)`,
+    and a thread's FLOPs a step (12 FMAs of 16 lanes; 4 tile products); None without AVX-512 or AMX."""
+    name, flops = UNITS[kind]
+    lib = _built(name)
+    if lib is None or (kind == "bf16" and not lib.amx_ready()):
+        return None
+    return lambda steps, threads: getattr(lib, name)(steps, (ctypes.c_float * threads)(), threads), flops
+
+
+def read() -> Callable[[torch.Tensor, int], list[float]] | None:
+    """The read of a contiguous fp32 tensor (its size a multiple of 128 * threads), one stream a thread with 8
+    sums side by side, as `run(tensor, threads)` -> each thread's sum of its share; None without AVX-512."""
+    lib = _built("read_peak_f32")
+    if lib is None:
+        return None
+
+    def run(t: torch.Tensor, threads: int) -> list[float]:
+        sums = (ctypes.c_float * threads)()
+        lib.read_peak_f32(t.data_ptr(), t.numel(), sums, threads)
+        return list(sums)
+    return run
