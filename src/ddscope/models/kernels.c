@@ -108,20 +108,21 @@ void norm_rope_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *cos, c
   }
 }
 
-/* ---- fp32 projections: y [M, N] = x [M, K] @ w^T, w reordered as groups of 4 panels p[N / 64][K][4][16] ------
+/* ---- fp32 projections: y [M, N] = x [M, K] @ w^T, w reordered as panels p[N / 16][K][16] ------------------
  * Every output is one chain of FMAs over k in order, from zero, whatever M and the tile: a row's result is the
- * same bits alone or among others. A group's k rows lie side by side, so that a thread reads one stream: one row
- * (a decode step) read the weights in 0.77 of the time 8 streams of a panel each took (docs/performance.md). A
- * tile holds TILE_ROWS rows by a group in 24 registers. N is a multiple of 64 (ddscope.models.native.paneled: 128). */
+ * same bits alone or among others. A tile holds TILE_ROWS rows by TILE_PANELS panels in 24 registers; one row
+ * (a decode step) runs over ROW_PANELS panels, as many streams through memory: 4 read the weights in 0.88 of
+ * the time 8 took (docs/performance.md). N is a multiple of 128 (ddscope.models.native.paneled). */
 #ifdef __AVX512F__
-#define TILE_PANELS 4 /* a group */
+#define TILE_PANELS 4
 #define TILE_ROWS 6
+#define ROW_PANELS 4
 #define ROW_BLOCK 256 /* rows whose activations stay in L2 while every panel passes */
 
 void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
 #pragma omp parallel for num_threads(threads)
   for (int64_t n = 0; n < N; n++)
-    for (int64_t k = 0; k < K; k++) p[((n / 64) * K + k) * 64 + n % 64] = w[n * K + k];
+    for (int64_t k = 0; k < K; k++) p[((n / 16) * K + k) * 16 + n % 16] = w[n * K + k];
 }
 
 /* A register tile's step: acc[i][j] += (row i's scalar, an expression of i) * wj, for MR rows by 4 vectors. */
@@ -133,9 +134,9 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     acc[i][2] = _mm512_fmadd_ps(b, w2, acc[i][2]);                                                              \
     acc[i][3] = _mm512_fmadd_ps(b, w3, acc[i][3]);                                                              \
   }
-/* A tile over k in [k0, k1) of the group from panel q0, its sums carried in y from the step before; with `next`,
- * it also prefetches lines [l, l1) of the next group into L2, evenly over its k loop: the group's later tiles run
- * from L2 (or L1, in steps of k) while the memory streams the next one in. */
+/* A tile over k in [k0, k1), its sums carried in y from the step before; with `next`, it also prefetches lines
+ * [l, l1) of the next panel group into L2, evenly over its k loop: the group's later tiles run from L2 (or L1,
+ * in steps of k) while the memory streams the next one in. */
 #define TILE(MR)                                                                                                \
   static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0, \
                         int64_t k0, int64_t k1) {                                                               \
@@ -145,18 +146,18 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
                                  int64_t q0, int64_t k0, int64_t k1, const float *next, int64_t l, int64_t l1) { \
     int64_t due = 0;                                                                                            \
     TILE_BODY(MR, for (due += l1 - l; due >= k1 - k0 && l < l1; due -= k1 - k0, l++) _mm_prefetch(              \
-                      (const char *)(next + l * 16), _MM_HINT_T1);)                                              \
+                      (const char *)(next + (l % TILE_PANELS) * K * 16 + (l / TILE_PANELS) * 16), _MM_HINT_T1);) \
   }
 #define TILE_BODY(MR, FETCH)                                                                                    \
     __m512 acc[MR][TILE_PANELS];                                                                                \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < TILE_PANELS; j++)                                                                     \
         acc[i][j] = k0 ? _mm512_loadu_ps(y + (m0 + i) * N + (q0 + j) * 16) : _mm512_setzero_ps();               \
-    const float *pk = p + (q0 * K + k0 * TILE_PANELS) * 16, *xr = x + m0 * K;                                   \
-    for (int64_t k = k0; k < k1; k++, pk += TILE_PANELS * 16) {                                                 \
+    const float *pk = p + (q0 * K + k0) * 16, *xr = x + m0 * K;                                                 \
+    for (int64_t k = k0; k < k1; k++, pk += 16) {                                                               \
       FETCH                                                                                                     \
-      __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + 16);                                           \
-      __m512 w2 = _mm512_loadu_ps(pk + 32), w3 = _mm512_loadu_ps(pk + 48);                                      \
+      __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + K * 16);                                       \
+      __m512 w2 = _mm512_loadu_ps(pk + 2 * K * 16), w3 = _mm512_loadu_ps(pk + 3 * K * 16);                      \
       FMA_ROWS(MR, xr[i * K + k])                                                                               \
     }                                                                                                           \
     for (int i = 0; i < MR; i++)                                                                                \
@@ -173,14 +174,14 @@ static const fetching_tile_fn FETCHING_TILES[TILE_ROWS + 1] = {0, fetching_tile_
 #define K_STEP 128
 
 static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t q0) {
-  __m512 acc[TILE_PANELS];
-  for (int j = 0; j < TILE_PANELS; j++) acc[j] = _mm512_setzero_ps();
+  __m512 acc[ROW_PANELS];
+  for (int j = 0; j < ROW_PANELS; j++) acc[j] = _mm512_setzero_ps();
   const float *pk = p + q0 * K * 16;
-  for (int64_t k = 0; k < K; k++, pk += TILE_PANELS * 16) {
+  for (int64_t k = 0; k < K; k++, pk += 16) {
     __m512 xb = _mm512_set1_ps(x[k]);
-    for (int j = 0; j < TILE_PANELS; j++) acc[j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(pk + j * 16), acc[j]);
+    for (int j = 0; j < ROW_PANELS; j++) acc[j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(pk + j * K * 16), acc[j]);
   }
-  for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (q0 + j) * 16, acc[j]);
+  for (int j = 0; j < ROW_PANELS; j++) _mm512_storeu_ps(y + (q0 + j) * 16, acc[j]);
 }
 
 void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N, int threads) {
@@ -188,10 +189,11 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
 #pragma omp parallel num_threads(threads)
   {
     int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t groups = panels / TILE_PANELS, g0 = groups * t / T, g1 = groups * (t + 1) / T;
     if (M == 1) {
-      for (int64_t g = g0; g < g1; g++) one_row(x, p, y, K, g * TILE_PANELS);
+      int64_t groups = panels / ROW_PANELS;
+      for (int64_t g = groups * t / T; g < groups * (t + 1) / T; g++) one_row(x, p, y, K, g * ROW_PANELS);
     } else {
+      int64_t groups = panels / TILE_PANELS, g0 = groups * t / T, g1 = groups * (t + 1) / T;
       for (int64_t mc = 0; mc < M; mc += ROW_BLOCK) {
         int64_t rows = M - mc < ROW_BLOCK ? M - mc : ROW_BLOCK, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
         int64_t step = tiles >= STEP_TILES && tiles <= FETCH_TILES ? K_STEP : K, steps = (K + step - 1) / step;
@@ -758,7 +760,7 @@ DECODE(bf16, uint16_t, ADD_BF16, attend_bf16)
 /* ---- the units' peak and the memory's (ddscope.bench.limit.hardware: the host's floor) ----------------------
  * Independent chains in registers, nothing read from memory: the most FLOPs the FMA units (the tile unit)
  * retire here, which a library's matmul only bounds from below. And a read alone, at least as fast as any
- * product's: each thread sums its share in one stream, 8 sums side by side (a decode row's group: 4). */
+ * product's: each thread sums its share in one stream, 8 sums side by side. */
 #define PEAK_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #define PEAK_START(i) __m512 a##i = _mm512_set1_ps((float)i);
 #define PEAK_FMA(i) a##i = _mm512_fmadd_ps(a##i, m, c);
