@@ -273,7 +273,7 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, c
         _mm_prefetch((const char *)(b0 + (kb + 2) * 512 + l * 32), _MM_HINT_T0);
         _mm_prefetch((const char *)(b1 + (kb + 2) * 512 + l * 32), _MM_HINT_T0);
       }
-    else if (kb % 4 == 0) { /* a new 4 KB page of each panel: ask for the one 2 on, the L2 streamer stops at each */
+    else if (kb % 4 == 0) { /* each panel's new 4 KB page: ask for the page after next (the streamer stops at each) */
       _mm_prefetch((const char *)(b0 + (kb + 8) * 512), _MM_HINT_T1);
       _mm_prefetch((const char *)(b1 + (kb + 8) * 512), _MM_HINT_T1);
     }
