@@ -116,7 +116,7 @@ def serves(*tensors: torch.Tensor) -> bool:
             and all(t.dtype == first.dtype and t.is_contiguous() for t in tensors) and library() is not None)
 
 
-def _has(name: str) -> bool:
+def has(name: str) -> bool:
     """Whether the library was built with `name` (the AVX-512 ones need a compiler targeting it)."""
     return library() is not None and hasattr(library(), name)
 
@@ -152,7 +152,7 @@ def paneled(weight: torch.Tensor) -> bool:
     dtype = weight.dtype
     return (dtype in PANEL_OUTPUTS and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % PANEL_OUTPUTS[dtype] == 0 and weight.shape[1] % PANEL_INPUTS[dtype] == 0
-            and _has(f"linear_{_DTYPES[dtype]}") and (dtype != torch.bfloat16 or bool(library().amx_ready())))
+            and has(f"linear_{_DTYPES[dtype]}") and (dtype != torch.bfloat16 or bool(library().amx_ready())))
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ def attends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def masks_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether `attend` serves this geometry and dtype: a caller keeps its tree's mask boolean for it."""
     return (dtype in _DTYPES and head_dim % 16 == 0 and head_dim <= MAX_HEAD and heads % kv_heads == 0
-            and _has("attend_f32"))
+            and has("attend_f32"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -205,7 +205,7 @@ def tree_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, keys
     """Whether `tree_attend` serves this geometry, dtype and keys (fp32, head_dim a multiple of 64, keys up to
     TREE_KEYS: past them a unit's scores leave L2, and MKL's batched products were faster)."""
     return (dtype == torch.float32 and head_dim % 64 == 0 and keys <= TREE_KEYS
-            and masks_rows(dtype, heads, kv_heads, head_dim) and _has("tree_attend_f32"))
+            and masks_rows(dtype, heads, kv_heads, head_dim) and has("tree_attend_f32"))
 
 
 def tree_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -221,7 +221,7 @@ def tree_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
 def gates(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether `silu_mul` computes silu(gate) * up: `serves` and AVX-512."""
-    return serves(gate, up) and gate.shape == up.shape and _has("silu_mul_f32")
+    return serves(gate, up) and gate.shape == up.shape and has("silu_mul_f32")
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -234,7 +234,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def decodes(dtype: torch.dtype) -> bool:
     """Whether the library has the calls of rows through a layer (`rows_layer`; a decode row's `decode_qkv`,
     `decode_rest`)."""
-    return dtype in _DTYPES and _has(f"decode_qkv_{_DTYPES[dtype]}")
+    return dtype in _DTYPES and has(f"decode_qkv_{_DTYPES[dtype]}")
 
 
 class DecodeRow:

@@ -14,27 +14,22 @@ from ddscope.models import native
 UNITS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2)}  # FLOPs a step
 
 
-def _built(name: str) -> ctypes.CDLL | None:
-    lib = native.library()
-    return lib if lib is not None and hasattr(lib, name) else None
-
-
 def units(kind: str) -> tuple[Callable[[int, int], None], int] | None:
     """The register-only loop at the peak of `kind`'s units (fp32: FMA, bf16: AMX) as `run(steps, threads)`,
     and a thread's FLOPs a step (12 FMAs of 16 lanes; 4 tile products); None without AVX-512 or AMX."""
     name, flops = UNITS[kind]
-    lib = _built(name)
-    if lib is None or (kind == "bf16" and not lib.amx_ready()):
+    if not native.has(name) or (kind == "bf16" and not native.library().amx_ready()):
         return None
+    lib = native.library()
     return lambda steps, threads: getattr(lib, name)(steps, (ctypes.c_float * threads)(), threads), flops
 
 
 def read() -> Callable[[torch.Tensor, int], list[float]] | None:
     """The read of a contiguous fp32 tensor (its size a multiple of 128 * threads), one stream a thread with 8
     sums side by side, as `run(tensor, threads)` -> each thread's sum of its share; None without AVX-512."""
-    lib = _built("read_peak_f32")
-    if lib is None:
+    if not native.has("read_peak_f32"):
         return None
+    lib = native.library()
 
     def run(t: torch.Tensor, threads: int) -> list[float]:
         sums = (ctypes.c_float * threads)()
