@@ -108,21 +108,23 @@ void norm_rope_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *cos, c
   }
 }
 
-/* ---- fp32 projections: y [M, N] = x [M, K] @ w^T, w reordered as panels p[N / 16][K][16] ------------------
+/* ---- fp32 projections: y [M, N] = x [M, K] @ w^T, w reordered as groups of 4 panels of 16 outputs, their k rows
+ * side by side: p[N / 64][K][64] ---------------------------------------------------------------------------------
  * Every output is one chain of FMAs over k in order, from zero, whatever M and the tile: a row's result is the
- * same bits alone or among others. A tile holds TILE_ROWS rows by TILE_PANELS panels in 24 registers; one row
- * (a decode step) runs over ROW_PANELS panels, as many streams through memory: 4 read the weights in 0.88 of
- * the time 8 took (docs/performance.md). N is a multiple of 128 (ddscope.models.native.paneled). */
+ * same bits alone or among others. A tile holds TILE_ROWS rows by a group's TILE_PANELS panels in 24 registers;
+ * one row (a decode step) runs over a group. Each group is one stream through memory: a decode row read the
+ * weights in 0.86-0.89 of the time 4 panels laid one after another took, at the read-alone rate (docs/performance.md).
+ * N is a multiple of 128 (ddscope.models.native.paneled). */
 #ifdef __AVX512F__
 #define TILE_PANELS 4
+#define GROUP (TILE_PANELS * 16) /* floats in a group's k row */
 #define TILE_ROWS 6
-#define ROW_PANELS 4
 #define ROW_BLOCK 256 /* rows whose activations stay in L2 while every panel passes */
 
 void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
 #pragma omp parallel for num_threads(threads)
   for (int64_t n = 0; n < N; n++)
-    for (int64_t k = 0; k < K; k++) p[((n / 16) * K + k) * 16 + n % 16] = w[n * K + k];
+    for (int64_t k = 0; k < K; k++) p[(n / GROUP * K + k) * GROUP + n % GROUP] = w[n * K + k];
 }
 
 /* A register tile's step: acc[i][j] += (row i's scalar, an expression of i) * wj, for MR rows by 4 vectors. */
@@ -135,7 +137,7 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     acc[i][3] = _mm512_fmadd_ps(b, w3, acc[i][3]);                                                              \
   }
 /* A tile over k in [k0, k1), its sums carried in y from the step before; with `next`, it also prefetches lines
- * [l, l1) of the next panel group into L2, evenly over its k loop: the group's later tiles run from L2 (or L1,
+ * [l, l1) of the next group into L2, evenly over its k loop: the group's later tiles run from L2 (or L1,
  * in steps of k) while the memory streams the next one in. */
 #define TILE(MR)                                                                                                \
   static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0, \
@@ -146,18 +148,18 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
                                  int64_t q0, int64_t k0, int64_t k1, const float *next, int64_t l, int64_t l1) { \
     int64_t due = 0;                                                                                            \
     TILE_BODY(MR, for (due += l1 - l; due >= k1 - k0 && l < l1; due -= k1 - k0, l++) _mm_prefetch(              \
-                      (const char *)(next + (l % TILE_PANELS) * K * 16 + (l / TILE_PANELS) * 16), _MM_HINT_T1);) \
+                      (const char *)(next + l * 16), _MM_HINT_T1);)                                             \
   }
 #define TILE_BODY(MR, FETCH)                                                                                    \
     __m512 acc[MR][TILE_PANELS];                                                                                \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < TILE_PANELS; j++)                                                                     \
         acc[i][j] = k0 ? _mm512_loadu_ps(y + (m0 + i) * N + (q0 + j) * 16) : _mm512_setzero_ps();               \
-    const float *pk = p + (q0 * K + k0) * 16, *xr = x + m0 * K;                                                 \
-    for (int64_t k = k0; k < k1; k++, pk += 16) {                                                               \
+    const float *pk = p + (q0 * K + k0 * TILE_PANELS) * 16, *xr = x + m0 * K;                                   \
+    for (int64_t k = k0; k < k1; k++, pk += GROUP) {                                                            \
       FETCH                                                                                                     \
-      __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + K * 16);                                       \
-      __m512 w2 = _mm512_loadu_ps(pk + 2 * K * 16), w3 = _mm512_loadu_ps(pk + 3 * K * 16);                      \
+      __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + 16);                                           \
+      __m512 w2 = _mm512_loadu_ps(pk + 32), w3 = _mm512_loadu_ps(pk + 48);                                      \
       FMA_ROWS(MR, xr[i * K + k])                                                                               \
     }                                                                                                           \
     for (int i = 0; i < MR; i++)                                                                                \
@@ -170,18 +172,18 @@ static const tile_fn TILES[TILE_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, 
 static const fetching_tile_fn FETCHING_TILES[TILE_ROWS + 1] = {0, fetching_tile_1, fetching_tile_2, fetching_tile_3,
                                                                fetching_tile_4, fetching_tile_5, fetching_tile_6};
 #define FETCH_TILES 12 /* at most this many tiles of a row block prefetch: a prefill's many rows run from L2 */
-#define STEP_TILES 4   /* from this many tiles, k in steps of K_STEP: a group's panels for it (32 KB) stay in L1 */
-#define K_STEP 128
+#define STEP_TILES 4   /* from this many tiles, k in steps of K_STEP: a group's rows for it (16 KB) stay in L1 */
+#define K_STEP 64
 
 static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t q0) {
-  __m512 acc[ROW_PANELS];
-  for (int j = 0; j < ROW_PANELS; j++) acc[j] = _mm512_setzero_ps();
+  __m512 acc[TILE_PANELS];
+  for (int j = 0; j < TILE_PANELS; j++) acc[j] = _mm512_setzero_ps();
   const float *pk = p + q0 * K * 16;
-  for (int64_t k = 0; k < K; k++, pk += 16) {
+  for (int64_t k = 0; k < K; k++, pk += GROUP) {
     __m512 xb = _mm512_set1_ps(x[k]);
-    for (int j = 0; j < ROW_PANELS; j++) acc[j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(pk + j * K * 16), acc[j]);
+    for (int j = 0; j < TILE_PANELS; j++) acc[j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(pk + j * 16), acc[j]);
   }
-  for (int j = 0; j < ROW_PANELS; j++) _mm512_storeu_ps(y + (q0 + j) * 16, acc[j]);
+  for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (q0 + j) * 16, acc[j]);
 }
 
 void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N, int threads) {
@@ -190,8 +192,8 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
   {
     int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
     if (M == 1) {
-      int64_t groups = panels / ROW_PANELS;
-      for (int64_t g = groups * t / T; g < groups * (t + 1) / T; g++) one_row(x, p, y, K, g * ROW_PANELS);
+      int64_t groups = panels / TILE_PANELS;
+      for (int64_t g = groups * t / T; g < groups * (t + 1) / T; g++) one_row(x, p, y, K, g * TILE_PANELS);
     } else {
       int64_t groups = panels / TILE_PANELS, g0 = groups * t / T, g1 = groups * (t + 1) / T;
       for (int64_t mc = 0; mc < M; mc += ROW_BLOCK) {

@@ -49,7 +49,7 @@ MAX_HEAD = 256  # kernels.c's attention: the widest head
 TREE_KEYS = 2048  # the most keys `tree_attend` takes (floor_ab.py, tree-attention-fp32: 0.93 at 1057, 1.04 at 4129)
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
 # A panelled weight's rows (outputs) and columns come in multiples of these: fp32, 8 panels of 16 (kernels.c's
-# tiles and decode rows take 4 at a time); bf16, its AMX tiles' 2 panels of 16 by k blocks of 32.
+# tiles and decode rows take a group of 4); bf16, its AMX tiles' 2 panels of 16 by k blocks of 32.
 PANEL_OUTPUTS = {torch.float32: 128, torch.bfloat16: 32}
 PANEL_INPUTS = {torch.float32: 1, torch.bfloat16: 32}
 
@@ -156,7 +156,8 @@ def paneled(weight: torch.Tensor) -> bool:
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
-    """A weight [N, K] reordered for `linear`: panels of 16 outputs, k-major within each (bf16: k in pairs)."""
+    """A weight [N, K] reordered for `linear`: fp32, groups of 64 outputs whose k rows lie one after another;
+    bf16, panels of 16 outputs, k-major in pairs within each."""
     weight = weight.detach().contiguous()
     out = pages.huge(weight.shape, weight.dtype)
     _call(f"pack_{_DTYPES[weight.dtype]}", weight.data_ptr(), out.data_ptr(), *weight.shape)
