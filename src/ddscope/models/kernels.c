@@ -137,8 +137,8 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     acc[i][3] = _mm512_fmadd_ps(b, w3, acc[i][3]);                                                              \
   }
 /* A tile over k in [k0, k1), its sums carried in y from the step before; with `next`, it also prefetches lines
- * [l, l1) of the next group into L2, evenly over its k loop: the group's later tiles run from L2 (or L1,
- * in steps of k) while the memory streams the next one in. */
+ * [l, l1) of the weights further on in the thread's stream into L2, evenly over its k loop: the later tiles run
+ * from L2 (or L1, in steps of k) while the memory streams the rest in. */
 #define TILE(MR)                                                                                                \
   static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0, \
                         int64_t k0, int64_t k1) {                                                               \
@@ -174,6 +174,7 @@ static const fetching_tile_fn FETCHING_TILES[TILE_ROWS + 1] = {0, fetching_tile_
 #define FETCH_TILES 12 /* at most this many tiles of a row block prefetch: a prefill's many rows run from L2 */
 #define STEP_TILES 4   /* from this many tiles, k in steps of K_STEP: a group's rows for it (16 KB) stay in L1 */
 #define K_STEP 64
+#define FETCH_STEPS 4 /* in steps of k, a step's tiles ask for the weights 4 steps on (64 KB); else the next group's */
 
 static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t q0) {
   __m512 acc[TILE_PANELS];
@@ -198,20 +199,23 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
       int64_t groups = panels / TILE_PANELS, g0 = groups * t / T, g1 = groups * (t + 1) / T;
       for (int64_t mc = 0; mc < M; mc += ROW_BLOCK) {
         int64_t rows = M - mc < ROW_BLOCK ? M - mc : ROW_BLOCK, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-        int64_t step = tiles >= STEP_TILES && tiles <= FETCH_TILES ? K_STEP : K, steps = (K + step - 1) / step;
-        for (int64_t g = g0; g < g1; g++) { /* tiles of even height: 33 rows as 6, 6, 6, 5, 5, 5 */
-          const float *next = tiles <= FETCH_TILES && g + 1 < g1 ? p + (g + 1) * TILE_PANELS * K * 16 : 0;
-          int64_t lines = TILE_PANELS * K, calls = tiles * steps, c = 0;
-          for (int64_t k0 = 0; k0 < K; k0 += step)
-            for (int64_t i = 0; i < tiles; i++, c++) {
+        int64_t step = tiles >= STEP_TILES && tiles <= FETCH_TILES ? K_STEP : K;
+        int64_t lead = step < K ? FETCH_STEPS * step : K; /* k rows of the thread's stream its tiles fetch ahead */
+        const float *end = p + g1 * GROUP * K;
+        for (int64_t g = g0; g < g1; g++) /* tiles of even height: 33 rows as 6, 6, 6, 5, 5, 5 */
+          for (int64_t k0 = 0; k0 < K; k0 += step) {
+            const float *next = p + (g * K + k0 + lead) * GROUP;
+            int64_t lines = step * GROUP / 16;
+            if (tiles > FETCH_TILES || next >= end) next = 0;
+            for (int64_t i = 0; i < tiles; i++) {
               int64_t a = rows * i / tiles, b = rows * (i + 1) / tiles, k1 = k0 + step < K ? k0 + step : K;
               if (next)
-                FETCHING_TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, k0, k1, next, lines * c / calls,
-                                      lines * (c + 1) / calls);
+                FETCHING_TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, k0, k1, next, lines * i / tiles,
+                                      lines * (i + 1) / tiles);
               else
                 TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, k0, k1);
             }
-        }
+          }
       }
     }
   }
