@@ -1,11 +1,13 @@
 """A/B of kernels.c's projections against a git revision's, on floor.py's model shapes (24 layers of a
-hidden-1024 Qwen3: q/k/v and gate/up adjoined, o, down), weights streamed from memory as in a step.
+hidden-1024 Qwen3: q/k/v and gate/up adjoined, o, down), weights streamed from memory as in a step; with
+`--contexts`, of a decode row's attention instead (4 query heads over 2 K/V heads of 256, 24 layers' K/V).
 
     python benchmarks/kernels_ab.py --base b36f347 [--rows 1,9,33,64] [--dtype float32] [--repeats 9]
+    python benchmarks/kernels_ab.py --base b36f347 --contexts 1024,4096
 
 A is the revision's kernels.c, B the working tree's; each arm packs its own weights (same values, on 2 MiB
 pages for both) and the arms take turns. Every B output is checked bitwise against A's: a change here may
-move time, never a result. Prints the median time of all 96 products and their FLOP rate.
+move time, never a result. Prints the median time of all 96 products (or 24 attentions) and their rate.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ddscope.bench.sweep import cpu_model
 
 SHAPES = ((2048, 1024), (1024, 1024), (4096, 1024), (1024, 2048))  # qkv, o, gate_up, down of one layer
 LAYERS = 24
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 256  # floor.py's attention
 
 
 def library(source: Path):
@@ -47,10 +50,59 @@ def sweep(lib, panels: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) ->
     return time.perf_counter() - start, y
 
 
+def attention(lib, q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, torch.Tensor]:
+    native.library = lambda: lib
+    start = time.perf_counter()
+    for k, v in caches:
+        y = native.attend(q, k, v)
+    return time.perf_counter() - start, y
+
+
+def alternate(libs: dict, run, repeats: int, what: str) -> tuple[float, float]:
+    """Median seconds of `run(lib)` for A and B, taking turns; B's output checked bitwise against A's."""
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for rep in range(repeats):
+        outs = {}
+        for name in ("AB" if rep % 2 == 0 else "BA"):
+            seconds, outs[name] = run(libs[name])
+            times[name].append(seconds)
+        if not torch.equal(outs["A"], outs["B"]):
+            raise SystemExit(f"{what}: B's outputs differ from A's")
+    a, b = (statistics.median(times[name]) for name in "AB")
+    return a, b
+
+
+def products(libs: dict, dtype: torch.dtype, rows: list[int], repeats: int) -> None:
+    torch.manual_seed(0)
+    weights = [[(torch.randn(n, k) * 0.02).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)]
+    panels = {name: arm(lib, weights) for name, lib in libs.items()}
+    del weights
+    by_lib = {id(libs[name]): p for name, p in panels.items()}
+    print("| rows | A ms | B ms | B/A | B GFLOP/s |\n|---|---|---|---|---|")
+    flop_per_row = 2 * LAYERS * sum(n * k for n, k in SHAPES)
+    for m in rows:
+        xs = {k: torch.randn(m, k).to(dtype) for _, k in SHAPES}
+        a, b = alternate(libs, lambda lib: sweep(lib, by_lib[id(lib)], xs), repeats, f"{m} rows")
+        print(f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {flop_per_row * m / b / 1e9:.0f} |")
+
+
+def attentions(libs: dict, dtype: torch.dtype, contexts: list[int], repeats: int) -> None:
+    torch.manual_seed(0)
+    q = torch.randn(HEADS, 1, HEAD_DIM).to(dtype)
+    print("| context | A ms | B ms | B/A | B GB/s |\n|---|---|---|---|---|")
+    for context in contexts:
+        caches = [tuple(torch.randn(KV_HEADS, context, HEAD_DIM).to(dtype) for _ in "kv") for _ in range(LAYERS)]
+        a, b = alternate(libs, lambda lib: attention(lib, q, caches), repeats, f"{context} keys")
+        size = sum(k.nbytes + v.nbytes for k, v in caches)
+        print(f"| {context} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {size / b / 1e9:.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the git revision whose kernels.c is arm A")
     ap.add_argument("--rows", default="1,9,33,64")
+    ap.add_argument("--contexts", help="keys of a decode row's attention, comma-separated: A/B `attend`, not the "
+                    "products")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
@@ -64,26 +116,12 @@ def main() -> int:
         libs = {"A": library(base), "B": library(here)}
     if dtype == torch.bfloat16 and not all(lib.amx_ready() for lib in libs.values()):  # asks Linux for the tiles
         raise SystemExit("bf16 products need AMX, and this CPU or kernel does not lend it")
-    torch.manual_seed(0)
-    weights = [[(torch.randn(n, k) * 0.02).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)]
-    arms = {name: arm(lib, weights) for name, lib in libs.items()}
-    del weights
     print(f"# kernels.c {args.base} (A) against the working tree (B), {args.dtype}, {cpu_model()}, "
           f"{torch.get_num_threads()} threads, {args.repeats} repeats\n")
-    print("| rows | A ms | B ms | B/A | B GFLOP/s |\n|---|---|---|---|---|")
-    flop_per_row = 2 * LAYERS * sum(n * k for n, k in SHAPES)
-    for rows in (int(r) for r in args.rows.split(",")):
-        xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
-        times: dict[str, list[float]] = {"A": [], "B": []}
-        for rep in range(args.repeats):
-            outs = {}
-            for name in ("AB" if rep % 2 == 0 else "BA"):
-                times[name].append((t := sweep(libs[name], arms[name], xs))[0])
-                outs[name] = t[1]
-            if not torch.equal(outs["A"], outs["B"]):
-                raise SystemExit(f"{rows} rows: B's products differ from A's")
-        a, b = (statistics.median(times[name]) for name in "AB")
-        print(f"| {rows} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {flop_per_row * rows / b / 1e9:.0f} |")
+    if args.contexts:
+        attentions(libs, dtype, [int(c) for c in args.contexts.split(",")], args.repeats)
+    else:
+        products(libs, dtype, [int(r) for r in args.rows.split(",")], args.repeats)
     return 0
 
 

@@ -372,9 +372,9 @@ static void *scratch_in(int slot, int64_t bytes) {
 }
 static float *scratch(int64_t n) { return scratch_in(0, n * (int64_t)sizeof(float)); }
 
-#define AHEAD 16384 /* bytes: a pass over keys or values asks for its lines this far ahead of their use */
+#define AHEAD 8192 /* bytes: a pass over keys or values asks for its lines this far ahead of their use, into L1 */
 static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefetchers alone keep too short */
-  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)at + AHEAD + l, _MM_HINT_T1);
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)at + AHEAD + l, _MM_HINT_T0);
 }
 
 #define MAX_HEAD 256      /* head_dim */
