@@ -383,7 +383,7 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
 /* One tile of m query vectors over one K/V head, head_dim 16 * CH (a constant: the vector stays in registers
  * while a block of keys passes). */
 #define VB 4 /* query vectors a register block (the last of a tile: 2 or 1) */
-#define KB 4 /* keys (the scores) or 16-wide chunks (the values) a register block */
+#define KB 4 /* keys a register block of the scores */
 /* One tile of m query vectors over one K/V head of head_dim 16 * CH, in blocks of keys that stay in L1 while
  * every vector passes. A score is a chain of FMAs over the chunks, then one reduction; a value sum, a chain
  * of FMAs over the visible keys in order; the register blocks only decide which chains run side by side. */
@@ -412,31 +412,32 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
         scores[(u0 + i) * (S + 16) + s + j] = x;                                                                \
       }                                                                                                         \
   }
-#define VALUES(LOAD, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                      \
-  for (int c0 = 0; c0 < CH; c0 += KB) {                                                                         \
-    __m512 a[N][KB];                                                                                            \
+#define VC(N) ((N) >= 4 ? 4 : (N) == 2 ? 8 : 16) /* 16-wide chunks of a register block of N vectors' sums */
+#define VALUES(LOAD, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                       \
+  for (int c0 = 0; c0 < CH; c0 += VC(N)) {                                                                      \
+    __m512 a[N][VC(N)];                                                                                         \
     float sum[N];                                                                                               \
     for (int i = 0; i < N; i++) {                                                                               \
       sum[i] = total[u0 + i];                                                                                   \
-      for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = acc[u0 + i][c0 + cc];                          \
+      for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = acc[u0 + i][c0 + cc];                       \
     }                                                                                                           \
     for (int64_t s = b; s < end; s++) {                                                                         \
       if (u0 == 0 && c0 == 0) ahead(vh + s * d, d * sizeof(*vh));                                               \
-      __m512 vc[KB];                                                                                            \
-      for (int cc = 0; cc < KB && c0 + cc < CH; cc++) vc[cc] = LOAD(vh + s * d + (c0 + cc) * 16);               \
-      for (int i = 0; i < N; i++) { /* a key it may not see leaves a vector's sums as they are */              \
+      __m512 vc[VC(N)];                                                                                         \
+      for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) vc[cc] = LOAD(vh + s * d + (c0 + cc) * 16);            \
+      for (int i = 0; i < N; i++) { /* a key it may not see leaves a vector's sums as they are */               \
         const uint8_t *sn = seen[u0 + i];                                                                       \
         int visible = !sn || sn[s];                                                                             \
         float e = scores[(u0 + i) * (S + 16) + s];                                                              \
         __m512 w = _mm512_set1_ps(e);                                                                           \
         __mmask16 on = visible ? 0xffff : 0;                                                                    \
         sum[i] += visible ? e : 0.0f;                                                                           \
-        for (int cc = 0; cc < KB && c0 + cc < CH; cc++) a[i][cc] = _mm512_mask3_fmadd_ps(w, vc[cc], a[i][cc], on); \
+        for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = _mm512_mask3_fmadd_ps(w, vc[cc], a[i][cc], on); \
       }                                                                                                         \
     }                                                                                                           \
     for (int i = 0; i < N; i++) {                                                                               \
-      if (c0 == 0) total[u0 + i] = sum[i]; /* each chunk block sums the weights again: keep one */             \
-      for (int cc = 0; cc < KB && c0 + cc < CH; cc++) acc[u0 + i][c0 + cc] = a[i][cc];                          \
+      if (c0 == 0) total[u0 + i] = sum[i]; /* each chunk block sums the weights again: keep one */              \
+      for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) acc[u0 + i][c0 + cc] = a[i][cc];                       \
     }                                                                                                           \
   }
 #define BLOCKS(PASS, LOAD, CH) /* every vector in blocks of VB, then 2, then 1 */                               \
