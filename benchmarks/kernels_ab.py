@@ -58,13 +58,13 @@ def attention(lib, q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tenso
     return time.perf_counter() - start, y
 
 
-def alternate(libs: dict, run, repeats: int, what: str) -> tuple[float, float]:
-    """Median seconds of `run(lib)` for A and B, taking turns; B's output checked bitwise against A's."""
+def alternate(run, repeats: int, what: str) -> tuple[float, float]:
+    """Median seconds of `run(arm)` for arms A and B, taking turns; B's output checked bitwise against A's."""
     times: dict[str, list[float]] = {"A": [], "B": []}
     for rep in range(repeats):
         outs = {}
         for name in ("AB" if rep % 2 == 0 else "BA"):
-            seconds, outs[name] = run(libs[name])
+            seconds, outs[name] = run(name)
             times[name].append(seconds)
         if not torch.equal(outs["A"], outs["B"]):
             raise SystemExit(f"{what}: B's outputs differ from A's")
@@ -77,12 +77,11 @@ def products(libs: dict, dtype: torch.dtype, rows: list[int], repeats: int) -> N
     weights = [[(torch.randn(n, k) * 0.02).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)]
     panels = {name: arm(lib, weights) for name, lib in libs.items()}
     del weights
-    by_lib = {id(libs[name]): p for name, p in panels.items()}
     print("| rows | A ms | B ms | B/A | B GFLOP/s |\n|---|---|---|---|---|")
     flop_per_row = 2 * LAYERS * sum(n * k for n, k in SHAPES)
     for m in rows:
         xs = {k: torch.randn(m, k).to(dtype) for _, k in SHAPES}
-        a, b = alternate(libs, lambda lib: sweep(lib, by_lib[id(lib)], xs), repeats, f"{m} rows")
+        a, b = alternate(lambda name: sweep(libs[name], panels[name], xs), repeats, f"{m} rows")
         print(f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {flop_per_row * m / b / 1e9:.0f} |")
 
 
@@ -92,7 +91,7 @@ def attentions(libs: dict, dtype: torch.dtype, contexts: list[int], repeats: int
     print("| context | A ms | B ms | B/A | B GB/s |\n|---|---|---|---|---|")
     for context in contexts:
         caches = [tuple(torch.randn(KV_HEADS, context, HEAD_DIM).to(dtype) for _ in "kv") for _ in range(LAYERS)]
-        a, b = alternate(libs, lambda lib: attention(lib, q, caches), repeats, f"{context} keys")
+        a, b = alternate(lambda name: attention(libs[name], q, caches), repeats, f"{context} keys")
         size = sum(k.nbytes + v.nbytes for k, v in caches)
         print(f"| {context} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {size / b / 1e9:.1f} |")
 

@@ -155,7 +155,7 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < TILE_PANELS; j++)                                                                     \
         acc[i][j] = k0 ? _mm512_loadu_ps(y + (m0 + i) * N + (q0 + j) * 16) : _mm512_setzero_ps();               \
-    const float *pk = p + (q0 * K + k0 * TILE_PANELS) * 16, *xr = x + m0 * K;                                   \
+    const float *pk = p + (q0 / TILE_PANELS * K + k0) * GROUP, *xr = x + m0 * K;                                \
     for (int64_t k = k0; k < k1; k++, pk += GROUP) {                                                            \
       FETCH                                                                                                     \
       __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + 16);                                           \
@@ -179,7 +179,7 @@ static const fetching_tile_fn FETCHING_TILES[TILE_ROWS + 1] = {0, fetching_tile_
 static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t q0) {
   __m512 acc[TILE_PANELS];
   for (int j = 0; j < TILE_PANELS; j++) acc[j] = _mm512_setzero_ps();
-  const float *pk = p + q0 * K * 16;
+  const float *pk = p + q0 / TILE_PANELS * K * GROUP;
   for (int64_t k = 0; k < K; k++, pk += GROUP) {
     __m512 xb = _mm512_set1_ps(x[k]);
     for (int j = 0; j < TILE_PANELS; j++) acc[j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(pk + j * 16), acc[j]);
