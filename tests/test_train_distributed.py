@@ -106,7 +106,8 @@ def test_resume_after_kill_equals_uninterrupted_run_on_any_world_size(target, tm
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and proc.poll() is None:
-        if (killed / "ckpt.pt").is_file() and len(_log(killed)) >= 5:
+        log = killed / "train_log.jsonl"
+        if log.is_file() and log.read_text().count("\n") >= 6:  # step 6's line follows step 5's checkpoint
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
