@@ -150,12 +150,13 @@ def test_panels_serve_only_weights_of_whole_panels():
 
 @pytest.mark.skipif(not hasattr(native.library(), "attend_f32"), reason="attention needs AVX-512")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,keys", [(4, 2, 1), (4, 2, 300), (8, 1, 77), (2, 2, 4096)])
-def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, keys):
+@pytest.mark.parametrize("heads,kv_heads,keys,d", [(4, 2, 1, 64), (4, 2, 300, 64), (8, 1, 77, 64), (2, 2, 4096, 64),
+                                                   (4, 2, 300, 80)])
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, keys, d):
     """One row over every key, grouped heads included, on K/V heads that sit apart in a larger cache, the row
-    one of a batch's (its heads apart by the batch's rows)."""
+    one of a batch's (its heads apart by the batch's rows); a head_dim of an odd count of 16s, whose last 16
+    a bf16 step reads alone."""
     torch.manual_seed(3)
-    d = 64
     q = torch.randn(heads, 3, d).to(dtype)[:, 1:2]
     cache = torch.randn(2, kv_heads, keys + 50, d).to(dtype)
     k, v = cache[0, :, :keys], cache[1, :, :keys]
@@ -184,7 +185,7 @@ def _tree_mask(n: int, keys: int, seed: int) -> torch.Tensor:
 @pytest.mark.skipif(not hasattr(native.library(), "attend_f32"), reason="attention needs AVX-512")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,d,n,keys", [(4, 2, 64, 16, 700), (8, 1, 128, 33, 300), (4, 4, 256, 9, 50),
-                                                      (4, 2, 256, 65, 1100)])
+                                                      (4, 2, 256, 65, 1100), (2, 1, 48, 7, 90)])
 def test_tree_attention_matches_sdpa_and_each_row_is_a_decode_step(dtype, heads, kv_heads, d, n, keys):
     """A tree's rows under its ancestor mask: SDPA's values, and each row bitwise what one row alone gets
     over just the keys it sees (a decode step of its token), so a verify changes no bit of a greedy run."""

@@ -352,9 +352,56 @@ static inline __m512 exp16(__m512 x) { /* e^x to about 1 ulp: 2^i * e^r, |r| <= 
   return _mm512_scalef_ps(y, i);
 }
 
-static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
-static inline __m512 load16_bf16(const uint16_t *x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+/* Chunk c of a row of ch 16-wide chunks, in fp32. In bf16, chunks 2j and 2j + 1 (when both exist) are the even
+ * and the odd elements of the row's 32 from 32 j: one shift or one mask each, where widening in order takes a
+ * shuffle too. A sum kept by chunk is then by element all the same, its lanes in that order. */
+static inline __m512 chunk_f32(const float *row, int c, int ch) { return _mm512_loadu_ps(row + c * 16); }
+static inline __m512 chunk_bf16(const uint16_t *row, int c, int ch) {
+  if (c % 2) return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(row + (c - 1) * 16),
+                                                         _mm512_set1_epi32((int)0xffff0000)));
+  __m512i x = c + 1 < ch ? _mm512_loadu_si512(row + c * 16)
+                         : _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c * 16)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+static inline void store16_f32(float *y, __m512 x) { _mm512_storeu_ps(y, x); }
+static inline void store16_bf16(uint16_t *y, __m512 x) {
+  _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x));
+}
+/* out = sums * scale, the sums by chunk as `chunk_` reads them; each output rounded once. */
+static inline void scaled_f32(float *out, const __m512 *sums, int ch, __m512 scale) {
+  for (int c = 0; c < ch; c++) store16_f32(out + c * 16, _mm512_mul_ps(sums[c], scale));
+}
+static inline void scaled_bf16(uint16_t *out, const __m512 *sums, int ch, __m512 scale) {
+  int c = 0;
+  for (; c + 1 < ch; c += 2) { /* the even elements' bf16 in each lane's low half, the odd ones' in its high */
+    __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[c], scale)));
+    __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[c + 1], scale)));
+    _mm512_storeu_si512(out + c * 16, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+  }
+  if (c < ch) store16_bf16(out + c * 16, _mm512_mul_ps(sums[c], scale));
+}
+/* A dot product's step s over rows of ch 16-wide chunks: fp32, an FMA of chunk s; bf16, a `vdpbf16ps` of the 32
+ * elements from 32 s (an odd row's last 16 alone), each lane adding its pair's products, exact in fp32, one at
+ * a time: an FMA chain's arithmetic in half the instructions, with no widening. */
+#define STEPS_f32(ch) (ch)
+#define STEPS_bf16(ch) (((ch) + 1) / 2)
+#define step_f32 chunk_f32
+static inline __m512 step_bf16(const uint16_t *row, int s, int ch) {
+  return _mm512_castsi512_ps(2 * s + 1 < ch ? _mm512_loadu_si512(row + s * 32)
+                                            : _mm512_maskz_loadu_epi16(0xffff, row + s * 32));
+}
+static inline __m512 mac_f32(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+static inline __m512 mac_bf16(__m512 acc, __m512 a, __m512 b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+/* Four keys' dot products, each summed across its lanes by one tree whichever slot it holds (halves, quarters,
+ * then within a quarter): key j's sum in lane 4 j. */
+static inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4e));
+  return _mm512_add_ps(x, _mm512_permute_ps(x, 0xb1));
 }
 
 /* A thread's scratch of at least `bytes` in one of its slots (0: the attention's, 1: a layer's rows), kept for
@@ -372,9 +419,13 @@ static void *scratch_in(int slot, int64_t bytes) {
 }
 static float *scratch(int64_t n) { return scratch_in(0, n * (int64_t)sizeof(float)); }
 
-#define AHEAD 8192 /* bytes: a pass over keys or values asks for its lines this far ahead of their use, into L1 */
-static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefetchers alone keep too short */
-  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)at + AHEAD + l, _MM_HINT_T0);
+/* A pass over keys or values asks for its lines ahead of their use: a stream the prefetchers alone keep too
+ * short. fp32, 8 KB ahead into L1; bf16, whose keys take half the time, 16 KB ahead into L2. */
+static inline void ahead_f32(const void *at, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)at + 8192 + l, _MM_HINT_T0);
+}
+static inline void ahead_bf16(const void *at, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)at + 16384 + l, _MM_HINT_T1);
 }
 
 #define MAX_HEAD 256      /* head_dim */
@@ -383,37 +434,42 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
 /* One tile of m query vectors over one K/V head, head_dim 16 * CH (a constant: the vector stays in registers
  * while a block of keys passes). */
 #define VB 4 /* query vectors a register block (the last of a tile: 2 or 1) */
-#define KB 4 /* keys a register block of the scores */
+#define KB 4 /* keys a register block of the scores (sum4's) */
 /* One tile of m query vectors over one K/V head of head_dim 16 * CH, in blocks of keys that stay in L1 while
- * every vector passes. A score is a chain of FMAs over the chunks, then one reduction; a value sum, a chain
- * of FMAs over the visible keys in order; the register blocks only decide which chains run side by side. */
-#define SCORES(LOAD, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                      \
+ * every vector passes. A score is a chain of steps in each lane, then sum4's tree across them; a value sum, a
+ * chain of FMAs over the keys in order (an unseen one's weight 0); the register blocks only decide which chains
+ * run side by side. */
+#define SCORES(SUFFIX, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                    \
   for (int64_t s = b; s < end; s += KB) { /* past `end`, a repeated key, never stored */                       \
-    if (u0 == 0) ahead(kh + s * d, KB * d * sizeof(*kh));                                                       \
+    if (u0 == 0) ahead_##SUFFIX(kh + s * d, KB * d * sizeof(*kh));                                              \
     __m512 dot[N][KB];                                                                                          \
     for (int i = 0; i < N; i++)                                                                                 \
       for (int j = 0; j < KB; j++) dot[i][j] = _mm512_setzero_ps();                                             \
-    for (int c = 0; c < CH; c++) {                                                                              \
+    for (int c = 0; c < STEPS_##SUFFIX(CH); c++) {                                                              \
       __m512 kc[KB];                                                                                            \
-      for (int j = 0; j < KB; j++) kc[j] = LOAD(kh + (s + j < end ? s + j : end - 1) * d + c * 16);              \
+      for (int j = 0; j < KB; j++) kc[j] = step_##SUFFIX(kh + (s + j < end ? s + j : end - 1) * d, c, CH);      \
       for (int i = 0; i < N; i++) {                                                                             \
-        __m512 qc = LOAD(qs[u0 + i] + c * 16);                                                                  \
-        for (int j = 0; j < KB; j++) dot[i][j] = _mm512_fmadd_ps(qc, kc[j], dot[i][j]);                         \
+        __m512 qc = step_##SUFFIX(qs[u0 + i], c, CH);                                                           \
+        for (int j = 0; j < KB; j++) dot[i][j] = mac_##SUFFIX(dot[i][j], qc, kc[j]);                            \
       }                                                                                                         \
     }                                                                                                           \
-    for (int i = 0; i < N; i++)                                                                                 \
+    for (int i = 0; i < N; i++) {                                                                               \
+      float sums[16];                                                                                           \
+      __m512 four = sum4(dot[i][0], dot[i][1], dot[i][2], dot[i][3]);                                            \
+      _mm512_storeu_ps(sums, _mm512_mul_ps(four, _mm512_set1_ps(scale)));                                       \
       for (int j = 0; j < KB && s + j < end; j++) {                                                             \
         const uint8_t *sn = seen[u0 + i];                                                                       \
         float x = -INFINITY;                                                                                    \
         if (!sn || sn[s + j]) {                                                                                 \
-          x = _mm512_reduce_add_ps(dot[i][j]) * scale;                                                          \
+          x = sums[4 * j];                                                                                      \
           top[u0 + i] = x > top[u0 + i] ? x : top[u0 + i];                                                      \
         }                                                                                                       \
         scores[(u0 + i) * (S + 16) + s + j] = x;                                                                \
       }                                                                                                         \
+    }                                                                                                           \
   }
 #define VC(N) ((N) >= 4 ? 4 : (N) == 2 ? 8 : 16) /* 16-wide chunks of a register block of N vectors' sums */
-#define VALUES(LOAD, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                       \
+#define VALUES(SUFFIX, CH, N) /* vectors u0 .. u0 + N over keys [b, end), each weight 0 where it is unseen */   \
   for (int c0 = 0; c0 < CH; c0 += VC(N)) {                                                                      \
     __m512 a[N][VC(N)];                                                                                         \
     float sum[N];                                                                                               \
@@ -422,32 +478,29 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
       for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = acc[u0 + i][c0 + cc];                       \
     }                                                                                                           \
     for (int64_t s = b; s < end; s++) {                                                                         \
-      if (u0 == 0 && c0 == 0) ahead(vh + s * d, d * sizeof(*vh));                                               \
+      if (u0 == 0 && c0 == 0) ahead_##SUFFIX(vh + s * d, d * sizeof(*vh));                                      \
       __m512 vc[VC(N)];                                                                                         \
-      for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) vc[cc] = LOAD(vh + s * d + (c0 + cc) * 16);            \
-      for (int i = 0; i < N; i++) { /* a key it may not see leaves a vector's sums as they are */               \
-        const uint8_t *sn = seen[u0 + i];                                                                       \
-        int visible = !sn || sn[s];                                                                             \
+      for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) vc[cc] = chunk_##SUFFIX(vh + s * d, c0 + cc, CH);      \
+      for (int i = 0; i < N; i++) { /* + 0 * v: a vector's sums stay as they are, bit for bit */               \
         float e = scores[(u0 + i) * (S + 16) + s];                                                              \
         __m512 w = _mm512_set1_ps(e);                                                                           \
-        __mmask16 on = visible ? 0xffff : 0;                                                                    \
-        sum[i] += visible ? e : 0.0f;                                                                           \
-        for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = _mm512_mask3_fmadd_ps(w, vc[cc], a[i][cc], on); \
+        if (c0 == 0) sum[i] += e;                                                                               \
+        for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = _mm512_fmadd_ps(w, vc[cc], a[i][cc]);      \
       }                                                                                                         \
     }                                                                                                           \
     for (int i = 0; i < N; i++) {                                                                               \
-      if (c0 == 0) total[u0 + i] = sum[i]; /* each chunk block sums the weights again: keep one */              \
+      if (c0 == 0) total[u0 + i] = sum[i];                                                                      \
       for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) acc[u0 + i][c0 + cc] = a[i][cc];                       \
     }                                                                                                           \
   }
-#define BLOCKS(PASS, LOAD, CH) /* every vector in blocks of VB, then 2, then 1 */                               \
+#define BLOCKS(PASS, SUFFIX, CH) /* every vector in blocks of VB, then 2, then 1 */                             \
   for (int64_t b = 0; b < S; b += block) {                                                                      \
     int64_t end = S < b + block ? S : b + block, u0 = 0;                                                        \
-    for (; u0 + VB <= m; u0 += VB) { PASS(LOAD, CH, VB) }                                                       \
-    if (u0 + 2 <= m) { PASS(LOAD, CH, 2) u0 += 2; }                                                             \
-    if (u0 < m) { PASS(LOAD, CH, 1) }                                                                           \
+    for (; u0 + VB <= m; u0 += VB) { PASS(SUFFIX, CH, VB) }                                                     \
+    if (u0 + 2 <= m) { PASS(SUFFIX, CH, 2) u0 += 2; }                                                           \
+    if (u0 < m) { PASS(SUFFIX, CH, 1) }                                                                         \
   }
-#define ATTEND_TILE(SUFFIX, T, LOAD, STORE, CH)                                                                 \
+#define ATTEND_TILE(SUFFIX, T, CH)                                                                              \
   static void tile_##SUFFIX##_##CH(const T *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m,    \
                                    const T *kh, const T *vh, int64_t S, float scale, float *scores) {           \
     const int64_t d = 16 * CH, block = BLOCK_BYTES / (d * (int64_t)sizeof(T)) / KB * KB;                        \
@@ -457,28 +510,29 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
       top[u] = -INFINITY, total[u] = 0.0f;                                                                      \
       for (int c = 0; c < CH; c++) acc[u][c] = _mm512_setzero_ps();                                             \
     }                                                                                                           \
-    BLOCKS(SCORES, LOAD, CH)                                                                                    \
-    for (int64_t u = 0; u < m; u++) { /* the 16 past S are padding, never read back */                         \
+    BLOCKS(SCORES, SUFFIX, CH)                                                                                  \
+    for (int64_t u = 0; u < m; u++) { /* the 16 past S are padding, never read back; an unseen key weighs 0 */ \
       float *row = scores + u * (S + 16);                                                                       \
       for (int64_t s = S; s < S + 16; s++) row[s] = -INFINITY;                                                  \
-      for (int64_t s = 0; s < S; s += 16)                                                                       \
-        _mm512_storeu_ps(row + s, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(top[u]))));     \
+      for (int64_t s = 0; s < S; s += 16) {                                                                     \
+        __m512 x = _mm512_loadu_ps(row + s);                                                                    \
+        __mmask16 shown = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);                        \
+        _mm512_storeu_ps(row + s, _mm512_maskz_mov_ps(shown, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top[u])))));  \
+      }                                                                                                         \
     }                                                                                                           \
-    BLOCKS(VALUES, LOAD, CH)                                                                                    \
-    for (int64_t u = 0; u < m; u++) {                                                                           \
-      __m512 inv = _mm512_set1_ps(1.0f / total[u]);                                                             \
-      for (int c = 0; c < CH; c++) STORE(outs[u] + c * 16, _mm512_mul_ps(acc[u][c], inv));                      \
-    }                                                                                                           \
+    BLOCKS(VALUES, SUFFIX, CH)                                                                                  \
+    for (int64_t u = 0; u < m; u++)                                                                             \
+      scaled_##SUFFIX(outs[u], acc[u], CH, _mm512_set1_ps(1.0f / total[u]));                                   \
   }
-#define ATTEND(SUFFIX, T, LOAD, STORE)                                                                          \
-  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 1) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 2)                                  \
-  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 3) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 4)                                  \
-  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 5) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 6)                                  \
-  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 7) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 8)                                  \
-  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 9) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 10)                                 \
-  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 11) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 12)                                \
-  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 13) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 14)                                \
-  ATTEND_TILE(SUFFIX, T, LOAD, STORE, 15) ATTEND_TILE(SUFFIX, T, LOAD, STORE, 16)                                \
+#define ATTEND(SUFFIX, T)                                                                                       \
+  ATTEND_TILE(SUFFIX, T, 1) ATTEND_TILE(SUFFIX, T, 2)                                                            \
+  ATTEND_TILE(SUFFIX, T, 3) ATTEND_TILE(SUFFIX, T, 4)                                                              \
+  ATTEND_TILE(SUFFIX, T, 5) ATTEND_TILE(SUFFIX, T, 6)                                                              \
+  ATTEND_TILE(SUFFIX, T, 7) ATTEND_TILE(SUFFIX, T, 8)                                                              \
+  ATTEND_TILE(SUFFIX, T, 9) ATTEND_TILE(SUFFIX, T, 10)                                                             \
+  ATTEND_TILE(SUFFIX, T, 11) ATTEND_TILE(SUFFIX, T, 12)                                                            \
+  ATTEND_TILE(SUFFIX, T, 13) ATTEND_TILE(SUFFIX, T, 14)                                                            \
+  ATTEND_TILE(SUFFIX, T, 15) ATTEND_TILE(SUFFIX, T, 16)                                                            \
   typedef void (*tile_##SUFFIX)(const T *const *, const uint8_t *const *, T *const *, int64_t, const T *,        \
                                 const T *, int64_t, float, float *);                                            \
   static const tile_##SUFFIX TILES_##SUFFIX[MAX_HEAD / 16 + 1] = {                                              \
@@ -509,10 +563,8 @@ static inline void ahead(const void *at, int64_t bytes) { /* a stream the prefet
       }                                                                                                         \
     }                                                                                                           \
   }
-static inline void store16_f32(float *y, __m512 x) { _mm512_storeu_ps(y, x); }
-static inline void store16_bf16(uint16_t *y, __m512 x) { _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x)); }
-ATTEND(f32, float, load16_f32, store16_f32)
-ATTEND(bf16, uint16_t, load16_bf16, store16_bf16)
+ATTEND(f32, float)
+ATTEND(bf16, uint16_t)
 
 /* Lines [0, lines) of `at`, call c's share of `calls`: the next block of a stream, fetched evenly over the calls
  * of this one (in one burst, the prefetches stall the FMAs they should hide behind). */
