@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ddscope.config import DecoderGeometry
-from ddscope.models import pages
 
 BLOCK = 64  # slots a block; the prefix cache shares whole blocks
 
@@ -20,8 +19,8 @@ class KVCache:
 
     def __init__(self, g: DecoderGeometry, capacity: int, device: torch.device, dtype: torch.dtype):
         shape = (g.num_layers, g.num_kv_heads, capacity, g.head_dim)
-        self.k = pages.zeros(shape, dtype, device)
-        self.v = pages.zeros(shape, dtype, device)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
         self.length = 0
 
@@ -167,7 +166,7 @@ class KVPool:
         # later), and no step pays for first touching it.
         def kv(g: DecoderGeometry) -> tuple[torch.Tensor, torch.Tensor]:
             shape = (g.num_layers, g.num_kv_heads, slots, g.head_dim)
-            return pages.zeros(shape, dtype, device), pages.zeros(shape, dtype, device)
+            return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
 
         self.k, self.v = kv(target)
         self.dk, self.dv = kv(drafter) if drafter is not None else (None, None)

@@ -1,6 +1,5 @@
-"""Memory on 2 MiB pages for what a step streams whole (panelled weights, the K/V caches): in 4 KiB pages a
-stream misses the TLB every 64 lines, and 33 rows' fp32 projections take 8% longer, a decode row's attention
-5-8% (docs/performance.md)."""
+"""Memory on 2 MiB pages for what a step streams whole (panelled weights): in 4 KiB pages a stream misses the
+TLB every 64 lines, and 33 rows' fp32 projections take 8% longer (docs/performance.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -24,11 +23,6 @@ def huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     _libc().madvise(ctypes.c_void_p(base.data_ptr() + offset), ctypes.c_size_t(size - size % HUGE_PAGE),
                     MADV_HUGEPAGE)
     return base[offset:offset + size].view(dtype).view(shape)
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.zeros`, on 2 MiB pages where `huge` gives them (the CPU): zeroed now, so no step first-touches it."""
-    return huge(shape, dtype).zero_() if device.type == "cpu" else torch.zeros(shape, device=device, dtype=dtype)
 
 
 @cache
