@@ -439,8 +439,8 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
  * every vector passes. A score is a chain of steps in each lane, then sum4's tree across them; a value sum, a
  * chain of FMAs over the keys in order (an unseen one's weight 0); the register blocks only decide which chains
  * run side by side. */
-#define SCORES(SUFFIX, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                    \
-  for (int64_t s = b; s < end; s += KB) { /* past `end`, a repeated key, never stored */                       \
+#define SCORES(SUFFIX, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                     \
+  for (int64_t s = b; s < end; s += KB) { /* past `end`, a repeated key, never stored */                        \
     if (u0 == 0) ahead_##SUFFIX(kh + s * d, KB * d * sizeof(*kh));                                              \
     __m512 dot[N][KB];                                                                                          \
     for (int i = 0; i < N; i++)                                                                                 \
@@ -455,7 +455,7 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
     }                                                                                                           \
     for (int i = 0; i < N; i++) {                                                                               \
       float sums[16];                                                                                           \
-      __m512 four = sum4(dot[i][0], dot[i][1], dot[i][2], dot[i][3]);                                            \
+      __m512 four = sum4(dot[i][0], dot[i][1], dot[i][2], dot[i][3]);                                           \
       _mm512_storeu_ps(sums, _mm512_mul_ps(four, _mm512_set1_ps(scale)));                                       \
       for (int j = 0; j < KB && s + j < end; j++) {                                                             \
         const uint8_t *sn = seen[u0 + i];                                                                       \
@@ -481,11 +481,11 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
       if (u0 == 0 && c0 == 0) ahead_##SUFFIX(vh + s * d, d * sizeof(*vh));                                      \
       __m512 vc[VC(N)];                                                                                         \
       for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) vc[cc] = chunk_##SUFFIX(vh + s * d, c0 + cc, CH);      \
-      for (int i = 0; i < N; i++) { /* + 0 * v: a vector's sums stay as they are, bit for bit */               \
+      for (int i = 0; i < N; i++) { /* + 0 * v: a vector's sums stay as they are, bit for bit */                \
         float e = scores[(u0 + i) * (S + 16) + s];                                                              \
         __m512 w = _mm512_set1_ps(e);                                                                           \
         if (c0 == 0) sum[i] += e;                                                                               \
-        for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = _mm512_fmadd_ps(w, vc[cc], a[i][cc]);      \
+        for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = _mm512_fmadd_ps(w, vc[cc], a[i][cc]);     \
       }                                                                                                         \
     }                                                                                                           \
     for (int i = 0; i < N; i++) {                                                                               \
@@ -501,7 +501,7 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
     if (u0 < m) { PASS(SUFFIX, CH, 1) }                                                                         \
   }
 #define ATTEND_TILE(SUFFIX, T, CH)                                                                              \
-  static void tile_##SUFFIX##_##CH(const T *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m,    \
+  static void tile_##SUFFIX##_##CH(const T *const *qs, const uint8_t *const *seen, T *const *outs, int64_t m,   \
                                    const T *kh, const T *vh, int64_t S, float scale, float *scores) {           \
     const int64_t d = 16 * CH, block = BLOCK_BYTES / (d * (int64_t)sizeof(T)) / KB * KB;                        \
     float top[TILE_VECTORS], total[TILE_VECTORS];                                                               \
@@ -511,43 +511,43 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
       for (int c = 0; c < CH; c++) acc[u][c] = _mm512_setzero_ps();                                             \
     }                                                                                                           \
     BLOCKS(SCORES, SUFFIX, CH)                                                                                  \
-    for (int64_t u = 0; u < m; u++) { /* the 16 past S are padding, never read back; an unseen key weighs 0 */ \
+    for (int64_t u = 0; u < m; u++) { /* the 16 past S are padding, never read back; an unseen key weighs 0 */  \
       float *row = scores + u * (S + 16);                                                                       \
       for (int64_t s = S; s < S + 16; s++) row[s] = -INFINITY;                                                  \
       for (int64_t s = 0; s < S; s += 16) {                                                                     \
         __m512 x = _mm512_loadu_ps(row + s);                                                                    \
         __mmask16 shown = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);                        \
-        _mm512_storeu_ps(row + s, _mm512_maskz_mov_ps(shown, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top[u])))));  \
+        _mm512_storeu_ps(row + s, _mm512_maskz_mov_ps(shown, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top[u]))))); \
       }                                                                                                         \
     }                                                                                                           \
     BLOCKS(VALUES, SUFFIX, CH)                                                                                  \
     for (int64_t u = 0; u < m; u++)                                                                             \
-      scaled_##SUFFIX(outs[u], acc[u], CH, _mm512_set1_ps(1.0f / total[u]));                                   \
+      scaled_##SUFFIX(outs[u], acc[u], CH, _mm512_set1_ps(1.0f / total[u]));                                    \
   }
 #define ATTEND(SUFFIX, T)                                                                                       \
-  ATTEND_TILE(SUFFIX, T, 1) ATTEND_TILE(SUFFIX, T, 2)                                                            \
-  ATTEND_TILE(SUFFIX, T, 3) ATTEND_TILE(SUFFIX, T, 4)                                                              \
-  ATTEND_TILE(SUFFIX, T, 5) ATTEND_TILE(SUFFIX, T, 6)                                                              \
-  ATTEND_TILE(SUFFIX, T, 7) ATTEND_TILE(SUFFIX, T, 8)                                                              \
-  ATTEND_TILE(SUFFIX, T, 9) ATTEND_TILE(SUFFIX, T, 10)                                                             \
-  ATTEND_TILE(SUFFIX, T, 11) ATTEND_TILE(SUFFIX, T, 12)                                                            \
-  ATTEND_TILE(SUFFIX, T, 13) ATTEND_TILE(SUFFIX, T, 14)                                                            \
-  ATTEND_TILE(SUFFIX, T, 15) ATTEND_TILE(SUFFIX, T, 16)                                                            \
-  typedef void (*tile_##SUFFIX)(const T *const *, const uint8_t *const *, T *const *, int64_t, const T *,        \
+  ATTEND_TILE(SUFFIX, T, 1) ATTEND_TILE(SUFFIX, T, 2)                                                           \
+  ATTEND_TILE(SUFFIX, T, 3) ATTEND_TILE(SUFFIX, T, 4)                                                           \
+  ATTEND_TILE(SUFFIX, T, 5) ATTEND_TILE(SUFFIX, T, 6)                                                           \
+  ATTEND_TILE(SUFFIX, T, 7) ATTEND_TILE(SUFFIX, T, 8)                                                           \
+  ATTEND_TILE(SUFFIX, T, 9) ATTEND_TILE(SUFFIX, T, 10)                                                          \
+  ATTEND_TILE(SUFFIX, T, 11) ATTEND_TILE(SUFFIX, T, 12)                                                         \
+  ATTEND_TILE(SUFFIX, T, 13) ATTEND_TILE(SUFFIX, T, 14)                                                         \
+  ATTEND_TILE(SUFFIX, T, 15) ATTEND_TILE(SUFFIX, T, 16)                                                         \
+  typedef void (*tile_##SUFFIX)(const T *const *, const uint8_t *const *, T *const *, int64_t, const T *,       \
                                 const T *, int64_t, float, float *);                                            \
   static const tile_##SUFFIX TILES_##SUFFIX[MAX_HEAD / 16 + 1] = {                                              \
-      0, tile_##SUFFIX##_1, tile_##SUFFIX##_2, tile_##SUFFIX##_3, tile_##SUFFIX##_4, tile_##SUFFIX##_5,            \
-      tile_##SUFFIX##_6, tile_##SUFFIX##_7, tile_##SUFFIX##_8, tile_##SUFFIX##_9, tile_##SUFFIX##_10,               \
-      tile_##SUFFIX##_11, tile_##SUFFIX##_12, tile_##SUFFIX##_13, tile_##SUFFIX##_14, tile_##SUFFIX##_15,           \
+      0, tile_##SUFFIX##_1, tile_##SUFFIX##_2, tile_##SUFFIX##_3, tile_##SUFFIX##_4, tile_##SUFFIX##_5,         \
+      tile_##SUFFIX##_6, tile_##SUFFIX##_7, tile_##SUFFIX##_8, tile_##SUFFIX##_9, tile_##SUFFIX##_10,           \
+      tile_##SUFFIX##_11, tile_##SUFFIX##_12, tile_##SUFFIX##_13, tile_##SUFFIX##_14, tile_##SUFFIX##_15,       \
       tile_##SUFFIX##_16};                                                                                      \
   void attend_##SUFFIX(const T *q, const T *k, const T *v, const uint8_t *mask, T *out, int64_t heads,          \
                        int64_t kv_heads, int64_t n, int64_t S, int64_t d, int64_t q_stride, int64_t head_stride, \
                        float scale, int threads) {                                                              \
     int64_t group = heads / kv_heads, vectors = group * n;                                                      \
-    int64_t tiles = (vectors + TILE_VECTORS - 1) / TILE_VECTORS, busy = (threads + kv_heads - 1) / kv_heads;     \
+    int64_t tiles = (vectors + TILE_VECTORS - 1) / TILE_VECTORS, busy = (threads + kv_heads - 1) / kv_heads;    \
     if (tiles < busy) tiles = busy < vectors ? busy : vectors; /* a unit for every thread */                    \
     _Pragma("omp parallel num_threads(threads)") {                                                              \
-      float *scores = scratch(TILE_VECTORS * (S + 16));                                                          \
+      float *scores = scratch(TILE_VECTORS * (S + 16));                                                         \
       _Pragma("omp for schedule(static)")                                                                       \
       for (int64_t unit = 0; unit < kv_heads * tiles; unit++) {                                                 \
         int64_t kv = unit / tiles, u0 = vectors * (unit % tiles) / tiles;                                       \
@@ -555,7 +555,7 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
         const T *qs[TILE_VECTORS];                                                                              \
         const uint8_t *seen[TILE_VECTORS];                                                                      \
         T *outs[TILE_VECTORS];                                                                                  \
-        for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */                           \
+        for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */                            \
           int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;                                      \
           qs[u] = q + h * q_stride + r * d, seen[u] = mask ? mask + r * S : 0, outs[u] = out + (r * heads + h) * d; \
         }                                                                                                       \
