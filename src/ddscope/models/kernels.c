@@ -363,13 +363,9 @@ static inline __m512 chunk_bf16(const uint16_t *row, int c, int ch) {
                          : _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c * 16)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
 }
-static inline void store16_f32(float *y, __m512 x) { _mm512_storeu_ps(y, x); }
-static inline void store16_bf16(uint16_t *y, __m512 x) {
-  _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x));
-}
 /* out = sums * scale, the sums by chunk as `chunk_` reads them; each output rounded once. */
 static inline void scaled_f32(float *out, const __m512 *sums, int ch, __m512 scale) {
-  for (int c = 0; c < ch; c++) store16_f32(out + c * 16, _mm512_mul_ps(sums[c], scale));
+  for (int c = 0; c < ch; c++) _mm512_storeu_ps(out + c * 16, _mm512_mul_ps(sums[c], scale));
 }
 static inline void scaled_bf16(uint16_t *out, const __m512 *sums, int ch, __m512 scale) {
   int c = 0;
@@ -378,7 +374,8 @@ static inline void scaled_bf16(uint16_t *out, const __m512 *sums, int ch, __m512
     __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[c + 1], scale)));
     _mm512_storeu_si512(out + c * 16, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
   }
-  if (c < ch) store16_bf16(out + c * 16, _mm512_mul_ps(sums[c], scale));
+  if (c < ch) /* an odd row's last 16 */
+    _mm256_storeu_si256((__m256i *)(out + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[c], scale)));
 }
 /* A dot product's step s over rows of ch 16-wide chunks: fp32, an FMA of chunk s; bf16, a `vdpbf16ps` of the 32
  * elements from 32 s (an odd row's last 16 alone), each lane adding its pair's products, exact in fp32, one at
@@ -431,8 +428,6 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
 #define MAX_HEAD 256      /* head_dim */
 #define TILE_VECTORS 64   /* query vectors a tile: each tile reads its K/V head once */
 #define BLOCK_BYTES 24576 /* a block of keys (or values) that stays in L1 while a tile's vectors pass */
-/* One tile of m query vectors over one K/V head, head_dim 16 * CH (a constant: the vector stays in registers
- * while a block of keys passes). */
 #define VB 4 /* query vectors a register block (the last of a tile: 2 or 1) */
 #define KB 4 /* keys a register block of the scores (sum4's) */
 /* One tile of m query vectors over one K/V head of head_dim 16 * CH, in blocks of keys that stay in L1 while
