@@ -1,10 +1,13 @@
 """Engine behaviour around the loop: streaming text, stats consistency, the CLI (stops: test_stops.py)."""
 import json
+import subprocess
+import sys
 
 import pytest
 
 from ddscope.bench.synthetic import oracle_engine
 from ddscope.cli import main
+from ddscope.models.pages import keep_freed
 from ddscope.spec.lookup import LOOKUP_MAX
 
 
@@ -83,3 +86,51 @@ def test_prefill_token_respects_eos_and_min_tokens(tiny_engine):
 def test_bad_stop_is_a_value_error(tiny_engine, stop):
     with pytest.raises(ValueError, match="stop must be"):
         tiny_engine.stream("x", stop=stop)
+
+
+FAULT_PROBE = """
+import resource, sys, tempfile
+from pathlib import Path
+import torch
+import ddscope.engine.engine as engine_module
+from ddscope.bench.synthetic import make_target
+if sys.argv[1] == "glibc":  # the engine without pages.keep_freed: glibc's own defaults
+    engine_module.keep_freed = lambda: False
+target = make_target(Path(tempfile.mkdtemp()) / "t", "qwen3", hidden=256, layers=2, max_len=4096)
+engine = engine_module.Engine.load(target, max_model_len=4096, max_prefill_tokens=4096)
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def prefills():  # prompts of several lengths, as a server's
+    for n in (512, 2048, 1024, 2048):
+        engine.generate([3 + i % 300 for i in range(n)], max_new_tokens=2, ignore_eos=True, method="ar")
+prefills()
+prefills()
+before = faults()
+prefills()
+after = faults()
+tensor = []
+for _ in range(12):  # 100 MB: past 32 MiB, glibc's defaults map every such tensor afresh
+    start = faults()
+    big = torch.ones(25 << 20)
+    tensor.append(faults() - start)
+    del big
+print(after - before, *tensor)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not keep_freed(), reason="glibc's malloc on Linux")
+def test_prefills_reuse_freed_memory_rather_than_fault_it_in_again():
+    """A step's activations come back from the engine's heap: prefills like those that ran before fault no page
+    in again, and a 100 MB tensor allocated again and again soon faults none. Under glibc's defaults (the
+    control) every such tensor's 25,600 pages fault in afresh, each one zeroed; the prefills' faults there vary
+    with the allocations before them (1-7,000 here)."""
+    def faults(mode: str) -> tuple[int, list[int]]:
+        run = subprocess.run([sys.executable, "-c", FAULT_PROBE, mode], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        prefills, *tensor = map(int, run.stdout.split())
+        return prefills, tensor
+
+    (kept_prefills, kept_tensor), (_, glibc_tensor) = faults("kept"), faults("glibc")
+    assert kept_prefills <= 64, kept_prefills
+    assert sum(kept_tensor[3:]) <= 64, kept_tensor  # freed blocks coalesce within a few rounds, then are reused
+    assert min(glibc_tensor) >= 25_000, glibc_tensor  # the check can fail: without keep_freed they fault in

@@ -21,6 +21,7 @@ from ddscope.engine.sequence import Sequence, Step
 from ddscope.models.drafter import Drafter
 from ddscope.models.hf_target import HFTarget, load_target
 from ddscope.models.kv_pool import Pages
+from ddscope.models.pages import keep_freed
 from ddscope.models.target import Target
 from ddscope.policy.auto import AutoBudget
 from ddscope.policy.batch import BatchBudget
@@ -54,6 +55,7 @@ class Engine:
                  default_budget: int | str = 32, kv_cache_mb: int = KV_CACHE_MB, prefix_cache: bool = True,
                  prefill_threads: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS):
+        keep_freed()  # a step's activations: reused, not faulted in again from Linux
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source, self.model_name = str(source.resolve()), source.name
         self.max_model_len, self.default_budget = max_model_len, default_budget
