@@ -33,8 +33,9 @@ def keep_freed() -> bool:
     """Keep freed memory in this process for the next step's tensors (glibc; False elsewhere). By default glibc
     serves a large tensor from a fresh mapping, and gives freed memory back to Linux, so every step faults its
     activations in again, 4 KiB at a time, each page zeroed (about 2 us a page here): up to 0.3 million faults
-    in a 2k-token prefill of floor.py's model, and 0.4-0.5 million in a 4k one. Here every thread allocates from the one heap, every tensor comes from it (none from a
-    mapping of its own), and it is never trimmed: a process holds its peak heap instead."""
+    in a 2k-token prefill of floor.py's model, up to 0.7 million in a 4k one. Here every thread allocates from
+    the one heap, every tensor comes from it (none from a mapping of its own), and it is never trimmed: a
+    process holds its peak heap instead (docs/server.md)."""
     libc = _libc()
     return libc is not None and hasattr(libc, "mallopt") and all(libc.mallopt(p, v) == 1 for p, v in KEEP_FREED)
 
