@@ -14,6 +14,7 @@ from ddscope.models.layers import RMSNorm, apply_rope, rope
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="kernels.c did not build here")
 DTYPES = (torch.float32, torch.bfloat16)
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def _reference_norm_rope(x, weight, cos, sin, heads, eps):
@@ -136,6 +137,33 @@ def test_huge_memory_is_aligned_to_its_pages_and_holds_what_is_written():
     big.copy_(values)
     torch.randn(4096, 1024).fill_(7)  # memory allocated and freed after it is not the tensor's
     assert torch.equal(big, values)
+
+
+def _huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not os.path.exists(THP) or "[never]" in open(THP).read(), reason="Linux's THP, not off")
+def test_huge_memory_is_on_huge_pages_after_freed_memory_was_kept():
+    """Weights loaded after an engine kept its freed memory still get 2 MiB pages: heap memory already touched
+    stays in 4 KiB ones (12 of 64 MB were huge when `huge` took it from the heap)."""
+    assert pages.keep_freed()
+    for _ in range(3):
+        touched = [torch.ones(8 << 20) for _ in range(4)]  # 128 MB of activations, touched, then freed
+        del touched
+    weights = pages.huge((4096, 4096), torch.float32)
+    weights.fill_(1)
+    assert _huge_kb(weights.data_ptr()) >= 32 << 10  # of 64 MB
 
 
 def test_panels_serve_only_weights_of_whole_panels():

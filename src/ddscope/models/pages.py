@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 from functools import cache
 
@@ -17,11 +18,13 @@ KEEP_FREED = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), 
 
 def huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor on memory Linux is asked to back with 2 MiB pages (madvise MADV_HUGEPAGE, which THP's
-    usual "madvise" mode needs); elsewhere, or under 2 MiB, plain memory."""
+    usual "madvise" mode needs); elsewhere, or under 2 MiB, plain memory. The memory is a mapping of its own,
+    never touched: heap memory that `keep_freed` kept is already in 4 KiB pages, and stays so."""
     size = math.prod(shape) * dtype.itemsize
     if size < HUGE_PAGE or _libc() is None:
         return torch.empty(shape, dtype=dtype)
-    base = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+    private = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # THP takes private ones
+    base = torch.frombuffer(private, dtype=torch.uint8)  # unmapped with the tensor
     offset = -base.data_ptr() % HUGE_PAGE  # before the first touch: the pages fault in as huge ones
     _libc().madvise(ctypes.c_void_p(base.data_ptr() + offset), ctypes.c_size_t(size - size % HUGE_PAGE),
                     MADV_HUGEPAGE)
@@ -37,7 +40,7 @@ def keep_freed() -> bool:
     the one heap, every tensor comes from it (none from a mapping of its own), and it is never trimmed: a
     process holds its peak heap instead (docs/server.md)."""
     libc = _libc()
-    return libc is not None and hasattr(libc, "mallopt") and all(libc.mallopt(p, v) == 1 for p, v in KEEP_FREED)
+    return libc is not None and hasattr(libc, "mallopt") and all([libc.mallopt(p, v) == 1 for p, v in KEEP_FREED])
 
 
 @cache
