@@ -24,6 +24,10 @@ commit; the prefill row is the prefill). A is the engine without the change, B w
   In both, arm A's tree rows run the modules (a tree's one C call a layer takes the kernels' boolean mask);
   its decode steps stay on kernels.c's calls.
 - `pages-fp32`: panelled weights on 2 MiB pages (ddscope.models.pages) against 4 KiB ones.
+- `causal-fp32`: a prefill's causal attention as kernels.c's tree products (ddscope.models.native.causal_attend)
+  against SDPA.
+- `kv-pages-fp32`, `kv-pages-bf16`: the KV pool on 2 MiB pages (ddscope.models.kv_pool.zeroed) against 4 KiB
+  ones.
 - `native-fp32`, `native-bf16`: RMSNorm and the heads' norm + RoPE as one C call each (ddscope.models.native)
   against torch's ops.
 """
@@ -41,6 +45,7 @@ import torch
 from floor import build
 from floor_check import prompt
 
+import ddscope.models.kv_pool as kv_pool
 import ddscope.models.layers as layers
 import ddscope.models.native as native
 import ddscope.models.pages as pages
@@ -71,6 +76,14 @@ def _small_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+def _small_kv_pages():
+    return patched("zeroed", lambda shape, device, dtype: torch.zeros(shape, device=device, dtype=dtype), kv_pool)
+
+
+def _no_causal_rows():
+    return patched("causal_rows", lambda *tensors: False, native)
+
+
 def _no_tree_attention_fp32():
     return patched("tree_rows", lambda *geometry: False, native)
 
@@ -89,6 +102,9 @@ CHANGES: dict[str, tuple[str, Callable]] = {"packed-bf16": ("bfloat16", lambda: 
                                             "tree-attention-fp32": ("float32", _no_tree_attention_fp32),
                                             "tree-attention-bf16": ("bfloat16", _no_exact_trees),
                                             "pages-fp32": ("float32", lambda: patched("huge", _small_pages, pages)),
+                                            "causal-fp32": ("float32", _no_causal_rows),
+                                            "kv-pages-fp32": ("float32", _small_kv_pages),
+                                            "kv-pages-bf16": ("bfloat16", _small_kv_pages),
                                             "native-fp32": ("float32", _torch_ops),
                                             "native-bf16": ("bfloat16", _torch_ops)}
 CASES = (("ar decode @16", 16, dict(method="ar")), ("ar decode @4096", 4096, dict(method="ar")),

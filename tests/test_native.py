@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from ddscope.models import native, pages
+from ddscope.models import layer_call, native, pages
 from ddscope.models.layers import RMSNorm, apply_rope, rope
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="kernels.c did not build here")
@@ -257,6 +257,37 @@ def test_tree_products_match_sdpa_and_give_a_row_its_bits_whatever_rows_are_besi
     assert not native.tree_rows(torch.float32, heads, kv_heads, d, native.TREE_KEYS + 1)
 
 
+@pytest.mark.skipif(not hasattr(native.library(), "causal_attend_f32"), reason="needs AVX-512")
+@pytest.mark.parametrize("heads,kv_heads,d,n,prefix", [(4, 2, 256, 300, 0), (8, 1, 128, 97, 45), (2, 2, 64, 41, 0),
+                                                        (6, 2, 64, 130, 2100)])
+def test_causal_rows_match_sdpa_and_get_a_tree_rows_bits_whatever_the_chunks(heads, kv_heads, d, n, prefix):
+    """A prefill's rows (after a prefix, or none) in units of whole rows, the longest first over both threads:
+    SDPA's values, and each row the bits `tree_attend` gives it over its keys, so a prompt's K/V are the same
+    bits prefilled at once, in chunks or after a cached prefix."""
+    torch.manual_seed(7)
+    S = prefix + n
+    q = torch.randn(heads, n, d)
+    k, v = torch.randn(kv_heads, S + 5, d)[:, :S], torch.randn(kv_heads, S + 5, d)[:, :S]  # a cache's views
+    mask = torch.ones(n, S, dtype=torch.bool).tril(prefix)
+    with torch.inference_mode():
+        assert native.causal_rows(q, k, v)
+        got = native.causal_attend(q, k, v)
+        want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                                enable_gqa=True)[0]
+        _close(got, want.transpose(0, 1).reshape(n, -1), torch.float32)
+        cut = n // 3  # the same rows as two chunks, the second after the first's keys
+        first = native.causal_attend(q[:, :cut].contiguous(), k[:, :prefix + cut], v[:, :prefix + cut])
+        second = native.causal_attend(q[:, cut:].contiguous(), k, v)
+        assert torch.equal(torch.cat([first, second]), got)
+        if S <= native.TREE_KEYS:
+            rows = slice(n - 5, n)
+            tree = native.tree_attend(q[:, rows].contiguous(), k, v, mask[rows].contiguous())
+            assert torch.equal(tree, got[rows])
+    assert not native.causal_rows(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert not native.causal_rows(q.requires_grad_(), k, v)
+    assert not native.causal_rows(torch.randn(4, n, 80), torch.randn(2, S, 80), torch.randn(2, S, 80))
+
+
 def test_attention_takes_torch_ops_where_kernels_c_cannot():
     q, k = torch.randn(4, 3, 64), torch.randn(2, 10, 64)
     assert not native.attends(q, k, k, torch.zeros(3, 10))  # an additive bias
@@ -288,7 +319,7 @@ def test_rows_in_kernels_are_the_modules_bits(tmp_path, arch, pages, dtype):
     from ddscope.models.kv_pool import KVPool, Pages
     from ddscope.models.target import Target
 
-    if not (native.decodes(dtype) and _panels(dtype)):
+    if not (layer_call.decodes(dtype) and _panels(dtype)):
         pytest.skip(f"no decode calls for {dtype} here (fp32 needs AVX-512, bf16 AMX)")
     target = Target.load(make_target(tmp_path / arch, arch, hidden=256, layers=3), torch.device("cpu"), dtype)
     prompt, new, tree = torch.randint(4, 200, (50,)), torch.randint(4, 200, (6,)), torch.randint(4, 200, (9,))

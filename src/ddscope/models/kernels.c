@@ -629,12 +629,13 @@ typedef void (*mix_fn)(const float *, const float *, int64_t, int64_t, int64_t, 
 static const mix_fn MIX_TILES[MIX_VECTORS + 1] = {0, mix_1, mix_2, mix_3, mix_4, mix_5, mix_6};
 
 /* Scores [S][TREE_VECTORS] of one unit's m vectors -> their softmax weights (exactly 0 where a vector may not
- * attend), and each vector's sum of them. Keys before `open` are every row's: the mask is read past it only. */
-static void softmax_keys(float *t, int64_t S, int64_t m, int64_t open, const uint8_t *const *seen, float scale,
-                         float *sum) {
+ * attend), and each vector's sum of them. Keys before `open` are every vector's: past it, vector u sees key s
+ * where seen[u][s] (a tree's mask) or, without a mask, where s < upto[u] (causal rows). */
+static void softmax_keys(float *t, int64_t S, int64_t m, int64_t open, const uint8_t *const *seen,
+                         const int64_t *upto, float scale, float *sum) {
   for (int64_t s = open; s < S; s++)
     for (int64_t u = 0; u < m; u++)
-      if (!seen[u][s]) t[s * TREE_VECTORS + u] = -INFINITY;
+      if (seen ? !seen[u][s] : s >= upto[u]) t[s * TREE_VECTORS + u] = -INFINITY;
   int P = (int)((m + 15) / 16);
   for (int j = 0; j < P; j++) {
     __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps(), sc = _mm512_set1_ps(scale);
@@ -651,6 +652,46 @@ static void softmax_keys(float *t, int64_t S, int64_t m, int64_t open, const uin
   }
 }
 
+/* One unit: m query vectors qs[u] (rows of d) over keys [0, S) of one K/V head (kh, vh), out[u] their results.
+ * `scratch` holds (2 TREE_VECTORS + 1) d + (S + 1) TREE_VECTORS floats. */
+static void tree_unit(const float *const *qs, float *const *outs, const uint8_t *const *seen, const int64_t *upto,
+                      int64_t m, int64_t open, const float *kh, const float *vh, int64_t S, int64_t d, float scale,
+                      float *qp) {
+  int64_t P = (m + 15) / 16;
+  float *o = qp + TREE_VECTORS * d, *t = o + TREE_VECTORS * d, *sum = t + S * TREE_VECTORS;
+  memset(qp, 0, sizeof(float) * P * 16 * d);
+  memset(o, 0, sizeof(float) * m * d);
+  for (int64_t u = 0; u < m; u++) /* vector u in lane u % 16 of panel u / 16 */
+    for (int64_t c = 0; c < d; c++) qp[((u / 16) * d + c) * 16 + u % 16] = qs[u][c];
+  fetch_share(kh, lines_of(S, 0, SCORE_BLOCK, d), 0, 1);
+  for (int64_t b = 0; b < S; b += SCORE_BLOCK) { /* each block's calls fetch the next (the last: v's first) */
+    int64_t end = S < b + SCORE_BLOCK ? S : b + SCORE_BLOCK, c = 0;
+    int64_t calls = d / D_STEP * ((end - b + SCORE_KEYS - 1) / SCORE_KEYS);
+    const float *next = end < S ? kh + end * d : vh;
+    int64_t lines = end < S ? lines_of(S, end, SCORE_BLOCK, d) : lines_of(S, 0, MIX_BLOCK, d);
+    for (int64_t c0 = 0; c0 < d; c0 += D_STEP)
+      for (int64_t s = b; s < end; s += SCORE_KEYS, c++) {
+        fetch_share(next, lines, c, calls);
+        SCORES_TILES[P](qp, kh, t, S, d, c0, s);
+      }
+  }
+  softmax_keys(t, S, m, open, seen, upto, scale, sum);
+  for (int64_t b = 0; b < S; b += MIX_BLOCK) {
+    int64_t end = S < b + MIX_BLOCK ? S : b + MIX_BLOCK, c = 0, lines = lines_of(S, end, MIX_BLOCK, d);
+    int64_t calls = d / 64 * ((m + MIX_VECTORS - 1) / MIX_VECTORS);
+    for (int64_t c0 = 0; c0 < d; c0 += 64)
+      for (int64_t u = 0; u < m; u += MIX_VECTORS, c++) {
+        fetch_share(vh + end * d, lines, c, calls);
+        MIX_TILES[m - u < MIX_VECTORS ? m - u : MIX_VECTORS](t, vh, b, end, d, c0, u, o);
+      }
+  }
+  for (int64_t u = 0; u < m; u++) {
+    __m512 inv = _mm512_set1_ps(1.0f / sum[u]);
+    for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(outs[u] + c, _mm512_mul_ps(_mm512_loadu_ps(o + u * d + c), inv));
+  }
+}
+static float *unit_scratch(int64_t S, int64_t d) { return scratch((2 * TREE_VECTORS + 1) * d + (S + 1) * TREE_VECTORS); }
+
 void tree_attend_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out, int64_t heads,
                      int64_t kv_heads, int64_t n, int64_t S, int64_t d, int64_t q_stride, int64_t head_stride,
                      float scale, int threads) {
@@ -663,50 +704,44 @@ void tree_attend_f32(const float *q, const float *k, const float *v, const uint8
   if (tiles < busy) tiles = busy < vectors ? busy : vectors;
 #pragma omp parallel num_threads(threads)
   {
-    float *qp = scratch((2 * TREE_VECTORS + 1) * d + S * TREE_VECTORS + TREE_VECTORS), *o = qp + TREE_VECTORS * d;
-    float *t = o + TREE_VECTORS * d, *sum = t + S * TREE_VECTORS;
+    float *qp = unit_scratch(S, d);
 #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < kv_heads * tiles; unit++) {
-      int64_t kv = unit / tiles, u0 = vectors * (unit % tiles) / tiles;
-      int64_t m = vectors * (unit % tiles + 1) / tiles - u0, P = (m + 15) / 16;
+      int64_t kv = unit / tiles, u0 = vectors * (unit % tiles) / tiles, m = vectors * (unit % tiles + 1) / tiles - u0;
+      const float *qs[TREE_VECTORS];
+      float *outs[TREE_VECTORS];
       const uint8_t *seen[TREE_VECTORS];
-      memset(qp, 0, sizeof(float) * P * 16 * d);
-      memset(o, 0, sizeof(float) * m * d);
-      for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h, in lane u % 16 of panel u / 16 */
-        int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;
-        const float *qr = q + h * q_stride + r * d;
-        for (int64_t c = 0; c < d; c++) qp[((u / 16) * d + c) * 16 + u % 16] = qr[c];
-        seen[u] = mask + r * S;
-      }
-      const float *kh = k + kv * head_stride, *vh = v + kv * head_stride;
-      fetch_share(kh, lines_of(S, 0, SCORE_BLOCK, d), 0, 1);
-      for (int64_t b = 0; b < S; b += SCORE_BLOCK) { /* each block's calls fetch the next (the last: v's first) */
-        int64_t end = S < b + SCORE_BLOCK ? S : b + SCORE_BLOCK, c = 0;
-        int64_t calls = d / D_STEP * ((end - b + SCORE_KEYS - 1) / SCORE_KEYS);
-        const float *next = end < S ? kh + end * d : vh;
-        int64_t lines = end < S ? lines_of(S, end, SCORE_BLOCK, d) : lines_of(S, 0, MIX_BLOCK, d);
-        for (int64_t c0 = 0; c0 < d; c0 += D_STEP)
-          for (int64_t s = b; s < end; s += SCORE_KEYS, c++) {
-            fetch_share(next, lines, c, calls);
-            SCORES_TILES[P](qp, kh, t, S, d, c0, s);
-          }
-      }
-      softmax_keys(t, S, m, open, seen, scale, sum);
-      for (int64_t b = 0; b < S; b += MIX_BLOCK) {
-        int64_t end = S < b + MIX_BLOCK ? S : b + MIX_BLOCK, c = 0, lines = lines_of(S, end, MIX_BLOCK, d);
-        int64_t calls = d / 64 * ((m + MIX_VECTORS - 1) / MIX_VECTORS);
-        for (int64_t c0 = 0; c0 < d; c0 += 64)
-          for (int64_t u = 0; u < m; u += MIX_VECTORS, c++) {
-            fetch_share(vh + end * d, lines, c, calls);
-            MIX_TILES[m - u < MIX_VECTORS ? m - u : MIX_VECTORS](t, vh, b, end, d, c0, u, o);
-          }
-      }
       for (int64_t u = 0; u < m; u++) { /* vector u0 + u: row r of query head h */
         int64_t r = (u0 + u) / group, h = kv * group + (u0 + u) % group;
-        __m512 inv = _mm512_set1_ps(1.0f / sum[u]);
-        for (int64_t c = 0; c < d; c += 16)
-          _mm512_storeu_ps(out + (r * heads + h) * d + c, _mm512_mul_ps(_mm512_loadu_ps(o + u * d + c), inv));
+        qs[u] = q + h * q_stride + r * d, outs[u] = out + (r * heads + h) * d, seen[u] = mask + r * S;
       }
+      tree_unit(qs, outs, seen, NULL, m, open, k + kv * head_stride, v + kv * head_stride, S, d, scale, qp);
+    }
+  }
+}
+
+/* Causal attention of n rows at positions [start, start + n) over keys [0, start + n) (a prefill, after a
+ * prefix of `start`), as `tree_attend_f32`'s units of TREE_VECTORS / group rows: row r sees keys up to its own,
+ * and gets the bits a tree's row over the same keys gets, whatever the rows beside it. */
+void causal_attend_f32(const float *q, const float *k, const float *v, float *out, int64_t heads, int64_t kv_heads,
+                       int64_t n, int64_t start, int64_t d, int64_t q_stride, int64_t head_stride, float scale,
+                       int threads) {
+  int64_t group = heads / kv_heads, rows = TREE_VECTORS / group, chunks = (n + rows - 1) / rows;
+#pragma omp parallel num_threads(threads)
+  {
+    float *qp = unit_scratch(start + n, d);
+#pragma omp for schedule(dynamic)
+    for (int64_t unit = 0; unit < kv_heads * chunks; unit++) { /* the longest first */
+      int64_t kv = unit % kv_heads, r0 = (chunks - 1 - unit / kv_heads) * rows, r1 = n < r0 + rows ? n : r0 + rows;
+      int64_t m = (r1 - r0) * group, upto[TREE_VECTORS];
+      const float *qs[TREE_VECTORS];
+      float *outs[TREE_VECTORS];
+      for (int64_t u = 0; u < m; u++) { /* vector u: row r0 + u / group of query head h */
+        int64_t r = r0 + u / group, h = kv * group + u % group;
+        qs[u] = q + h * q_stride + r * d, outs[u] = out + (r * heads + h) * d, upto[u] = start + r + 1;
+      }
+      tree_unit(qs, outs, NULL, upto, m, start + r0, k + kv * head_stride, v + kv * head_stride, start + r1, d,
+                scale, qp);
     }
   }
 }

@@ -10,8 +10,18 @@ from __future__ import annotations
 import torch
 
 from ddscope.config import DecoderGeometry
+from ddscope.models import pages
 
 BLOCK = 64  # slots a block; the prefix cache shares whole blocks
+
+
+def zeroed(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """K/V storage, zeroed now as vLLM allocates its KV cache at start-up: the memory is held from the start (no
+    OOM later) and no step pays for first touching it. On CPU, on 2 MiB pages: a decode step streams its keys
+    and values whole, and on 4 KiB pages its attention took 4-5% longer (docs/performance.md)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    return pages.huge(shape, dtype).zero_()
 
 
 class KVCache:
@@ -19,8 +29,7 @@ class KVCache:
 
     def __init__(self, g: DecoderGeometry, capacity: int, device: torch.device, dtype: torch.dtype):
         shape = (g.num_layers, g.num_kv_heads, capacity, g.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = zeroed(shape, device, dtype), zeroed(shape, device, dtype)
         self.capacity = capacity
         self.length = 0
 
@@ -162,15 +171,13 @@ class KVPool:
         self.blocks, self.block = blocks, block
         slots = blocks * block
 
-        # Zeroed now, as vLLM allocates its KV cache at start-up: the memory is held from the start (no OOM
-        # later), and no step pays for first touching it.
         def kv(g: DecoderGeometry) -> tuple[torch.Tensor, torch.Tensor]:
             shape = (g.num_layers, g.num_kv_heads, slots, g.head_dim)
-            return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+            return zeroed(shape, device, dtype), zeroed(shape, device, dtype)
 
         self.k, self.v = kv(target)
         self.dk, self.dv = kv(drafter) if drafter is not None else (None, None)
-        self.features = torch.zeros(slots, feature_dim, device=device, dtype=dtype) if drafter is not None else None
+        self.features = zeroed((slots, feature_dim), device, dtype) if drafter is not None else None
 
     @staticmethod
     def block_bytes(target: DecoderGeometry, drafter: DecoderGeometry | None, feature_dim: int,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddscope.config import DecoderGeometry
-from ddscope.models import native, pages
+from ddscope.models import layer_call, native, pages
 
 
 BMM_ATTENTION = (torch.float32,)  # dtypes whose masked grouped attention runs as two batched products
@@ -103,15 +103,19 @@ class Attention(nn.Module):
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             causal: bool = False) -> torch.Tensor:
         """q [heads, n, d] over k, v [kv_heads, S, d] -> [n, heads * d]. `mask`: boolean [n, S] (True = may
-        attend), or the additive bias of `grouped_bias`, which runs the queries grouped; None: all keys (or
-        `causal`)."""
+        attend), or the additive bias of `grouped_bias`, which runs the queries grouped; None: all keys.
+        `causal`: the rows are the last n positions and each sees the keys up to its own (`mask`, if given,
+        spells that out; without it S = n)."""
         heads, n, d = q.shape
+        if causal and native.causal_rows(q, k, v):  # a prefill's fp32 rows as a tree's products
+            return native.causal_attend(q, k, v)
         if not causal and native.attends(q, k, v, mask):  # few rows: kernels.c's (a tree's fp32 rows as products)
             if n > 1 and mask is not None and native.tree_rows(q.dtype, heads, k.shape[0], d, k.shape[1]):
                 return native.tree_attend(q, k, v, mask)
             return native.attend(q, k, v, mask)
         if causal or (mask is not None and mask.dtype == torch.bool):
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                 is_causal=causal and mask is None,
                                                  enable_gqa=heads != k.shape[0])[0]
         else:  # the query heads of one K/V head as one head of group * n rows: K/V are read once per group
             grouped = q.reshape(k.shape[0], -1, d)
@@ -151,7 +155,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(g, bias)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.mlp = MLP(g)
-        self.row: native.DecodeRow | None = None  # a decode row's C calls, once `bind_decode` finds they serve
+        self.row: layer_call.DecodeRow | None = None  # a decode row's C calls, once `bind_decode` finds they serve
 
     def bind_decode(self) -> bool:
         """Bind `row` where kernels.c's decode calls serve (whether they do): panels without bias for every
@@ -161,11 +165,11 @@ class DecoderLayer(nn.Module):
         projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
         dtype = self.input_layernorm.weight.dtype
         if not (all(type(p) is PanelLinear and p.bias is None for p in projections)
-                and native.masks_rows(dtype, g.num_heads, g.num_kv_heads, g.head_dim) and native.decodes(dtype)):
+                and native.masks_rows(dtype, g.num_heads, g.num_kv_heads, g.head_dim) and layer_call.decodes(dtype)):
             self.row = None
             return False
         norms = (a.q_norm.weight, a.k_norm.weight) if g.qk_norm else (None, None)
-        self.row = native.DecodeRow(self.input_layernorm.weight, self.input_layernorm.eps,
+        self.row = layer_call.DecodeRow(self.input_layernorm.weight, self.input_layernorm.eps,
                                     _adjoin(a.q_proj, a.k_proj, a.v_proj), norms, a.q_norm.eps if g.qk_norm else 0.0,
                                     a.o_proj.panels, self.post_attention_layernorm.weight,
                                     self.post_attention_layernorm.eps, _adjoin(m.gate_proj, m.up_proj),

@@ -209,13 +209,14 @@ class Target(nn.Module):
         mask = seg.mask
         if mask is None and start > 0 and n > 1:
             mask = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(start)
-        causal = mask is None and start == 0 and n > 1
+        # a prefill's rows (not a few after a prefix: those take a tree's path) attend as causal
+        causal = seg.mask is None and n > 1 and (start == 0 or n > GROUPED_QUERIES)
         body = (self._grouped(mask) if mask is not None and n <= GROUPED_QUERIES else mask, causal)
         rows = seg.rows
         if rows == n or rows == 0:
             return _Masks(body, body)
         tail = torch.ones(rows, start + n, dtype=torch.bool, device=dev).tril(start + n - rows)
-        return _Masks(body, (self._grouped(tail) if rows <= GROUPED_QUERIES else tail, False))
+        return _Masks(body, (self._grouped(tail), False) if rows <= GROUPED_QUERIES else (tail, True))
 
     def _grouped(self, mask: torch.Tensor) -> torch.Tensor:
         """A few rows' mask as their attention takes it: boolean for kernels.c's (the exact kernel in the
