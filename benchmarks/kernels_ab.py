@@ -1,10 +1,11 @@
 """A/B of kernels.c's projections against a git revision's, on floor.py's model shapes (24 layers of a
 hidden-1024 Qwen3: q/k/v and gate/up adjoined, o, down), weights streamed from memory as in a step; with
 `--contexts`, of a decode row's attention instead (4 query heads over 2 K/V heads of 256, 24 layers' K/V), or
-with `--tree N` too, of a tree's N rows under an ancestor mask (`attend`, as bf16 trees verify).
+with `--tree N` too, of a tree's N rows under an ancestor mask (`attend`, as bf16 trees verify; `--kernel tree`,
+the fp32 trees' products), or with `--kernel causal`, of a prefill of the whole context.
 
     python benchmarks/kernels_ab.py --base b36f347 [--rows 1,9,33,64] [--dtype float32] [--repeats 9]
-    python benchmarks/kernels_ab.py --base b36f347 --contexts 1024,4096 [--tree 33] [--reorders]
+    python benchmarks/kernels_ab.py --base b36f347 --contexts 1024,4096 [--tree 33] [--kernel tree] [--reorders]
 
 A is the revision's kernels.c, B the working tree's; each arm packs its own weights (same values, on 2 MiB
 pages for both) and the arms take turns. Every B output is checked bitwise against A's: a change here may
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import ddscope.models.kv_pool as kv_pool
 import ddscope.models.native as native
 from ddscope.bench.sweep import cpu_model
 
@@ -51,12 +53,17 @@ def sweep(lib, panels: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) ->
     return time.perf_counter() - start, y
 
 
-def attention(lib, q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
+KERNELS = {"attend": lambda q, k, v, mask: native.attend(q, k, v, mask),
+           "tree": lambda q, k, v, mask: native.tree_attend(q, k, v, mask),
+           "causal": lambda q, k, v, mask: native.causal_attend(q, k, v)}
+
+
+def attention(lib, kernel: str, q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
               mask: torch.Tensor | None) -> tuple[float, torch.Tensor]:
     native.library = lambda: lib
     start = time.perf_counter()
     for k, v in caches:
-        y = native.attend(q, k, v, mask)
+        y = KERNELS[kernel](q, k, v, mask)
     return time.perf_counter() - start, y
 
 
@@ -105,16 +112,22 @@ def products(libs: dict, dtype: torch.dtype, rows: list[int], repeats: int) -> N
 
 
 def attentions(libs: dict, dtype: torch.dtype, contexts: list[int], repeats: int, reorders: bool,
-               nodes: int) -> None:
+               nodes: int, kernel: str) -> None:
+    """Each context's 24 layers of K/V on 2 MiB pages, as the KV pool holds them; `causal`: a prefill of the
+    whole context (its rate in GFLOP/s), else `nodes` rows over it (the K/V read in GB/s)."""
     torch.manual_seed(0)
-    q = torch.randn(HEADS, nodes, HEAD_DIM).to(dtype)
-    print("| context | A ms | B ms | B/A | B GB/s |\n|---|---|---|---|---|")
+    print(f"| context | A ms | B ms | B/A | B {'GFLOP' if kernel == 'causal' else 'GB'}/s |\n|---|---|---|---|---|")
     for context in contexts:
-        caches = [tuple(torch.randn(KV_HEADS, context, HEAD_DIM).to(dtype) for _ in "kv") for _ in range(LAYERS)]
-        mask = tree_mask(nodes, context) if nodes > 1 else None
-        a, b = alternate(lambda name: attention(libs[name], q, caches, mask), repeats, f"{context} keys", reorders)
-        size = sum(k.nbytes + v.nbytes for k, v in caches)
-        print(f"| {context} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {size / b / 1e9:.1f} |")
+        rows = context if kernel == "causal" else nodes
+        q = torch.randn(HEADS, rows, HEAD_DIM).to(dtype)
+        caches = [tuple(kv_pool.zeroed((KV_HEADS, context, HEAD_DIM), "cpu", dtype).copy_(
+            torch.randn(KV_HEADS, context, HEAD_DIM)) for _ in "kv") for _ in range(LAYERS)]
+        mask = tree_mask(nodes, context) if nodes > 1 and kernel != "causal" else None
+        a, b = alternate(lambda name: attention(libs[name], kernel, q, caches, mask), repeats, f"{context} keys",
+                         reorders)
+        work = (LAYERS * 4 * HEADS * HEAD_DIM * context * (context + 1) / 2 if kernel == "causal"
+                else sum(k.nbytes + v.nbytes for k, v in caches))
+        print(f"| {context} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {work / b / 1e9:.1f} |")
 
 
 def main() -> int:
@@ -124,6 +137,8 @@ def main() -> int:
     ap.add_argument("--contexts", help="keys of a decode row's attention, comma-separated: A/B `attend`, not the "
                     "products")
     ap.add_argument("--tree", type=int, default=1, metavar="N", help="with --contexts: a tree of N rows, not one")
+    ap.add_argument("--kernel", default="attend", choices=sorted(KERNELS), help="with --contexts: `attend`; "
+                    "`tree` (fp32 trees' products, with --tree); `causal` (fp32: a prefill of the whole context)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--reorders", action="store_true", help="B sums in another order: check its attention close to "
@@ -142,7 +157,8 @@ def main() -> int:
     print(f"# kernels.c {args.base} (A) against the working tree (B), {args.dtype}, {cpu_model()}, "
           f"{torch.get_num_threads()} threads, {args.repeats} repeats\n")
     if args.contexts:
-        attentions(libs, dtype, [int(c) for c in args.contexts.split(",")], args.repeats, args.reorders, args.tree)
+        attentions(libs, dtype, [int(c) for c in args.contexts.split(",")], args.repeats, args.reorders, args.tree,
+                   args.kernel)
     else:
         products(libs, dtype, [int(r) for r in args.rows.split(",")], args.repeats)
     return 0

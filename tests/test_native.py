@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from ddscope.models import layer_call, native, pages
+from ddscope.models import kv_pool, layer_call, native, pages
 from ddscope.models.layers import RMSNorm, apply_rope, rope
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="kernels.c did not build here")
@@ -164,6 +164,14 @@ def test_huge_memory_is_on_huge_pages_after_freed_memory_was_kept():
     weights = pages.huge((4096, 4096), torch.float32)
     weights.fill_(1)
     assert _huge_kb(weights.data_ptr()) >= 32 << 10  # of 64 MB
+
+
+@pytest.mark.skipif(not os.path.exists(THP) or "[never]" in open(THP).read(), reason="Linux's THP, not off")
+def test_the_kv_pool_is_zeroed_on_huge_pages():
+    """The KV pool's storage, zeroed at load, lies on 2 MiB pages: a decode step streams a long context whole."""
+    storage = kv_pool.zeroed((4, 2, 4096, 256), "cpu", torch.float32)  # 32 MB
+    assert storage.shape == (4, 2, 4096, 256) and not storage.any()
+    assert _huge_kb(storage.data_ptr()) >= 16 << 10
 
 
 def test_panels_serve_only_weights_of_whole_panels():

@@ -561,12 +561,6 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
 ATTEND(f32, float)
 ATTEND(bf16, uint16_t)
 
-/* Lines [0, lines) of `at`, call c's share of `calls`: the next block of a stream, fetched evenly over the calls
- * of this one (in one burst, the prefetches stall the FMAs they should hide behind). */
-static inline void fetch_share(const void *at, int64_t lines, int64_t c, int64_t calls) {
-  for (int64_t l = lines * c / calls; l < lines * (c + 1) / calls; l++)
-    _mm_prefetch((const char *)at + l * 64, _MM_HINT_T1);
-}
 static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d) { /* fp32 rows [from, +keys) */
   return ((S < from + keys ? S : from + keys) - from) * d / 16;
 }
@@ -584,7 +578,7 @@ static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d)
 #define MIX_VECTORS 6   /* vectors a register block of the sums (by 64 head dims) */
 #define SCORES_TILE(P)                                                                                          \
   static void scores_##P(const float *qp, const float *kh, float *t, int64_t S, int64_t d, int64_t c0,        \
-                         int64_t s) {                                                                           \
+                         int64_t s, const char *next, int64_t lines) {                                         \
     __m512 acc[SCORE_KEYS][P];                                                                                  \
     const float *kr[SCORE_KEYS]; /* past S, the last key again, never stored */                                 \
     for (int i = 0; i < SCORE_KEYS; i++) {                                                                      \
@@ -592,7 +586,8 @@ static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d)
       for (int j = 0; j < P; j++)                                                                               \
         acc[i][j] = c0 ? _mm512_loadu_ps(t + (s + i) * TREE_VECTORS + j * 16) : _mm512_setzero_ps();           \
     }                                                                                                           \
-    for (int64_t c = c0; c < c0 + D_STEP; c++) {                                                                \
+    for (int64_t c = c0, due = 0; c < c0 + D_STEP; c++) { /* its lines of the stream, evenly */                 \
+      for (due += lines; due >= D_STEP; due -= D_STEP, next += 64) _mm_prefetch(next, _MM_HINT_T1);             \
       __m512 qv[P];                                                                                             \
       for (int j = 0; j < P; j++) qv[j] = _mm512_loadu_ps(qp + (j * d + c) * 16);                               \
       for (int i = 0; i < SCORE_KEYS; i++) {                                                                    \
@@ -604,18 +599,20 @@ static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d)
       for (int j = 0; j < P; j++) _mm512_storeu_ps(t + (s + i) * TREE_VECTORS + j * 16, acc[i][j]);             \
   }
 SCORES_TILE(1) SCORES_TILE(2) SCORES_TILE(3) SCORES_TILE(4) SCORES_TILE(5)
-typedef void (*scores_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
+typedef void (*scores_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, const char *,
+                          int64_t);
 static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, scores_2, scores_3, scores_4, scores_5};
 
 /* Vectors [u, u + MR) of the weights t over keys [s0, s1), values' head dims [c0, c0 + 64): added to their
  * sums in o [m][d]. */
 #define MIX_TILE(MR)                                                                                            \
   static void mix_##MR(const float *t, const float *vh, int64_t s0, int64_t s1, int64_t d, int64_t c0,          \
-                       int64_t u, float *o) {                                                                   \
+                       int64_t u, float *o, const char *next, int64_t lines) {                                  \
     __m512 acc[MR][4];                                                                                          \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < 4; j++) acc[i][j] = _mm512_loadu_ps(o + (u + i) * d + c0 + j * 16);                   \
-    for (int64_t s = s0; s < s1; s++) {                                                                         \
+    for (int64_t s = s0, due = 0; s < s1; s++) { /* its lines of the stream, evenly */                          \
+      for (due += lines; due >= s1 - s0; due -= s1 - s0, next += 64) _mm_prefetch(next, _MM_HINT_T1);           \
       const float *vr = vh + s * d + c0, *ts = t + s * TREE_VECTORS + u;                                        \
       __m512 w0 = _mm512_loadu_ps(vr), w1 = _mm512_loadu_ps(vr + 16);                                           \
       __m512 w2 = _mm512_loadu_ps(vr + 32), w3 = _mm512_loadu_ps(vr + 48);                                      \
@@ -625,7 +622,8 @@ static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, score
       for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + (u + i) * d + c0 + j * 16, acc[i][j]);                   \
   }
 MIX_TILE(1) MIX_TILE(2) MIX_TILE(3) MIX_TILE(4) MIX_TILE(5) MIX_TILE(6)
-typedef void (*mix_fn)(const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, float *);
+typedef void (*mix_fn)(const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, float *,
+                       const char *, int64_t);
 static const mix_fn MIX_TILES[MIX_VECTORS + 1] = {0, mix_1, mix_2, mix_3, mix_4, mix_5, mix_6};
 
 /* Scores [S][TREE_VECTORS] of one unit's m vectors -> their softmax weights (exactly 0 where a vector may not
@@ -663,16 +661,18 @@ static void tree_unit(const float *const *qs, float *const *outs, const uint8_t 
   memset(o, 0, sizeof(float) * m * d);
   for (int64_t u = 0; u < m; u++) /* vector u in lane u % 16 of panel u / 16 */
     for (int64_t c = 0; c < d; c++) qp[((u / 16) * d + c) * 16 + u % 16] = qs[u][c];
-  fetch_share(kh, lines_of(S, 0, SCORE_BLOCK, d), 0, 1);
-  for (int64_t b = 0; b < S; b += SCORE_BLOCK) { /* each block's calls fetch the next (the last: v's first) */
+  for (int64_t l = 0; l < lines_of(S, 0, SCORE_BLOCK, d); l++) _mm_prefetch((const char *)kh + l * 64, _MM_HINT_T1);
+  /* Each block's calls fetch the next (the last: v's first), each call its share of the lines evenly over its
+   * loop: in one burst a call's prefetches stall its FMAs (a verify's attention took 1.10-1.12x the time). */
+  for (int64_t b = 0; b < S; b += SCORE_BLOCK) {
     int64_t end = S < b + SCORE_BLOCK ? S : b + SCORE_BLOCK, c = 0;
     int64_t calls = d / D_STEP * ((end - b + SCORE_KEYS - 1) / SCORE_KEYS);
     const float *next = end < S ? kh + end * d : vh;
     int64_t lines = end < S ? lines_of(S, end, SCORE_BLOCK, d) : lines_of(S, 0, MIX_BLOCK, d);
     for (int64_t c0 = 0; c0 < d; c0 += D_STEP)
       for (int64_t s = b; s < end; s += SCORE_KEYS, c++) {
-        fetch_share(next, lines, c, calls);
-        SCORES_TILES[P](qp, kh, t, S, d, c0, s);
+        int64_t l0 = lines * c / calls; /* this call's share of the lines, over its head dims */
+        SCORES_TILES[P](qp, kh, t, S, d, c0, s, (const char *)next + l0 * 64, lines * (c + 1) / calls - l0);
       }
   }
   softmax_keys(t, S, m, open, seen, upto, scale, sum);
@@ -681,8 +681,10 @@ static void tree_unit(const float *const *qs, float *const *outs, const uint8_t 
     int64_t calls = d / 64 * ((m + MIX_VECTORS - 1) / MIX_VECTORS);
     for (int64_t c0 = 0; c0 < d; c0 += 64)
       for (int64_t u = 0; u < m; u += MIX_VECTORS, c++) {
-        fetch_share(vh + end * d, lines, c, calls);
-        MIX_TILES[m - u < MIX_VECTORS ? m - u : MIX_VECTORS](t, vh, b, end, d, c0, u, o);
+        int64_t l0 = lines * c / calls; /* this call's share of the lines, over its keys */
+        MIX_TILES[m - u < MIX_VECTORS ? m - u : MIX_VECTORS](t, vh, b, end, d, c0, u, o,
+                                                             (const char *)(vh + end * d) + l0 * 64,
+                                                             lines * (c + 1) / calls - l0);
       }
   }
   for (int64_t u = 0; u < m; u++) {
