@@ -650,8 +650,8 @@ static void softmax_keys(float *t, int64_t S, int64_t m, int64_t open, const uin
   }
 }
 
-/* One unit: m query vectors qs[u] (rows of d) over keys [0, S) of one K/V head (kh, vh), out[u] their results.
- * `scratch` holds (2 TREE_VECTORS + 1) d + (S + 1) TREE_VECTORS floats. */
+/* One unit: m query vectors qs[u] (rows of d) over keys [0, S) of one K/V head (kh, vh), outs[u] their results;
+ * qp, a scratch of `unit_scratch`'s floats. */
 static void tree_unit(const float *const *qs, float *const *outs, const uint8_t *const *seen, const int64_t *upto,
                       int64_t m, int64_t open, const float *kh, const float *vh, int64_t S, int64_t d, float scale,
                       float *qp) {
@@ -663,7 +663,7 @@ static void tree_unit(const float *const *qs, float *const *outs, const uint8_t 
     for (int64_t c = 0; c < d; c++) qp[((u / 16) * d + c) * 16 + u % 16] = qs[u][c];
   for (int64_t l = 0; l < lines_of(S, 0, SCORE_BLOCK, d); l++) _mm_prefetch((const char *)kh + l * 64, _MM_HINT_T1);
   /* Each block's calls fetch the next (the last: v's first), each call its share of the lines evenly over its
-   * loop: in one burst a call's prefetches stall its FMAs (a verify's attention took 1.10-1.12x the time). */
+   * loop: in one burst a call's prefetches stall its FMAs (a verify's attention took 1.08-1.14x the time). */
   for (int64_t b = 0; b < S; b += SCORE_BLOCK) {
     int64_t end = S < b + SCORE_BLOCK ? S : b + SCORE_BLOCK, c = 0;
     int64_t calls = d / D_STEP * ((end - b + SCORE_KEYS - 1) / SCORE_KEYS);
@@ -689,10 +689,13 @@ static void tree_unit(const float *const *qs, float *const *outs, const uint8_t 
   }
   for (int64_t u = 0; u < m; u++) {
     __m512 inv = _mm512_set1_ps(1.0f / sum[u]);
-    for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(outs[u] + c, _mm512_mul_ps(_mm512_loadu_ps(o + u * d + c), inv));
+    for (int64_t c = 0; c < d; c += 16)
+      _mm512_storeu_ps(outs[u] + c, _mm512_mul_ps(_mm512_loadu_ps(o + u * d + c), inv));
   }
 }
-static float *unit_scratch(int64_t S, int64_t d) { return scratch((2 * TREE_VECTORS + 1) * d + (S + 1) * TREE_VECTORS); }
+static float *unit_scratch(int64_t S, int64_t d) {
+  return scratch((2 * TREE_VECTORS + 1) * d + (S + 1) * TREE_VECTORS);
+}
 
 void tree_attend_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out, int64_t heads,
                      int64_t kv_heads, int64_t n, int64_t S, int64_t d, int64_t q_stride, int64_t head_stride,

@@ -170,10 +170,11 @@ class DecoderLayer(nn.Module):
             return False
         norms = (a.q_norm.weight, a.k_norm.weight) if g.qk_norm else (None, None)
         self.row = layer_call.DecodeRow(self.input_layernorm.weight, self.input_layernorm.eps,
-                                    _adjoin(a.q_proj, a.k_proj, a.v_proj), norms, a.q_norm.eps if g.qk_norm else 0.0,
-                                    a.o_proj.panels, self.post_attention_layernorm.weight,
-                                    self.post_attention_layernorm.eps, _adjoin(m.gate_proj, m.up_proj),
-                                    m.down_proj.panels, g.num_heads, g.num_kv_heads, g.head_dim)
+                                        _adjoin(a.q_proj, a.k_proj, a.v_proj), norms,
+                                        a.q_norm.eps if g.qk_norm else 0.0, a.o_proj.panels,
+                                        self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                                        _adjoin(m.gate_proj, m.up_proj), m.down_proj.panels, g.num_heads,
+                                        g.num_kv_heads, g.head_dim)
         return True
 
     def decode_row(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
