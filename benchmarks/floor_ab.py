@@ -23,7 +23,7 @@ commit; the prefill row is the prefill). A is the engine without the change, B w
   over its keys) against SDPA.
   In both, arm A's tree rows run the modules (a tree's one C call a layer takes the kernels' boolean mask);
   its decode steps stay on kernels.c's calls.
-- `pages-fp32`: panelled weights on 2 MiB pages (ddscope.models.pages) against 4 KiB ones.
+- `pages-fp32`: panelled weights and the KV pool on 2 MiB pages (ddscope.models.pages) against 4 KiB ones.
 - `causal-fp32`: a prefill's causal attention as kernels.c's tree products (ddscope.models.native.causal_attend)
   against SDPA.
 - `kv-pages-fp32`, `kv-pages-bf16`: the KV pool on 2 MiB pages (ddscope.models.kv_pool.zeroed) against 4 KiB
