@@ -212,8 +212,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def tree_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, keys: int) -> bool:
     """Whether `tree_attend` serves this geometry, dtype and keys (fp32, head_dim a multiple of 64, keys up to
     TREE_KEYS: past them a unit's scores leave L2, and MKL's batched products were faster)."""
-    return (dtype == torch.float32 and head_dim % 64 == 0 and keys <= TREE_KEYS
-            and masks_rows(dtype, heads, kv_heads, head_dim) and has("tree_attend_f32"))
+    return keys <= TREE_KEYS and _panel_heads(dtype, heads, kv_heads, head_dim) and has("tree_attend_f32")
+
+
+def _panel_heads(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """The geometry the fp32 panel products of the heads take: head_dim a multiple of 64, as `attend` takes it."""
+    return dtype == torch.float32 and head_dim % 64 == 0 and masks_rows(dtype, heads, kv_heads, head_dim)
 
 
 def tree_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -231,7 +235,7 @@ def causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `causal_attend` computes this: `tree_attend`'s geometry (any number of keys; a unit holds whole
     rows, so at most TREE_VECTORS query heads a K/V head), q's rows contiguous."""
     heads, n, d = q.shape
-    return (tree_rows(q.dtype, heads, k.shape[0], d, 0) and heads // k.shape[0] <= TREE_VECTORS
+    return (_panel_heads(q.dtype, heads, k.shape[0], d) and heads // k.shape[0] <= TREE_VECTORS
             and has("causal_attend_f32") and q.stride(1) == d and k.shape[1] >= n and _laid_out(q, k, v))
 
 
