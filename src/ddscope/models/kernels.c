@@ -146,22 +146,30 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
   }                                                                                                             \
   static void fetching_tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0,     \
                                  int64_t q0, int64_t k0, int64_t k1, const float *next, int64_t l, int64_t l1) { \
-    int64_t due = 0;                                                                                            \
-    TILE_BODY(MR, for (due += l1 - l; due >= k1 - k0 && l < l1; due -= k1 - k0, l++) _mm_prefetch(              \
+    int64_t due = 0, beats = (k1 - k0) / BEAT;                                                                 \
+    TILE_BODY(MR, for (due += l1 - l; due >= beats && l < l1; due -= beats, l++) _mm_prefetch(                  \
                       (const char *)(next + l * 16), _MM_HINT_T1);)                                             \
   }
+#define TILE_K(MR, kk)                                                                                          \
+  {                                                                                                             \
+    const float *pq = pk + ((kk) - k) * GROUP;                                                                  \
+    __m512 w0 = _mm512_loadu_ps(pq), w1 = _mm512_loadu_ps(pq + 16);                                             \
+    __m512 w2 = _mm512_loadu_ps(pq + 32), w3 = _mm512_loadu_ps(pq + 48);                                        \
+    FMA_ROWS(MR, xr[i * K + (kk)])                                                                              \
+  }
+#define BEAT 4 /* k rows a beat of the loop: its prefetch bookkeeping once a beat, not a k (0.90-0.97 of the time) */
 #define TILE_BODY(MR, FETCH)                                                                                    \
     __m512 acc[MR][TILE_PANELS];                                                                                \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < TILE_PANELS; j++)                                                                     \
         acc[i][j] = k0 ? _mm512_loadu_ps(y + (m0 + i) * N + (q0 + j) * 16) : _mm512_setzero_ps();               \
     const float *pk = p + (q0 / TILE_PANELS * K + k0) * GROUP, *xr = x + m0 * K;                                \
-    for (int64_t k = k0; k < k1; k++, pk += GROUP) {                                                            \
+    int64_t k = k0;                                                                                             \
+    for (; k + BEAT <= k1; k += BEAT, pk += BEAT * GROUP) {                                                     \
       FETCH                                                                                                     \
-      __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + 16);                                           \
-      __m512 w2 = _mm512_loadu_ps(pk + 32), w3 = _mm512_loadu_ps(pk + 48);                                      \
-      FMA_ROWS(MR, xr[i * K + k])                                                                               \
+      for (int u = 0; u < BEAT; u++) TILE_K(MR, k + u)                                                          \
     }                                                                                                           \
+    for (; k < k1; k++, pk += GROUP) TILE_K(MR, k)                                                              \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (m0 + i) * N + (q0 + j) * 16, acc[i][j]);
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
