@@ -594,13 +594,15 @@ static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d)
       for (int j = 0; j < P; j++)                                                                               \
         acc[i][j] = c0 ? _mm512_loadu_ps(t + (s + i) * TREE_VECTORS + j * 16) : _mm512_setzero_ps();           \
     }                                                                                                           \
-    for (int64_t c = c0, due = 0; c < c0 + D_STEP; c++) { /* its lines of the stream, evenly */                 \
-      for (due += lines; due >= D_STEP; due -= D_STEP, next += 64) _mm_prefetch(next, _MM_HINT_T1);             \
-      __m512 qv[P];                                                                                             \
-      for (int j = 0; j < P; j++) qv[j] = _mm512_loadu_ps(qp + (j * d + c) * 16);                               \
-      for (int i = 0; i < SCORE_KEYS; i++) {                                                                    \
-        __m512 kb = _mm512_set1_ps(kr[i][c]);                                                                   \
-        for (int j = 0; j < P; j++) acc[i][j] = _mm512_fmadd_ps(kb, qv[j], acc[i][j]);                          \
+    for (int64_t c = c0, due = 0; c < c0 + D_STEP; c += BEAT) { /* its lines of the stream, evenly */         \
+      for (due += lines; due >= D_STEP / BEAT; due -= D_STEP / BEAT, next += 64) _mm_prefetch(next, _MM_HINT_T1); \
+      for (int64_t e = c; e < c + BEAT; e++) {                                                                  \
+        __m512 qv[P];                                                                                           \
+        for (int j = 0; j < P; j++) qv[j] = _mm512_loadu_ps(qp + (j * d + e) * 16);                             \
+        for (int i = 0; i < SCORE_KEYS; i++) {                                                                  \
+          __m512 kb = _mm512_set1_ps(kr[i][e]);                                                                 \
+          for (int j = 0; j < P; j++) acc[i][j] = _mm512_fmadd_ps(kb, qv[j], acc[i][j]);                        \
+        }                                                                                                       \
       }                                                                                                         \
     }                                                                                                           \
     for (int i = 0; i < SCORE_KEYS && s + i < S; i++)                                                           \
@@ -613,19 +615,25 @@ static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, score
 
 /* Vectors [u, u + MR) of the weights t over keys [s0, s1), values' head dims [c0, c0 + 64): added to their
  * sums in o [m][d]. */
+#define MIX_KEY(MR, e)                                                                                          \
+  {                                                                                                             \
+    const float *vr = vh + (e) * d + c0, *ts = t + (e) * TREE_VECTORS + u;                                      \
+    __m512 w0 = _mm512_loadu_ps(vr), w1 = _mm512_loadu_ps(vr + 16);                                             \
+    __m512 w2 = _mm512_loadu_ps(vr + 32), w3 = _mm512_loadu_ps(vr + 48);                                        \
+    FMA_ROWS(MR, ts[i])                                                                                         \
+  }
 #define MIX_TILE(MR)                                                                                            \
   static void mix_##MR(const float *t, const float *vh, int64_t s0, int64_t s1, int64_t d, int64_t c0,          \
                        int64_t u, float *o, const char *next, int64_t lines) {                                  \
     __m512 acc[MR][4];                                                                                          \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < 4; j++) acc[i][j] = _mm512_loadu_ps(o + (u + i) * d + c0 + j * 16);                   \
-    for (int64_t s = s0, due = 0; s < s1; s++) { /* its lines of the stream, evenly */                          \
-      for (due += lines; due >= s1 - s0; due -= s1 - s0, next += 64) _mm_prefetch(next, _MM_HINT_T1);           \
-      const float *vr = vh + s * d + c0, *ts = t + s * TREE_VECTORS + u;                                        \
-      __m512 w0 = _mm512_loadu_ps(vr), w1 = _mm512_loadu_ps(vr + 16);                                           \
-      __m512 w2 = _mm512_loadu_ps(vr + 32), w3 = _mm512_loadu_ps(vr + 48);                                      \
-      FMA_ROWS(MR, ts[i])                                                                                       \
+    int64_t s = s0, due = 0, beats = (s1 - s0) / BEAT;                                                         \
+    for (; s + BEAT <= s1; s += BEAT) { /* its lines of the stream, evenly */                                   \
+      for (due += lines; due >= beats; due -= beats, next += 64) _mm_prefetch(next, _MM_HINT_T1);               \
+      for (int64_t e = s; e < s + BEAT; e++) MIX_KEY(MR, e)                                                     \
     }                                                                                                           \
+    for (; s < s1; s++) MIX_KEY(MR, s)                                                                          \
     for (int i = 0; i < MR; i++)                                                                                \
       for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + (u + i) * d + c0 + j * 16, acc[i][j]);                   \
   }
