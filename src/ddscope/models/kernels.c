@@ -137,8 +137,8 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     acc[i][3] = _mm512_fmadd_ps(b, w3, acc[i][3]);                                                              \
   }
 /* A tile over k in [k0, k1), its sums carried in y from the step before; with `next`, it also prefetches lines
- * [l, l1) of the weights further on in the thread's stream into L2, evenly over its k loop: the later tiles run
- * from L2 (or L1, in steps of k) while the memory streams the rest in. */
+ * [l, l1) of the weights further on in the thread's stream into L2, evenly over its k loop's beats: the later
+ * tiles run from L2 (or L1, in steps of k) while the memory streams the rest in. */
 #define TILE(MR)                                                                                                \
   static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0, \
                         int64_t k0, int64_t k1) {                                                               \
