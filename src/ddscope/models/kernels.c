@@ -613,8 +613,7 @@ typedef void (*scores_fn)(const float *, const float *, float *, int64_t, int64_
                           int64_t);
 static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, scores_2, scores_3, scores_4, scores_5};
 
-/* Vectors [u, u + MR) of the weights t over keys [s0, s1), values' head dims [c0, c0 + 64): added to their
- * sums in o [m][d]. */
+/* Key e's values into the sums of a mix tile. */
 #define MIX_KEY(MR, e)                                                                                          \
   {                                                                                                             \
     const float *vr = vh + (e) * d + c0, *ts = t + (e) * TREE_VECTORS + u;                                      \
@@ -622,6 +621,8 @@ static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, score
     __m512 w2 = _mm512_loadu_ps(vr + 32), w3 = _mm512_loadu_ps(vr + 48);                                        \
     FMA_ROWS(MR, ts[i])                                                                                         \
   }
+/* Vectors [u, u + MR) of the weights t over keys [s0, s1), values' head dims [c0, c0 + 64): added to their
+ * sums in o [m][d]. */
 #define MIX_TILE(MR)                                                                                            \
   static void mix_##MR(const float *t, const float *vh, int64_t s0, int64_t s1, int64_t d, int64_t c0,          \
                        int64_t u, float *o, const char *next, int64_t lines) {                                  \
