@@ -136,6 +136,12 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     acc[i][2] = _mm512_fmadd_ps(b, w2, acc[i][2]);                                                              \
     acc[i][3] = _mm512_fmadd_ps(b, w3, acc[i][3]);                                                              \
   }
+/* One beat's share of a stream's `lines` prefetched into L2 over `beats` beats: `due` carries the remainder,
+ * so the lines go evenly and all of them by the last beat (in one burst, they stall the FMAs they hide behind). */
+static inline const char *spread(const char *next, int64_t *due, int64_t lines, int64_t beats) {
+  for (*due += lines; *due >= beats; *due -= beats, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  return next;
+}
 /* A tile over k in [k0, k1), its sums carried in y from the step before; with `next`, it also prefetches lines
  * [l, l1) of the weights further on in the thread's stream into L2, evenly over its k loop's beats: the later
  * tiles run from L2 (or L1, in steps of k) while the memory streams the rest in. */
@@ -147,8 +153,8 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
   static void fetching_tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0,     \
                                  int64_t q0, int64_t k0, int64_t k1, const float *next, int64_t l, int64_t l1) { \
     int64_t due = 0, beats = (k1 - k0) / BEAT;                                                                 \
-    TILE_BODY(MR, for (due += l1 - l; due >= beats && l < l1; due -= beats, l++) _mm_prefetch(                  \
-                      (const char *)(next + l * 16), _MM_HINT_T1);)                                             \
+    const char *at = (const char *)(next + l * 16);                                                             \
+    TILE_BODY(MR, at = spread(at, &due, l1 - l, beats);)                                                        \
   }
 #define TILE_K(MR, kk)                                                                                          \
   {                                                                                                             \
@@ -595,7 +601,7 @@ static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d)
         acc[i][j] = c0 ? _mm512_loadu_ps(t + (s + i) * TREE_VECTORS + j * 16) : _mm512_setzero_ps();           \
     }                                                                                                           \
     for (int64_t c = c0, due = 0; c < c0 + D_STEP; c += BEAT) { /* its lines of the stream, evenly */         \
-      for (due += lines; due >= D_STEP / BEAT; due -= D_STEP / BEAT, next += 64) _mm_prefetch(next, _MM_HINT_T1); \
+      next = spread(next, &due, lines, D_STEP / BEAT);                                                          \
       for (int64_t e = c; e < c + BEAT; e++) {                                                                  \
         __m512 qv[P];                                                                                           \
         for (int j = 0; j < P; j++) qv[j] = _mm512_loadu_ps(qp + (j * d + e) * 16);                             \
@@ -631,7 +637,7 @@ static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, score
       for (int j = 0; j < 4; j++) acc[i][j] = _mm512_loadu_ps(o + (u + i) * d + c0 + j * 16);                   \
     int64_t s = s0, due = 0, beats = (s1 - s0) / BEAT;                                                         \
     for (; s + BEAT <= s1; s += BEAT) { /* its lines of the stream, evenly */                                   \
-      for (due += lines; due >= beats; due -= beats, next += 64) _mm_prefetch(next, _MM_HINT_T1);               \
+      next = spread(next, &due, lines, beats);                                                                  \
       for (int64_t e = s; e < s + BEAT; e++) MIX_KEY(MR, e)                                                     \
     }                                                                                                           \
     for (; s < s1; s++) MIX_KEY(MR, s)                                                                          \
