@@ -294,3 +294,16 @@ def test_a_share_that_rounds_to_zero_is_never_minus_zero():
     from ddscope.bench.attribution import _pct
 
     assert (_pct(-0.004), _pct(0.004), _pct(-0.2), _pct(None)) == ("0%", "0%", "-20%", "n/a")
+
+
+def test_mixed_tree_sizes_are_flagged_not_fitted_in_silence():
+    """`auto` sized the trees by context (the issue's 9.9, 2.3, 5.9, 5.7 tokens a step): the note names every point's
+    size; a fixed tree (33 at every context) raises no such note."""
+    rows = baseline()
+    for r, nodes in zip(rows, (9.9, 2.3, 5.9, 5.7)):
+        r["nodes_per_step"] = nodes
+    flagged = [n for n in analyze(rows).notes if "tree size varied" in n]
+    assert len(flagged) == 1 and "2.3 at 1663" in flagged[0] and "9.9 at 13" in flagged[0]
+    for r in rows:
+        r["nodes_per_step"] = 33.0
+    assert not any("tree size varied" in n for n in analyze(rows).notes)

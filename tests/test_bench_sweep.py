@@ -33,7 +33,7 @@ def test_sweep_embedded_tiny_pair_writes_consistent_outputs(tiny_pair, tmp_path,
     doc = sweep(target, drafter, out)
     assert doc["status"] == "complete" and doc["errors"] == {}
     assert doc["backend"]["name"] == "ddscope" and doc["backend"]["prompt_format"] == "token_ids"
-    assert (doc["backend"]["method"], doc["backend"]["budget"]) == ("ddtree", "auto")  # as the server says
+    assert (doc["backend"]["method"], doc["backend"]["budget"]) == ("ddtree", 32)  # held fixed, as the server says
     assert doc["acceptance_source"]["name"] == "ddscope.response"
     assert doc["environment"]["python"] and doc["config"]["max_tokens"] == MAX_TOKENS
     records = doc["records"]

@@ -97,8 +97,8 @@ def test_underpriced_big_trees_shrink_once_measured():
 
 
 def chances(acc: Acceptance, probs: list[float]) -> list[float]:
-    score = acc.scorer([np.log(probs).tolist()])
-    return [float(np.exp(score(0, r))) for r in range(len(probs))]
+    score, drafted = acc.scorer(), np.log(probs).tolist()
+    return [float(np.exp(score(0, drafted, r))) for r in range(len(probs))]
 
 
 def test_acceptance_keeps_rank_order_and_learns_per_bin():

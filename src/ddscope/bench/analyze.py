@@ -168,6 +168,24 @@ def _length_notes(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+TREE_SIZE_SPREAD = 1.15  # tokens verified a step may vary this much across the fitted points
+
+
+def _mixed_trees(base: list[Point]) -> list[str]:
+    """A flag where the fitted points verified trees of different sizes (`auto`, a peer's dynamic speculation):
+    a step's cost grows with its rows, so the line would mix the tree size with the context."""
+    sized = [p for p in base if p.nodes_per_step]
+    if len(sized) < 2:
+        return []
+    nodes = [p.nodes_per_step for p in sized]
+    if max(nodes) <= TREE_SIZE_SPREAD * min(nodes):
+        return []
+    each = ", ".join(f"{p.nodes_per_step:.1f} at {p.prompt_tokens:.0f}" for p in sized)
+    return [f"the tree size varied across contexts (tokens verified a step: {each}): the step-time line mixes "
+            f"tree size with context, so its shares are not context scaling alone; hold the tree fixed "
+            f"(bench sweep --budget N)"]
+
+
 def concurrency_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (label, context, concurrency) with a level above 1 measured: the medians of aggregate tok/s (all
     requests' tokens over the group's wall time; one after another: each request's end-to-end tok/s),
@@ -215,6 +233,7 @@ def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int
         notes.append(f"baseline {baseline!r} has no acceptance data: tok/s only, no decomposition")
         return Analysis(baseline, None, points, [], _position_report(rows, window), notes, by_concurrency)
     fit = robust_fit([p.prompt_tokens for p in base], [p.step_ms for p in base])
+    notes += _mixed_trees(base)
     if fit.poor:
         notes.append(f"the step-time fit is poor (R^2 = {fit.r2:.2f} < {R2_MIN:g}): attribution shares are "
                      f"withheld and raw ratios shown; step time does not follow context on a line here")

@@ -20,6 +20,7 @@ from ddscope.util.options import add_model_args, at_least, budget_arg, int_list,
 CONTEXTS = "13,1663,3333,5553"
 URL_MAX_TOKENS = 600
 EMBEDDED_MAX_TOKENS = 128
+SWEEP_BUDGET = 32  # the experiment's tree size: fixed, so that only the context moves
 BACKEND_CHOICES = ("auto", "ddscope", "sglang", "vllm", "llamacpp", "openai")
 
 
@@ -49,8 +50,10 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("embedded server (without --url)")
     add_model_args(e)
     e.add_argument("--method", choices=("ddtree", "dflash", "ar"), default="ddtree", help="(default: %(default)s)")
-    e.add_argument("--budget", type=budget_arg, default="auto",
-                   help="DDTree node budget, or auto (as serve's default) (default: %(default)s)")
+    e.add_argument("--budget", type=budget_arg, default=SWEEP_BUDGET,
+                   help="DDTree node budget, held fixed at every context and sent with each request to a ddscope "
+                        "server (--url too); auto lets the tree size move with context, a second variable beside "
+                        "the one under test (default: %(default)s)")
 
 
 def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
@@ -331,7 +334,7 @@ def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path]
                           temperature=args.temperature, stream=args.stream, model=args.model, backend=args.backend,
                           timeout_s=args.timeout,
                           clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap, concurrency=args.concurrency,
-                          floor=args.floor.to_dict() if args.floor else None)
+                          floor=args.floor.to_dict() if args.floor else None, budget=args.budget)
         sweep = Sweep(cfg, base_url, client, tokenizer, log, origin)
         total = len(cfg.contexts) * (cfg.repeats * (1 in cfg.concurrency) + cfg.warmup
                                      + sum(cfg.group_size(c) for c in cfg.levels))
@@ -516,7 +519,7 @@ def _trace(args: argparse.Namespace, workloads: list[Any], stage: Path, base_url
     cfg = SweepConfig(contexts=[args.prompt_tokens], max_tokens=args.max_tokens, workload=workloads[0].label
                       if not workloads[0].label.startswith("file:") else args.workload.split(",")[0],
                       temperature=args.temperature, stream=True, model=args.model, backend=args.backend,
-                      timeout_s=args.timeout)
+                      timeout_s=args.timeout, budget=args.budget)
     sweep = Sweep(cfg, base_url, client, tokenizer, None, origin)
     header = {k: v for k, v in sweep.header().items() if k in ("environment", "backend")}
     run_cfg = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "repeats": args.repeats,

@@ -85,6 +85,10 @@ def setup_lines(meta: dict[str, Any]) -> list[str]:
         out.append("  warning: the runs time tok/s differently; compare their tok/s with care")
     elif rates:
         out.append(_rate_line(next(iter(rates.values())), None))
+    decoding = meta.get("backend") or {}
+    if decoding.get("method"):
+        budget = f", budget {decoding['budget']}" if decoding.get("budget") is not None else ""
+        out.append(f"decoding: {decoding['method']}{budget}, the same at every context (as the server reported it)")
     log = meta.get("server_log") or {}
     if log:
         out.append(f"server log ({log['origin']}): {log['lines_seen']} lines, {log['lines_recognised']} with "

@@ -87,6 +87,7 @@ class SweepConfig:
     log_gap_s: float = 2.0        # idle time after each request when a server log is followed
     concurrency: tuple[int, ...] = (1,)  # requests in flight at a time; 1: one after another
     floor: dict[str, Any] | None = None  # the physical floor's options (ddscope.bench.limit.cli.FloorRequest)
+    budget: int | str | None = None  # the tree size asked of a ddscope server, held fixed across contexts
 
     @property
     def levels(self) -> list[int]:
@@ -361,6 +362,11 @@ class Sweep:
                 got = Acceptance(reading.avg_commit, None, self.reader.source)
                 r.update(acceptance_fields(got, r["completion_tokens"], r["tok_per_s"]), avg_commit_basis="server_context")
 
+    def controlled(self) -> dict[str, Any]:
+        """What the sweep holds fixed on a ddscope server besides the prompt's length: the tree size (`auto`
+        would size each context's tree differently, a second variable moving with the one under test)."""
+        return {"budget": self.cfg.budget} if self.backend == "ddscope" and self.cfg.budget is not None else {}
+
     def probe(self) -> None:
         """Short requests that pick the request extras the server accepts, token-id or text prompts,
         the route and acceptance source, and (for text prompts) the characters per token."""
@@ -370,7 +376,7 @@ class Sweep:
             size = min(64, *self.cfg.contexts)  # short, yet long enough to calibrate chars per token
             prompt = self.prompt(size, 0) if self.tokenizer else fit_text(self.workload, 0, size, 4.0)
             for extras in REQUEST_EXTRAS.get(self.backend, [{}]):
-                self.extras = extras
+                self.extras = {**extras, **self.controlled()}
                 try:
                     obs, ttft, latency = self._observe(self.openai_route, prompt)
                 except RequestFailed as e:

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from ddscope.config import CheckpointError, eos_ids
 from ddscope.engine.block_manager import sized_pool
+from ddscope.engine.grammars import Constraint, Grammars
 from ddscope.engine.limits import (DEMO_DIR, DTYPES, KV_CACHE_MB, MAX_BUDGET, MAX_NUM_SEQS, MAX_PREFILL_TOKENS, METHODS,
                                    check_request)
 from ddscope.engine.runner import Runner, StepReport
@@ -29,6 +30,7 @@ from ddscope.policy.cost import VerifyCost
 from ddscope.policy.learn import LearnedBySampler
 from ddscope.spec.completion import Completion
 from ddscope.spec.decoder import Decoder
+from ddscope.spec.grammar import GrammarState
 from ddscope.spec.law import Law, bad_word_ids
 from ddscope.spec.lookup import LOOKUP_MAX
 from ddscope.spec.proposers import AR, DDTree, DFlash, Proposer
@@ -68,6 +70,7 @@ class Engine:
                              if isinstance(target, Target) else (None, None))
         self.scheduler = Scheduler(blocks, max_num_seqs, max_prefill_tokens)
         self.runner = Runner(target, drafter, prefill_threads)
+        self._grammars: Grammars | None = None
 
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
@@ -125,6 +128,13 @@ class Engine:
             raise ValueError("prompt is empty")
         return ids
 
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler over this tokenizer (built at the first constrained request)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, list(self.eos_ids))
+        return self._grammars
+
     def check(self, method: str, budget: int | str | None) -> None:
         """Raise ValueError unless `method` and `budget` can be served; touches no state (any thread)."""
         if method not in self.methods:
@@ -173,7 +183,7 @@ class Engine:
                  allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True, cache_salt: str | None = None,
-                 priority: int = 0) -> Sequence:
+                 priority: int = 0, constraint: Constraint | None = None, steer: bool = True) -> Sequence:
         """A validated request, not yet added; raises ValueError on bad input.
 
         `stop_token_ids` end a generation as EOS does (the token kept, its text only with
@@ -182,7 +192,9 @@ class Engine:
         N >= 0) puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
         (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
         out of `ddtree` trees (the drafter alone). `cache_salt` keeps its prefix-cache entries apart from other
-        salts'; `priority` orders admission, lower first (vLLM's priority policy).
+        salts'; `priority` orders admission, lower first (vLLM's priority policy). `constraint`: structured
+        outputs (ddscope.engine.grammars), every node masked by its own grammar state and the drafts grown of
+        legal tokens; `steer=False` masks at the verify only, as vLLM does (for side-by-side measurements).
         """
         ids = self.encode(prompt)
         check_request(len(ids), self.max_model_len, self.vocab_size, max_new_tokens, min_tokens, stop,
@@ -198,7 +210,9 @@ class Engine:
         proposer = self.proposer(method, budget, sampling, lookup)
         generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
         pages = Pages(device=self.device, salt=cache_salt)
-        decoder = Decoder(self.target, self.drafter, proposer, sampling, generator, law, logprobs)
+        grammar = (GrammarState(self.grammars.compile(constraint), self.vocab_size, steer)
+                   if constraint is not None else None)
+        decoder = Decoder(self.target, self.drafter, proposer, sampling, generator, law, logprobs, grammar)
         stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
         completion = Completion(self.tokenizer, eos, max_new_tokens, min_tokens, stop or [], stops,
                                 include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens)

@@ -162,8 +162,8 @@ class Runner:
                     draft_ms: float) -> None:
         """Every `auto` sequence's tree size (when it drafted) and prompt-lookup branch length for this step,
         chosen together (BatchBudget)."""
-        trees = [_policy(s).prepare(s.decoder.tokens[-1], s.decoder.sampling.log_probs(drafts[s])) if s in drafts
-                 else [] for s in auto]
+        trees = [_policy(s).prepare(s.decoder.tokens[-1], s.decoder.sampling.log_probs(drafts[s]), s.decoder.steer)
+                 if s in drafts else [] for s in auto]
         branches = [s.decoder.proposer.branch_chances(s.decoder.tokens) for s in auto]
         others = [s for s in batch.decodes if s not in auto]
         fixed = [(n, s.decoder.cache.length) for s, n in batch.prefills]
@@ -182,6 +182,9 @@ class Runner:
         start = seq.decoder.cache.length - len(path)
         rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t3 - t2),
                          drafted, batch)
+        if seq.decoder.grammar is not None:
+            cost = seq.decoder.grammar.take_cost()
+            rnd.grammar_masks, rnd.grammar_ms = cost.masks, cost.ms
         seq.decoder.proposer.observe(rnd, path, new)
         seq.deliver(new, rnd)
 

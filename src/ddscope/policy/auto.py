@@ -11,7 +11,7 @@ from ddscope.policy.learn import Acceptance, Learned, average, clipped
 from ddscope.spec.lookup import LOOKUP_MAX
 from ddscope.spec.proposers import MAX_AUTO_BUDGET
 from ddscope.spec.stats import RoundStats
-from ddscope.spec.tree import DraftTree, grow, top_k
+from ddscope.spec.tree import DraftTree, Steer, grow, per_depth
 
 # Decayed count of plain rounds (0.95 a round) below which `auto` runs one plain round: about every 60
 # rounds, so that what a plain round costs and commits is measured, not assumed.
@@ -41,7 +41,7 @@ class AutoBudget:
         self.since_draft = 0
         self.last_choice = MAX_AUTO_BUDGET
         self._chosen: list[tuple[int, float, bool]] = []  # per chosen node: parent, drafter log-p, top-1
-        self._prepared: tuple[list[list[float]], DraftTree] | None = None
+        self._prepared: DraftTree | None = None
         self.size: int | None = None  # this round's size, when a batch's budget chose it
 
     @property
@@ -70,23 +70,23 @@ class AutoBudget:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
         return min(MAX_AUTO_BUDGET, max(16, self.last_choice * 3 // 2 + 4))
 
-    def prepare(self, root: int, logprobs: torch.Tensor) -> list[float]:
-        """Build the candidate tree (best-first on calibrated acceptance chances) ahead of `tree`; return its
-        nodes' log-chances, in pop order, for a batch's budget to size it (`size` then set)."""
+    def prepare(self, root: int, logprobs: torch.Tensor, steer: Steer | None = None) -> list[float]:
+        """Build the candidate tree (best-first on calibrated acceptance chances; under a grammar, of legal
+        tokens) ahead of `tree`; return its nodes' log-chances, in pop order, for a batch's budget to size it
+        (`size` then set)."""
         budget = self.candidates()
-        drafted, idx = top_k(logprobs, budget)
-        self._prepared = drafted, grow(root, idx, budget, self.acceptance.scorer(drafted))
-        return self._prepared[1].scores[1:]
+        children = (steer or per_depth)(logprobs, budget)
+        self._prepared = grow(root, budget, logprobs.shape[0], children, self.acceptance.scorer())
+        return self._prepared.scores[1:]
 
-    def tree(self, root: int, logprobs: torch.Tensor, ctx: int) -> DraftTree:
+    def tree(self, root: int, logprobs: torch.Tensor, ctx: int, steer: Steer | None = None) -> DraftTree:
         """The candidate tree's prefix with the best expected tok/s (or of the size a batch's budget chose)."""
         if self._prepared is None:
-            self.prepare(root, logprobs)
-        drafted, full = self._prepared
+            self.prepare(root, logprobs, steer)
+        full = self._prepared
         n = self.size if self.size is not None else self._size(full.scores[1:], ctx)
         self._prepared, self.size = None, None
-        self._chosen = [(full.parents[i], drafted[full.depths[i] - 1][full.ranks[i]], full.ranks[i] == 0)
-                        for i in range(1, n + 1)]
+        self._chosen = [(full.parents[i], full.logps[i], full.ranks[i] == 0) for i in range(1, n + 1)]
         return full.prefix(n)
 
     def _size(self, log_chances: list[float], ctx: int) -> int:

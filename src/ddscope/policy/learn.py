@@ -43,15 +43,16 @@ class Acceptance:
         q = min(max(q, 1e-6), 1 - 1e-6)
         return math.log(q / (1 - q))
 
-    def scorer(self, drafted: list[list[float]]) -> Score:
-        """Log-chance of the rank-r candidate at depth d, for `grow`; siblings kept in rank order."""
+    def scorer(self) -> Score:
+        """Log-chance of the rank-r candidate among its siblings' log-ps, for `grow`; siblings kept in rank order."""
         logits: dict[tuple[int, int], float] = {}
 
-        def score(d: int, r: int) -> float:
-            if (d, r) not in logits:  # rank r-1 at depth d was always asked for first
-                x = self.logit(drafted[d][r], r == 0)
-                logits[d, r] = min(x, logits[d, r - 1]) if r else x
-            return -math.log1p(math.exp(-(logits[d, r] + self.offset)))
+        def score(d: int, drafted: list[float], r: int) -> float:
+            key = id(drafted), r  # siblings share one list (per depth, or per node under a grammar)
+            if key not in logits:  # rank r-1 of the same list was always asked for first
+                x = self.logit(drafted[r], r == 0)
+                logits[key] = min(x, logits[id(drafted), r - 1]) if r else x
+            return -math.log1p(math.exp(-(logits[key] + self.offset)))
 
         return score
 

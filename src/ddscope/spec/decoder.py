@@ -16,10 +16,11 @@ import torch
 from ddscope.models.drafter import Drafter
 from ddscope.models.kv_pool import BLOCK
 from ddscope.models.target import ForwardOut, Segment, Target
+from ddscope.spec.grammar import GrammarState
 from ddscope.spec.law import Law, LawApplier
 from ddscope.spec.proposers import Proposer
 from ddscope.spec.sampling import Noise, SamplingParams, TokenLogprob, token_logprobs
-from ddscope.spec.tree import DraftTree, root_only
+from ddscope.spec.tree import DraftTree, Steer, root_only
 
 SCORE_ROWS = 512  # prompt rows scored at a time (echo with logprobs): bounds the logits to 512 x vocab
 
@@ -38,7 +39,8 @@ class Clock:
 
 class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None, proposer: Proposer, sampling: SamplingParams,
-                 generator: torch.Generator | None, law: Law = Law(), logprobs: int | None = None):
+                 generator: torch.Generator | None, law: Law = Law(), logprobs: int | None = None,
+                 grammar: GrammarState | None = None):
         self.target, self.drafter, self.proposer = target, drafter, proposer
         self.cache: Any = None  # KVCache-like: the sequence's own slots, attached when it is admitted
         self.draft_cache: Any = None
@@ -49,6 +51,7 @@ class Decoder:
         self.capture = drafter.cfg.target_layer_ids if proposer.uses_drafter else ()
         self.device = target.lm_head.weight.device
         self.law = LawApplier(law, target.cfg.vocab_size, self.device)
+        self.grammar = grammar  # structured outputs: every node masked by its own state, drafts grown under it
         self.tokens: list[int] = []
         self.prompt_len = 0
         self.prefill_end = 0  # a prefill caches positions up to here
@@ -109,11 +112,18 @@ class Decoder:
         first = self.choose(last, root_only(self.tokens[-1]))[0]
         self._record_logprobs(last, [first])
         self.tokens.append(first)  # the root of the first tree
+        if self.grammar is not None:
+            self.grammar.advance([first])
         return first
 
     def _record_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> None:
         if self.top_logprobs is not None:
             self.logprobs += token_logprobs(logits, tokens, self.top_logprobs)
+
+    @property
+    def steer(self) -> Steer | None:
+        """Each node's legal candidates, when a grammar steers the drafts."""
+        return self.grammar.children if self.grammar is not None and self.grammar.steer else None
 
     def first_draft_reach(self, prompt_len: int) -> int:
         """The first prompt position whose features the first draft reads (its window's reach)."""
@@ -125,7 +135,9 @@ class Decoder:
         token, every node seeing its ancestors only."""
         start = self.cache.length
         if tree is None:
-            tree = self.proposer.tree(self.tokens[-1], draft_logits, self.sampling, start, self.tokens)
+            tree = self.proposer.tree(self.tokens[-1], draft_logits, self.sampling, start, self.tokens, self.steer)
+        if self.grammar is not None:
+            tree = self.grammar.prune(tree)
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor(tree.depths, dtype=torch.long, device=self.device) + start
         mask = None
@@ -146,6 +158,8 @@ class Decoder:
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self._record_logprobs(out.logits.index_select(0, slots), new)  # node path[k] chose new[k]
         self.tokens += new
+        if self.grammar is not None:
+            self.grammar.advance(new)
         return new, path
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -157,6 +171,8 @@ class Decoder:
         """The target's choice at each node, under the law with the node's own history; the node at depth d
         chooses generated index `generated + d`."""
         index = [len(self.tokens) - self.prompt_len + d for d in tree.depths]
+        if self.grammar is not None:
+            logits = self.grammar.mask_rows(logits, tree.paths())
         if self.law.active:
             paths = tree.paths() if self.law.law.reads_history else [[]] * len(index)
             logits = self.law.apply(logits, index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:], paths)

@@ -14,7 +14,7 @@ import torch
 from ddscope.spec.lookup import LOOKUP_MAX, Lookup
 from ddscope.spec.sampling import SamplingParams, first_max
 from ddscope.spec.stats import RoundStats
-from ddscope.spec.tree import DraftTree, best_first, chain, root_only
+from ddscope.spec.tree import DraftTree, Steer, best_first, chain, greedy_chain, root_only
 
 MAX_AUTO_BUDGET = 64  # the largest tree an adaptive budget may build
 
@@ -24,7 +24,7 @@ class BudgetPolicy(Protocol):
 
     def drafts(self, ctx: int, lookup: tuple[float, int] = (0.0, 0)) -> bool: ...
 
-    def tree(self, root: int, logprobs: torch.Tensor, ctx: int) -> DraftTree: ...
+    def tree(self, root: int, logprobs: torch.Tensor, ctx: int, steer: Steer | None = None) -> DraftTree: ...
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None: ...
 
@@ -38,8 +38,9 @@ class Proposer(ABC):
 
     @abstractmethod
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
-             history: list[int] = ()) -> DraftTree:
-        """The tree to verify this round, rooted at the last committed token (`history`'s last)."""
+             history: list[int] = (), steer: Steer | None = None) -> DraftTree:
+        """The tree to verify this round, rooted at the last committed token (`history`'s last); `steer`: a
+        grammar's candidates at each node, so that drafts are grown of legal tokens only."""
 
     def max_nodes(self, block: int) -> int:
         """The most draft nodes a round verifies (what a sequence reserves cache slots for)."""
@@ -57,13 +58,15 @@ class AR(Proposer):
         return 0
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
-             history: list[int] = ()) -> DraftTree:
+             history: list[int] = (), steer: Steer | None = None) -> DraftTree:
         return root_only(root)
 
 
 class DFlash(Proposer):
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
-             history: list[int] = ()) -> DraftTree:
+             history: list[int] = (), steer: Steer | None = None) -> DraftTree:
+        if steer is not None:
+            return greedy_chain(root, draft_logits.shape[0], steer(sampling.log_probs(draft_logits), 1))
         return chain(root, first_max(draft_logits).tolist())
 
 
@@ -94,13 +97,14 @@ class DDTree(Proposer):
         self.branch: int | None = None  # this round's branch length, when a batch's budget chose it
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
-             history: list[int] = ()) -> DraftTree:
+             history: list[int] = (), steer: Steer | None = None) -> DraftTree:
         if draft_logits is None:  # the policy skipped drafting
             tree = root_only(root)
         elif self.policy is None:
-            tree = best_first(root, sampling.log_probs(draft_logits), self.budget)
+            logprobs = sampling.log_probs(draft_logits)
+            tree = best_first(root, logprobs, self.budget, steer(logprobs, self.budget) if steer else None)
         else:
-            tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len)
+            tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len, steer)
         self.rounds += 1
         if self.lookup is not None and history:
             earned = self._propose(history)

@@ -18,12 +18,21 @@ class DraftTree:
     parents: list[int]  # parents[0] == -1
     depths: list[int]   # depths[0] == 0
     scores: list[float] = field(default_factory=list)  # grow only: log-score of each node's prefix
-    ranks: list[int] = field(default_factory=list)     # grow only: rank of the node's token at its depth
+    ranks: list[int] = field(default_factory=list)     # grow only: rank of the node's token among its siblings'
+    logps: list[float] = field(default_factory=list)   # grow only: the drafter's log-p of each node's token
 
     def prefix(self, size: int) -> "DraftTree":
         """The first `size` draft nodes: a valid tree, since parents precede children."""
         n = size + 1
-        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], self.ranks[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], self.ranks[:n],
+                         self.logps[:n])
+
+    def keep(self, nodes: list[int]) -> "DraftTree":
+        """The tree of `nodes` (ascending, the root first, each one's parent among them), renumbered."""
+        new = {old: i for i, old in enumerate(nodes)}
+        pick = lambda xs: [xs[i] for i in nodes] if xs else []
+        return DraftTree(pick(self.tokens), [new.get(self.parents[i], -1) for i in nodes], pick(self.depths),
+                         pick(self.scores), pick(self.ranks), pick(self.logps))
 
     @property
     def size(self) -> int:
@@ -40,6 +49,14 @@ class DraftTree:
             vis[rows, node] = True
             node = parents[node]
         return vis
+
+    def path(self, node: int) -> list[int]:
+        """The node's tokens below the root, its own last (the root's is empty)."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
 
     def paths(self) -> list[list[int]]:
         """Each node's tokens below the root, down to and including its own (the root's is empty)."""
@@ -67,6 +84,7 @@ class DraftTree:
                 if self.scores:  # grown trees keep these per node; a grafted node has no drafter score
                     self.scores.append(float("-inf"))
                     self.ranks.append(-1)
+                    self.logps.append(float("-inf"))
             path.add(child)
             node = child
         return path
@@ -89,7 +107,9 @@ def chain(root: int, tokens: list[int]) -> DraftTree:
     return DraftTree([root, *tokens], list(range(-1, n)), list(range(n + 1)))
 
 
-Score = Callable[[int, int], float]  # (depth index, rank) -> the token's log-score, non-increasing in rank
+Children = Callable[["DraftTree", int], tuple[list[float], list[int]]]  # node -> its candidates (log-p, token), rank order
+Score = Callable[[int, list[float], int], float]  # (node depth, its candidates' log-ps, rank) -> log-score of the rank
+Steer = Callable[[torch.Tensor, int], Children]  # (the drafter's log-probs, k) -> each node's k candidates (a grammar's)
 
 
 def top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
@@ -98,34 +118,60 @@ def top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[
     return vals.tolist(), idx.tolist()
 
 
-def best_first(root: int, logprobs: torch.Tensor, budget: int) -> DraftTree:
+def per_depth(logprobs: torch.Tensor, k: int) -> Children:
+    """Every node at depth d draws from the drafter's `k` best at d (DFlash's block: depths are independent)."""
+    vals, idx = top_k(logprobs, k)
+    return lambda tree, node: (vals[tree.depths[node]], idx[tree.depths[node]])
+
+
+def best_first(root: int, logprobs: torch.Tensor, budget: int, children: Children | None = None) -> DraftTree:
     """The `budget` highest-scoring prefixes, score = sum of per-depth log-probs."""
-    vals, idx = top_k(logprobs, budget)
-    return grow(root, idx, budget, lambda d, r: vals[d][r])
+    return grow(root, budget, logprobs.shape[0], children or per_depth(logprobs, budget), lambda d, vals, r: vals[r])
 
 
-def grow(root: int, idx: list[list[int]], budget: int, score: Score) -> DraftTree:
-    """Best-first tree over per-depth candidates `idx` [depths][k], scored by `score`.
+def greedy_chain(root: int, depth: int, children: Children) -> DraftTree:
+    """Each depth's best candidate under its parent: DFlash's chain (under a grammar, the best legal one)."""
+    tree = root_only(root)
+    for last in range(depth):
+        _, tokens = children(tree, last)
+        if not tokens:
+            break
+        tree.tokens.append(tokens[0])
+        tree.parents.append(last)
+        tree.depths.append(last + 1)
+    return tree
 
-    Depths are treated as independent, so a pop of (depth d, rank r) can only be followed by its
-    next sibling (d, r+1) or its first child (d+1, 0): the heap never holds more than B+1 items,
-    and `score` is asked for only the candidates the heap reaches.
+
+def grow(root: int, budget: int, depth_max: int, children: Children, score: Score) -> DraftTree:
+    """Best-first tree of `budget` nodes: a node's children are `children(tree, node)`, in rank order, each
+    scored `score(depth, candidates, rank)` on top of its parent's score.
+
+    A pop of a node can only be followed by its next sibling or its own first child, so the heap never holds
+    more than B+1 items, and `score` is asked for only the candidates the heap reaches.
     """
-    depth_max, k = len(idx), len(idx[0])
     tree = root_only(root)
     tree.scores.append(0.0)
     tree.ranks.append(0)
-    heap = [(-score(0, 0), 1, 0, 0, 0.0)]  # (-score, depth, rank, parent, parent score)
+    tree.logps.append(0.0)
+    lists = [children(tree, 0)] if depth_max else [([], [])]
+    heap: list[tuple[float, int, int, int]] = []  # (-score, depth, rank, parent)
+
+    def offer(parent: int, rank: int) -> None:
+        vals, tokens = lists[parent]
+        if rank < len(tokens):
+            depth = tree.depths[parent]
+            heapq.heappush(heap, (-(tree.scores[parent] + score(depth, vals, rank)), depth + 1, rank, parent))
+
+    offer(0, 0)
     while heap and tree.size < budget:
-        neg, depth, rank, parent, parent_score = heapq.heappop(heap)
-        node = len(tree.tokens)
-        tree.tokens.append(idx[depth - 1][rank])
+        neg, depth, rank, parent = heapq.heappop(heap)
+        tree.tokens.append(lists[parent][1][rank])
         tree.parents.append(parent)
         tree.depths.append(depth)
         tree.scores.append(-neg)
         tree.ranks.append(rank)
-        if rank + 1 < k:
-            heapq.heappush(heap, (-(parent_score + score(depth - 1, rank + 1)), depth, rank + 1, parent, parent_score))
-        if depth < depth_max:
-            heapq.heappush(heap, (neg - score(depth, 0), depth + 1, 0, node, -neg))
+        tree.logps.append(lists[parent][0][rank])
+        offer(parent, rank + 1)
+        lists.append(children(tree, tree.size) if depth < depth_max else ([], []))
+        offer(tree.size, 0)
     return tree
