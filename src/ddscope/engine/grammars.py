@@ -28,10 +28,12 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """What the output must match. `spec`: the JSON schema or structural tag as JSON text, the regex, the
-    EBNF/Lark grammar, or the choices as a JSON list; `any_whitespace`: JSON's free whitespace allowed."""
+    EBNF/Lark grammar, or the choices as a JSON list; `any_whitespace`: JSON's free whitespace allowed;
+    `whitespace`: a regex for JSON's whitespace instead (outlines' and vLLM's whitespace_pattern)."""
     kind: str
     spec: str = ""
     any_whitespace: bool = True
+    whitespace: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -89,6 +91,8 @@ class Grammars:
         comp = self.compiler
         if c.kind in ("json", "json_object"):
             schema = c.spec if c.kind == "json" else '{"type": "object"}'
+            if c.whitespace is not None:
+                return comp.compile_grammar(json_with_whitespace(schema, c.whitespace))
             separators = None if c.any_whitespace else (",", ":")
             return comp.compile_json_schema(schema, any_whitespace=c.any_whitespace, separators=separators)
         if c.kind == "regex":
@@ -113,6 +117,20 @@ def compile_structural_tag(comp: Any, spec: str) -> Any:
     return comp.compile_structural_tag(spec)
 
 
+FREE_SPACE = "[ \\n\\r\\t]*"  # JSON's whitespace, as xgrammar writes it with any_whitespace
+
+
+def json_with_whitespace(schema: str, pattern: str) -> str:
+    """The schema's EBNF with every stretch of free whitespace matching `pattern` instead (the lookaheads that
+    end strings keep theirs: they only test what may follow)."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True))
+    space = re.sub(r"\broot(\w*)", r"ddscope_space\1", str(xgr.Grammar.from_regex(pattern)))
+    body = re.sub(r"(?<!\(=\()" + re.escape(FREE_SPACE), "ddscope_space", text)
+    return body + "\n" + space
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF whose sentences are exactly `choices`."""
     return "root ::= " + " | ".join(f'"{_escape(s)}"' for s in choices)
@@ -128,5 +146,6 @@ def _uncommented(text: str) -> str:
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]
+    """The error's first line, without the "[time] file.cc:line:" that xgrammar's C++ puts before it."""
+    text = (str(e).strip() or type(e).__name__).splitlines()[0]
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)[:300]

@@ -8,8 +8,11 @@ the engine itself runs on the EngineWorker thread.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import time
+from importlib.metadata import PackageNotFoundError, version
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,7 +28,7 @@ from ddscope.server.requests import chat_ids, check_text, prompt_ids, truncate
 from ddscope.server.responses import Reply
 from ddscope.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, error_body, reject_unsupported, validation_error)
-from ddscope.server.state import ServerConfig, ServerState, engine_of
+from ddscope.server.state import ServerConfig, ServerState, Surface, engine_of
 
 if TYPE_CHECKING:
     from ddscope.engine import Engine
@@ -48,6 +51,16 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
     app = FastAPI(title="ddscope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ddscope = state
     _install_error_handlers(app)
+    _install_surface(app, state.config.surface)
+
+    @app.get("/version")
+    async def version_() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's /ping: /health's status, no body."""
+        return Response(status_code=(await health()).status_code)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -68,12 +81,13 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(engine_of(state))]}
+        engine = engine_of(state)
+        return {"object": "list", "data": [_model_card(engine, name) for name in state.names(engine)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
-        _check_model(engine_of(state), model)
-        return _model_card(state.engine)
+        _check_model(state, model)
+        return _model_card(state.engine, model)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -98,7 +112,7 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
         special = req.add_special_tokens is not False  # vLLM's default for completions: True
         prompts = [truncate(await state.tokenize(prompt_ids, state.tokenizer, engine, p, special), req, engine)
                    for p in req.prompts]
-        reply = Reply(chat=False, model=engine.model_name, include_usage=req.include_usage)
+        reply = Reply(chat=False, model=state.names(engine)[0], include_usage=req.include_usage)
         return await generate(request, state, req, prompts, reply, arrival)
 
     @app.post("/v1/chat/completions")
@@ -107,7 +121,7 @@ def create_app(config: ServerConfig | None = None, engine: Engine | None = None)
         req = await _parse(request, state, ChatCompletionRequest)
         engine = engine_of(state)
         ids = truncate(await state.tokenize(chat_ids, state.tokenizer, engine, req), req, engine)
-        reply = Reply(chat=True, model=engine.model_name, include_usage=req.include_usage)
+        reply = Reply(chat=True, model=state.names(engine)[0], include_usage=req.include_usage)
         return await generate(request, state, req, [ids], reply, arrival)
 
     return app
@@ -122,16 +136,51 @@ def mark_load_failed(app: FastAPI, message: str) -> None:
     app.state.ddscope.load_error = message
 
 
-def _model_card(engine: Engine) -> dict[str, Any]:
+def _model_card(engine: Engine, name: str) -> dict[str, Any]:
     # root: the checkpoint directory, as vLLM's card names it; dtype: what the target runs in (the bench's floor)
-    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "ddscope", "root": engine.source,
+    return {"id": name, "object": "model", "created": 0, "owned_by": "ddscope", "root": engine.source,
             "max_model_len": engine.max_model_len, "dtype": str(engine.target.lm_head.weight.dtype).removeprefix("torch.")}
 
 
-def _check_model(engine: Engine, model: str | None) -> None:
-    if model is not None and model != engine.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {engine.model_name!r}",
-                       param="model", code="model_not_found")
+def _check_model(state: ServerState, model: str | None) -> None:
+    names = state.names(engine_of(state))
+    if model is not None and model not in names:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in names)}", param="model", code="model_not_found")
+
+
+def _version() -> str:
+    try:
+        return version("ddscope")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _install_surface(app: FastAPI, surface: Surface) -> None:
+    """API keys on /v1 (vLLM's --api-key: /health, /ping, /version, /metrics and /tokenize stay open; keys compared
+    as SHA-256 digests in constant time, as vLLM's middleware does), and CORS where origins are allowed."""
+    if surface.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(surface.allowed_origins),
+                           allow_methods=list(surface.allowed_methods), allow_headers=list(surface.allowed_headers),
+                           allow_credentials=surface.allow_credentials)
+    if not surface.api_keys:
+        return
+    digests = [hashlib.sha256(k.encode()).digest() for k in surface.api_keys]
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next: Any) -> Response:
+        if request.method == "OPTIONS" or not request.url.path.startswith("/v1"):
+            return await call_next(request)
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = hashlib.sha256(token.strip().encode()).digest()
+        matches = [hmac.compare_digest(given, d) for d in digests]  # every key compared: no early exit
+        if scheme.lower() == "bearer" and any(matches):
+            return await call_next(request)
+        return JSONResponse(error_body(401, "a missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+                                       code="invalid_api_key"), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -158,7 +207,7 @@ async def _parse(request: Request, state: ServerState, model: type[R]) -> R:
         req = model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    _check_model(engine_of(state), req.model)
+    _check_model(state, req.model)
     return req
 
 

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
 from ddscope.engine.limits import KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
 from ddscope.util.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
+PARSERS = ("hermes",)  # --tool-call-parser: the formats ddscope.server.tools reads
 SPEC_DECODE_LEVELS = ("none", "summary", "detailed")  # vLLM's --per-request-spec-decode-metrics levels
 
 
@@ -52,7 +54,65 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "tokens per second")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default: %(default)s)")
+    _add_surface_args(p)
     p.set_defaults(func=_run)
+
+
+def _add_surface_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for what a team exposes to agents: keys, names, CORS, structured outputs and tools."""
+    g = p.add_argument_group("API surface (vLLM's flags)")
+    g.add_argument("--api-key", nargs="+", metavar="KEY",
+                   help="accept only requests to /v1 that send one of these keys as a Bearer token (default: "
+                        "$DDSCOPE_API_KEY, else $VLLM_API_KEY, else open); /health, /ping, /version and /metrics stay "
+                        "open")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model names requests may send and /v1/models lists; responses report the first "
+                        "(default: the target directory's name)")
+    g.add_argument("--structured-outputs-config", metavar="JSON",
+                   help='defaults of every structured-output request, e.g. \'{"backend": "xgrammar", '
+                        '"disable_any_whitespace": true}\' (backend: auto or xgrammar)')
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default once tools are sent), with --tool-call-parser')
+    g.add_argument("--tool-call-parser", choices=PARSERS, help="how `auto` tool calls are read from the output")
+    g.add_argument("--allowed-origins", type=_json_list, default=[], metavar="JSON",
+                   help='CORS origins, as a JSON list, e.g. \'["http://localhost:3000"]\' (default: none)')
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help="CORS methods")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON", help="CORS headers")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
+
+
+def _json_list(text: str) -> list[str]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings, e.g. '[\"*\"]', not {text!r}")
+    return value
+
+
+def surface_of(args: argparse.Namespace) -> Any:
+    """The Surface the flags describe; SystemExit naming a bad flag."""
+    import os
+
+    from ddscope.server.constraints import StructuredOutputsConfig
+    from ddscope.server.state import Surface
+
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit("ddscope serve: --enable-auto-tool-choice and --tool-call-parser go together")
+    keys = args.api_key or [k for k in (os.environ.get("DDSCOPE_API_KEY") or os.environ.get("VLLM_API_KEY"),) if k]
+    if any(not k for k in keys):
+        raise SystemExit("ddscope serve: an empty --api-key")
+    try:
+        outputs = (StructuredOutputsConfig.parse(args.structured_outputs_config)
+                   if args.structured_outputs_config else StructuredOutputsConfig())
+    except ValueError as e:
+        raise SystemExit(f"ddscope serve: {e}") from None
+    return Surface(tuple(keys), tuple(args.served_model_name or ()), outputs, args.tool_call_parser,
+                   tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                   args.allow_credentials)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -65,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_threads(args.threads)
+    surface = surface_of(args)
     try:
         serve(args.target, args.drafter, method=args.method, budget=args.budget, host=args.host, port=args.port,
               max_queue=args.max_queue, request_timeout=args.request_timeout, log_interval=args.log_interval,
@@ -73,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
               prefix_cache=not args.no_prefix_cache, max_num_seqs=args.max_num_seqs,
               max_prefill_tokens=args.max_prefill_tokens,
               prefill_threads=args.prefill_threads, spec_decode_metrics=args.per_request_spec_decode_metrics,
-              per_request_metrics=args.enable_per_request_metrics)
+              per_request_metrics=args.enable_per_request_metrics, surface=surface)
     except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         logging.getLogger("ddscope.server").error("cannot serve: %s", e)
         return 1

@@ -3,6 +3,7 @@ disconnect, pick `best_of`, and map the worker's failures to API errors."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,11 +11,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ddscope.engine.grammars import Constraint, ConstraintError
 from ddscope.models.target import KVCacheFull
+from ddscope.server.constraints import constraint_of
 from ddscope.server.requests import child_params, engine_params
 from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_request_metrics, prompt_logprobs, sse
 from ddscope.server.schemas import APIError, ChatCompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
+from ddscope.server.tools import ToolStream, choice_of, read_calls, tool_schema
 from ddscope.server.worker import (Done, EngineWorker, Event, Failed, InvalidRequest, Job, QueueFull, ShuttingDown,
                                    WorkerDied)
 
@@ -67,9 +71,33 @@ def _submit(state: ServerState, job: Job) -> None:
         raise APIError(503, str(e), code="worker_died") from None
 
 
+async def _constrain(state: ServerState, req: SamplingRequest) -> tuple[Constraint | None, str | None]:
+    """The request's constraint, compiled now (off the event loop, and not on the engine's thread), and its tool
+    choice; a 400 naming the field where it is malformed or does not compile in time."""
+    surface = state.config.surface
+    tool = choice_of(req, surface.tool_parser) if isinstance(req, ChatCompletionRequest) else None
+    field, constraint = constraint_of(req, surface.structured_outputs) or (None, None)
+    schema = tool_schema(req, tool) if tool is not None else None
+    if schema is not None:
+        if constraint is not None:
+            raise APIError(400, f"either structured outputs ({field}) or a forced tool_choice, not both",
+                           param="tool_choice", code="invalid_parameter")
+        field = "tools"
+        constraint = Constraint("json", json.dumps(schema), not surface.structured_outputs.disable_any_whitespace)
+    if constraint is not None:
+        try:
+            await asyncio.to_thread(state.engine.grammars.compile, constraint)
+        except ConstraintError as e:
+            raise APIError(400, f"{field}: {e}", param=field, code="invalid_constraint") from None
+    return constraint, tool
+
+
 async def generate(request: Request, state: ServerState, req: SamplingRequest, prompts: list[list[int]],
                     reply: Reply, arrival: float) -> Response:
-    params = [engine_params(state, req, len(ids)) for ids in prompts]  # all checked before any runs
+    constraint, reply.tool = await _constrain(state, req)
+    reply.shared = req.n
+    reply.parallel = not (isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False)
+    params = [engine_params(state, req, len(ids), constraint) for ids in prompts]  # all checked before any runs
     k = req.choices  # sequences per prompt: choice p * k + c is prompt p's c-th
     many = len(prompts) * k > 1
     jobs = [Job(f"{reply.id}-{p * k + c}" if many else reply.id, ids, child_params(ps, c),
@@ -196,6 +224,7 @@ async def _stream(state: ServerState, jobs: list[Job], req: SamplingRequest, rep
     logprobs = [Logprobs(state.tokenizer, reply.chat) if wanted else None for _ in jobs]
     ids = (lambda t: {"token_ids": t}) if req.return_token_ids else (lambda t: {})
     finished: dict[int, Done] = {}
+    tools = [ToolStream(reply.tool, reply.parallel) if reply.tool and reply.chat else None for _ in jobs]
     try:
         for i, job in enumerate(jobs):
             async for chunk in _stream_head(state, req, reply, i, job, firsts[i], logprobs[i]):
@@ -206,7 +235,13 @@ async def _stream(state: ServerState, jobs: list[Job], req: SamplingRequest, rep
                 break
             if isinstance(event, Done):
                 finished[i] = event
-                chunks = [reply.chunk(None, event.finish_reason, matched_stop=event.matched_stop, index=i)]
+                reason = event.finish_reason
+                if tools[i] is not None:
+                    deltas, called = tools[i].finish()
+                    for delta in deltas:
+                        yield sse(reply.chunk(None, delta=delta, index=i))
+                    reason = "tool_calls" if called and reason == "stop" else reason
+                chunks = [reply.chunk(None, reason, matched_stop=event.matched_stop, index=i)]
                 if len(finished) == len(jobs):
                     chunks += _stream_tail(state, reply, [finished[j] for j in range(len(jobs))], chunks[0])
                 for chunk in chunks:
@@ -217,6 +252,10 @@ async def _stream(state: ServerState, jobs: list[Job], req: SamplingRequest, rep
             if event.text or ((wanted or req.return_token_ids) and event.token_ids):
                 lp = logprobs[i]
                 rendered = await state.tokenize(lp.render, event.token_ids, event.logprobs) if lp else None
+                if tools[i] is not None:
+                    for delta in tools[i].feed(event.text):
+                        yield sse(reply.chunk(None, delta=delta, logprobs=rendered, index=i, **ids(event.token_ids)))
+                    continue
                 yield sse(reply.chunk(event.text, logprobs=rendered, index=i, **ids(event.token_ids)))
         yield sse("[DONE]")
     finally:  # runs on normal end, on client disconnect (task cancelled) and on shutdown

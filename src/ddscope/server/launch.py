@@ -15,6 +15,7 @@ import uvicorn
 
 from ddscope.engine.limits import default_method
 from ddscope.server.app import ServerConfig, attach_engine, create_app, mark_load_failed
+from ddscope.server.state import Surface
 from ddscope.util.process import wait_healthy
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ def _load_engine(target: str | Path | None, drafter: str | Path | None, engine_k
 def serve(target: str | Path | None = None, drafter: str | Path | None = None, method: str | None = None,
           budget: int | str | None = 32, host: str = "127.0.0.1", port: int = 8000, *, max_queue: int = 64,
           request_timeout: float = 600.0, log_interval: float = 10.0, shutdown_timeout: float = 30.0,
-          spec_decode_metrics: str = "summary", per_request_metrics: bool = False, **engine_kw: Any) -> None:
+          spec_decode_metrics: str = "summary", per_request_metrics: bool = False, surface: Surface | None = None,
+          **engine_kw: Any) -> None:
     """Listen at once (/health answers 503 while loading), load the engine in the background, serve.
     `method` is the requests' default (None: ddtree with a drafter, else ar).
 
@@ -53,7 +55,7 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
     """
     config = ServerConfig(method=method, budget=budget, max_queue=max_queue, request_timeout=request_timeout,
                           log_interval=log_interval, spec_decode_metrics=spec_decode_metrics,
-                          per_request_metrics=per_request_metrics)
+                          per_request_metrics=per_request_metrics, surface=surface or Surface())
     app = create_app(config)
     server = Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout))
     failure: list[BaseException] = []
@@ -85,7 +87,8 @@ def serve_in_background(target: str | Path | None = None, drafter: str | Path | 
                         port: int = 0, *, engine: Engine | None = None, max_queue: int = 64,
                         request_timeout: float = 600.0, log_interval: float = 10.0, shutdown_timeout: float = 5.0,
                         startup_timeout: float = 60.0, spec_decode_metrics: str = "summary",
-                        per_request_metrics: bool = False, **engine_kw: Any) -> Iterator[str]:
+                        per_request_metrics: bool = False, surface: Surface | None = None,
+                        **engine_kw: Any) -> Iterator[str]:
     """Load the engine (or use `engine`), serve it from a background thread, yield the base URL.
 
     port=0 picks a free port; method=None: ddtree with a drafter, else ar. Waits until /health is 200. On exit,
@@ -95,7 +98,8 @@ def serve_in_background(target: str | Path | None = None, drafter: str | Path | 
         engine = _load_engine(target, drafter, engine_kw)
     config = ServerConfig(method=method or default_method(engine.methods), budget=budget, max_queue=max_queue,
                           request_timeout=request_timeout, log_interval=log_interval,
-                          spec_decode_metrics=spec_decode_metrics, per_request_metrics=per_request_metrics)
+                          spec_decode_metrics=spec_decode_metrics, per_request_metrics=per_request_metrics,
+                          surface=surface or Surface())
     app = create_app(config, engine)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -78,6 +78,10 @@ class ServerMetrics:
                                     m, buckets=BATCH_BUCKETS, registry=r)
         self.kv_usage = Gauge("ddscope:kv_cache_usage_perc", "Share of the KV cache's blocks in use (0 to 1), as "
                               "vLLM's vllm:kv_cache_usage_perc.", m, registry=r)
+        self.grammar_masks = Counter("ddscope:grammar_masks", "Structured outputs: token masks the grammar filled "
+                                     "(draft-tree growth and verify).", m, registry=r)
+        self.grammar_seconds = Counter("ddscope:grammar_seconds", "Structured outputs: seconds in the grammar's "
+                                       "matcher and masking (within the tree and commit phases).", m, registry=r)
         self.engine_steps = Counter("ddscope:engine_steps", "Batched engine steps (one target forward each).", m,
                                     registry=r)
         self.vllm = VllmSeries(r)
@@ -172,3 +176,5 @@ class ModelMetrics:
         self.batch_size = m.batch_size.labels(model_name)
         self.kv_usage = Fanout(m.kv_usage.labels(model_name), v.kv_usage.labels(*on))
         self.engine_steps = m.engine_steps.labels(model_name)
+        self.grammar_masks = m.grammar_masks.labels(model_name)
+        self.grammar_seconds = m.grammar_seconds.labels(model_name)

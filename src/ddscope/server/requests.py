@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from ddscope.engine.grammars import Constraint
 from ddscope.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
 
@@ -66,24 +67,27 @@ def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, param: str, max_
 
 
 def chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, req: ChatCompletionRequest) -> list[int]:
-    if not tokenizer.chat_template:
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
-                       param="messages", code="no_chat_template")
+    if not (req.chat_template or tokenizer.chat_template):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions or send "
+                            "chat_template", param="messages", code="no_chat_template")
     messages = [m.template_dict() for m in req.messages]
     for m in messages:
         check_text(m["content"], "messages", engine.max_model_len)
     # vLLM's merge: the request's template variables, then the top-level flags over them
     kwargs = {**(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
               "continue_final_message": req.continue_final_message}
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    if req.tools:  # rendered whatever tool_choice says, `none` included, as vLLM renders them
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    try:  # transformers renders in a sandboxed Jinja environment: a request's own template is safe to run
+        text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=req.chat_template, **kwargs)
     except (TemplateError, ValueError, TypeError) as e:  # a template's raise_exception, or a bad conversation
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages",
                        code="invalid_messages") from None
     return _encode_text(tokenizer, text, "messages", engine.max_model_len, bool(req.add_special_tokens))
 
 
-def engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) -> dict[str, Any]:
+def engine_params(state: ServerState, req: SamplingRequest, prompt_len: int,
+                  constraint: Constraint | None = None) -> dict[str, Any]:
     engine = state.engine
     method = req.method or state.config.method
     budget = req.budget if req.budget is not None else state.config.budget
@@ -122,7 +126,7 @@ def engine_params(state: ServerState, req: SamplingRequest, prompt_len: int) -> 
             "include_stop_str_in_output": req.include_stop_str_in_output,
             "skip_special_tokens": req.skip_special_tokens,
             "spaces_between_special_tokens": req.spaces_between_special_tokens, "cache_salt": req.cache_salt,
-            "priority": req.priority}
+            "priority": req.priority, "constraint": constraint}
 
 
 def _prompt_logprobs_wanted(req: SamplingRequest) -> int | None:

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ddscope.server.tools import read_calls
 from ddscope.spec.sampling import TokenLogprob
 
 if TYPE_CHECKING:
@@ -66,10 +67,13 @@ def per_request_metrics(records: list[dict[str, Any]], level: str, timing: bool)
     return out
 
 
-def total_usage(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """One usage over a batch of choices."""
-    keys = ("prompt_tokens", "completion_tokens", "cached_tokens")
-    return usage({k: sum(s[k] for s in stats) for k in keys})
+def total_usage(stats: list[dict[str, Any]], shared: int = 1) -> dict[str, Any]:
+    """One usage over a batch of choices, each run of `shared` choices answering one prompt: its prompt counted
+    once, as vLLM counts n > 1 (chat_completion/serving.py:1095-1105)."""
+    prompts = stats[::shared]
+    return usage({"prompt_tokens": sum(s["prompt_tokens"] for s in prompts),
+                  "cached_tokens": sum(s["cached_tokens"] for s in prompts),
+                  "completion_tokens": sum(s["completion_tokens"] for s in stats)})
 
 
 class Logprobs:
@@ -119,6 +123,9 @@ class Reply:
     model: str
     include_usage: bool = False  # stream_options.include_usage
     id: str = ""
+    tool: str | None = None  # chat with tools: "auto", "required" or the named tool (ddscope.server.tools)
+    parallel: bool = True  # parallel_tool_calls
+    shared: int = 1  # choices per prompt (n): usage counts each prompt once
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -134,7 +141,12 @@ class Reply:
     def choice(self, text: str, finish_reason: str, matched_stop: int | str | None = None,
                logprobs: dict[str, Any] | None = None, index: int = 0, **extra: Any) -> dict[str, Any]:
         """One final choice; `extra`: vLLM's per-choice fields asked for (token_ids, prompt_token_ids, ...)."""
-        if self.chat:
+        if self.chat and self.tool:
+            content, calls = read_calls(self.tool, text, self.parallel)
+            body = {"index": index, "message": {"role": "assistant", "content": content,
+                                                "tool_calls": [c.to_dict() for c in calls]}}
+            finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        elif self.chat:
             body = {"index": index, "message": {"role": "assistant", "content": text}}
         else:
             body = {"index": index, "text": text}
@@ -144,16 +156,19 @@ class Reply:
                  metrics: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
         """The whole answer; the `ddscope` extension is one choice's stats, or a list for several; `metrics` is
         vLLM's per-request object, at the body's root, as are `extra` (chat's prompt_token_ids, ...)."""
-        return {**self._envelope(True, choices), "usage": total_usage(stats), **extra,
+        return {**self._envelope(True, choices), "usage": total_usage(stats, self.shared), **extra,
                 **({"metrics": metrics} if metrics is not None else {}),
                 "ddscope": stats[0] if len(stats) == 1 else stats}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
               matched_stop: int | str | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
-              **extra: Any) -> dict[str, Any]:
-        """One streamed chunk of choice `index`; `extra` goes on the choice (token_ids, prompt_token_ids)."""
+              delta: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        """One streamed chunk of choice `index`; `extra` goes on the choice (token_ids, prompt_token_ids); chat's
+        `delta` is given whole (tool calls) or made of the text."""
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            delta = dict(delta or {})
+            if role:
+                delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -169,7 +184,7 @@ class Reply:
     def usage_chunk(self, stats: list[dict[str, Any]], metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """The chunk with no choices that ends an include_usage stream; it carries vLLM's per-request `metrics`
         as vLLM's does (completion/serving.py:458-490 in vLLM 0.32)."""
-        return {**self._envelope(False, []), "usage": total_usage(stats),
+        return {**self._envelope(False, []), "usage": total_usage(stats, self.shared),
                 **({"metrics": metrics} if metrics is not None else {})}
 
 

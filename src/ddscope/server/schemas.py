@@ -5,6 +5,7 @@ silently different request. Anything the engine cannot honour is rejected, not i
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,6 +19,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries, as OpenAI's cap on logit_bias is per token
 MAX_N = 16  # choices a request may ask for (n, best_of); each is a sequence of the batch
 MAX_BAD_WORDS = 128  # strings; vLLM caps their token sequences at VLLM_MAX_NUM_BAD_WORDS (128)
+MAX_CHOICES = 1024  # structured_outputs.choice strings
+MAX_TOOLS = 128
 MAX_SALT = 128  # cache_salt characters, vLLM's (entrypoints/generate/base/protocol.py:38-58 in 0.32)
 
 
@@ -62,16 +65,8 @@ def validation_error(exc: ValidationError) -> APIError:
 # Fields that would change the output and are not honoured, each with the values that mean "off" (accepted).
 REFUSED: dict[str, tuple[Any, ...]] = {
     "suffix": (None,),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
+    "functions": (None, []),  # OpenAI's deprecated spelling of tools
     "function_call": (None, "none"),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "reasoning_effort": (None,),
     "prediction": (None,),
     "use_beam_search": (None, False),
@@ -79,8 +74,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "truncation_side": (None, "left"),
 }
 # Accepted and ignored: bookkeeping that changes no token.
-IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-           "parallel_tool_calls", "request_id")
+IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id")
 
 def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
     """400 for a refused field set to anything but "off"; the body without the ignored fields."""
@@ -90,6 +84,43 @@ def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
                                 f"(allowed: {', '.join(repr(a) for a in allowed)}); docs/server.md lists every field",
                            param=name, code="unsupported_parameter")
     return {k: v for k, v in body.items() if k not in IGNORED and k not in REFUSED}
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema; `strict` is accepted, and the schema is always held strictly
+    (xgrammar's strict mode: no properties beyond those named, as vLLM runs it)."""
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None  # structural_tag, xgrammar's current format
+    structures: list[dict[str, Any]] | None = None  # structural_tag, the legacy format
+    triggers: list[str] | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs (sampling_params.py:101-168): exactly one kind, and the whitespace options."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @property
+    def json(self) -> Any:  # the field's name in vLLM
+        return self.json_
 
 
 class StreamOptions(BaseModel):
@@ -135,6 +166,15 @@ class SamplingRequest(BaseModel):
     add_special_tokens: bool | None = None  # None: each endpoint's default (vLLM: True for completions)
     cache_salt: str | None = None
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    # Structured outputs: OpenAI's, vLLM's and the older guided_* spellings (ddscope.server.constraints).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["auto", "xgrammar"] | None = None
+    guided_whitespace_pattern: str | None = None
     # ddscope extensions.
     method: str | None = None
     budget: int | Literal["auto"] | None = None
@@ -265,16 +305,74 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    # Forbid, not ignore: `tool_calls` or `tool_call_id` dropped in silence would template another conversation.
+    # Forbid, not ignore: a field dropped in silence would template another conversation.
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # handed to the chat template, which may use it
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer names the call it answers
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it; a call's arguments as an object, as vLLM hands them over
+        (templates write them with `tojson`)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name is not None else {})
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                            "arguments": _arguments(c.function)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _arguments(fn: CalledFunction) -> Any:
+    try:
+        return json.loads(fn.arguments)
+    except ValueError:
+        return fn.arguments
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -286,6 +384,10 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    chat_template: str | None = Field(default=None, max_length=256 * 1024)  # the request's own Jinja template
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _chat_consistent(self) -> ChatCompletionRequest:

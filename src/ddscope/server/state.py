@@ -5,9 +5,10 @@ import asyncio
 import copy
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ddscope.server.constraints import StructuredOutputsConfig
 from ddscope.server.metrics import ServerMetrics
 from ddscope.server.schemas import APIError
 from ddscope.server.worker import EngineWorker
@@ -23,6 +24,19 @@ T = TypeVar("T")
 
 
 @dataclass
+class Surface:
+    """What a team exposes to agents, in vLLM's flags: keys, model names, CORS, structured outputs and tools."""
+    api_keys: tuple[str, ...] = ()  # --api-key: any of them, as a Bearer token, on /v1 (empty: open)
+    served_model_names: tuple[str, ...] = ()  # --served-model-name: the names answered to, the first reported
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice: reads `auto` calls
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no cross-origin access (vLLM's default)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass
 class ServerConfig:
     method: str = "ddtree"  # default for requests that do not name one
     budget: int | str | None = None  # None: the engine's default_budget
@@ -32,6 +46,7 @@ class ServerConfig:
     log_interval: float = 10.0
     spec_decode_metrics: str = "summary"  # vLLM's --per-request-spec-decode-metrics: none, summary or detailed
     per_request_metrics: bool = False     # vLLM's --enable-per-request-metrics: the timing fields too
+    surface: Surface = field(default_factory=Surface)
 
 
 class ServerState:
@@ -53,9 +68,13 @@ class ServerState:
         engine.check(self.config.method, self.config.budget)  # fail at startup on a bad default budget
         engine.calibrate()  # here, on the load thread: never on the event loop, never beside a decode
         self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.worker = EngineWorker(engine, self.metrics.bind(engine.model_name), max_queue=self.config.max_queue,
+        self.worker = EngineWorker(engine, self.metrics.bind(self.names(engine)[0]), max_queue=self.config.max_queue,
                                    log_interval=self.config.log_interval)
         self.engine = engine  # last: /health turns 200 only when everything is in place
+
+    def names(self, engine: Engine) -> tuple[str, ...]:
+        """The model names this server answers to, the first the one it reports."""
+        return self.config.surface.served_model_names or (engine.model_name,)
 
     def drain(self, grace: float | None) -> None:
         """Refuse new requests, give those in flight `grace` seconds, then answer the rest 503. The handlers

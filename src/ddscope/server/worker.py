@@ -383,6 +383,8 @@ class EngineWorker:
         self.metrics.verify_steps.inc()
         self.metrics.committed_tokens.inc(n)
         self.metrics.draft_nodes.inc(rnd.nodes)
+        self.metrics.grammar_masks.inc(rnd.grammar_masks)
+        self.metrics.grammar_seconds.inc(rnd.grammar_ms / 1000)
         self.metrics.commit_length.observe(n)
         self.metrics.accepted_tokens.inc(n - 1)
         for position in range(n - 1):
