@@ -128,10 +128,11 @@ class OracleDrafter:
         return torch.stack(rows)
 
 
-def oracle_engine(engine: Engine, accuracy: float = 1.0, seed: int = 0, **engine_kw) -> Engine:
+def oracle_engine(engine: Engine, accuracy: float = 1.0, seed: int = 0, max_model_len: int | None = None,
+                  **engine_kw) -> Engine:
     """Another engine over `engine`'s target and drafter (weights shared, caches its own) that drafts with
     an OracleDrafter: accuracy 1.0 is accepted in full at T=0, 0.5 about half the time per token."""
-    oracle = Engine(engine.target, engine.drafter, engine.tokenizer, Path(engine.source), engine.max_model_len,
-                    engine.default_budget, **engine_kw)
+    oracle = Engine(engine.target, engine.drafter, engine.tokenizer, Path(engine.source),
+                    max_model_len or engine.max_model_len, engine.default_budget, **engine_kw)
     oracle.drafter = oracle.runner.drafter = OracleDrafter(engine.drafter, oracle.target, accuracy, seed)
     return oracle

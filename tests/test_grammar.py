@@ -1,0 +1,180 @@
+"""Structured outputs in the engine: every tree node masked by its own grammar state, so `dflash` and `ddtree`
+equal `ar` under the same constraint (greedy and seeded), drafts grown under the grammar are accepted, outputs
+match the constraint (or are a prefix it accepts, on `length`), and the grammar's state survives rejected branches
+and preemption."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from ddscope.bench.synthetic import oracle_engine
+from ddscope.engine import Engine
+from ddscope.engine.grammars import Constraint, ConstraintError, Grammars
+from ddscope.spec.grammar import GrammarState
+from ddscope.spec.tree import best_first
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "[a-z]{1,8}"}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3}},
+    "required": ["name", "n", "tags"]}
+REGEX = r"(ab|cd){1,4}-[0-9]{2,4}x"
+CHOICES = ["def add", "The quick brown fox", "Hello"]
+EBNF = 'root ::= "f(" arg ("," arg)? ")"\narg ::= [a-z] | [0-9] [0-9]?'
+CONSTRAINTS = {
+    "json": (Constraint("json", json.dumps(SCHEMA), any_whitespace=False), lambda t: json.loads(t)),
+    "regex": (Constraint("regex", REGEX), lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
+    "choice": (Constraint("choice", json.dumps(CHOICES)), lambda t: t in CHOICES or pytest.fail(t)),
+    "grammar": (Constraint("grammar", EBNF), lambda t: re.fullmatch(r"f\(([a-z]|[0-9]{1,2})(,([a-z]|[0-9]{1,2}))?\)", t)
+                or pytest.fail(t)),
+}
+PROMPTS = ["Hello, how", "def add(a,", "The quick brown"]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_engine):
+    """The target's own continuation, right at 80% of depths: an unconstrained drafter, which the grammar steers."""
+    return oracle_engine(tiny_engine, accuracy=0.8)
+
+
+def _accepts(grammars: Grammars, c: Constraint, ids: list[int]) -> bool:
+    m = xgr.GrammarMatcher(grammars.compile(c))
+    return all(m.accept_token(t) for t in ids)
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRAINTS))
+def test_greedy_under_a_grammar_equals_ar_and_steered_drafts_are_accepted(oracle, kind):
+    constraint, valid = CONSTRAINTS[kind]
+    steered = {True: [0, 0], False: [0, 0]}  # steer -> [committed, steps]
+    for prompt in PROMPTS:
+        ref = oracle.generate(prompt, max_new_tokens=48, method="ar", constraint=constraint)
+        assert ref.finish_reason == "stop" and ref.token_ids[-1] in oracle.eos_ids
+        valid(ref.text)
+        for method, budget in (("dflash", None), ("ddtree", 8), ("ddtree", 32)):
+            for steer in (True, False):
+                out = oracle.generate(prompt, max_new_tokens=48, method=method, budget=budget, constraint=constraint,
+                                      steer=steer)
+                assert out.token_ids == ref.token_ids, (kind, method, budget, steer)
+                assert out.finish_reason == ref.finish_reason
+                steered[steer][0] += out.stats.committed_tokens
+                steered[steer][1] += out.stats.verify_steps
+                assert out.stats.to_dict()["grammar_masks"] > 0
+    on, off = (c / s for c, s in steered.values())
+    assert on > 1.5, f"steered drafts were hardly accepted ({on:.2f} a step): the test lost its power"
+    assert on > off  # the lever: a tree grown under the grammar commits more than one cut at verify
+
+
+def test_seeded_sampling_under_a_grammar_is_the_same_under_every_method(oracle):
+    constraint, valid = CONSTRAINTS["json"]
+    committed = steps = 0
+    for seed, prompt in enumerate(PROMPTS):
+        kw = dict(max_new_tokens=48, temperature=0.9, seed=seed, constraint=constraint)
+        ref = oracle.generate(prompt, method="ar", **kw)
+        for method, budget in (("dflash", None), ("ddtree", 16)):
+            out = oracle.generate(prompt, method=method, budget=budget, **kw)
+            assert out.token_ids == ref.token_ids
+            committed, steps = committed + out.stats.committed_tokens, steps + out.stats.verify_steps
+        if ref.finish_reason == "stop":
+            valid(ref.text)
+    assert committed / steps > 1.2
+
+
+def test_every_token_is_legal_where_the_target_would_choose_otherwise(tiny_engine):
+    """Unconstrained, the tiny target writes no JSON at all: the mask, not luck, makes the output valid."""
+    constraint, valid = CONSTRAINTS["json"]
+    free = tiny_engine.generate(PROMPTS[0], max_new_tokens=24, method="ar", ignore_eos=True)
+    assert not free.text.startswith("{")
+    out = tiny_engine.generate(PROMPTS[0], max_new_tokens=64, method="ddtree", budget=16, constraint=constraint)
+    valid(out.text)
+
+
+def test_a_cut_output_is_a_prefix_the_grammar_accepts(tiny_engine):
+    constraint = Constraint("json", json.dumps({"type": "object", "properties": {"s": {"type": "string"}},
+                                                "required": ["s"]}))
+    out = tiny_engine.generate(PROMPTS[1], max_new_tokens=6, method="ddtree", budget=16, constraint=constraint)
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    assert _accepts(tiny_engine.grammars, constraint, out.token_ids)
+
+
+def test_rejected_branches_and_preemption_leave_the_grammar_in_step(tiny_engine):
+    """Half-right drafts (branches rejected every round) in a pool so small that sequences are preempted and
+    recomputed: every constrained output equals its run alone, and matches its constraint up to its end (decoding
+    goes on past it, ignore_eos, so that the load outgrows the pool)."""
+    plans = [("json", "ddtree", 16), ("regex", "dflash", None), ("grammar", "ddtree", 8), ("json", "ar", None),
+             ("choice", "ddtree", 32), ("regex", "ddtree", 16), ("json", "dflash", None), ("grammar", "ddtree", 32)]
+    requests = [(PROMPTS[i % 3], dict(method=m, budget=b, max_new_tokens=100, ignore_eos=True,
+                                      constraint=CONSTRAINTS[k][0])) for i, (k, m, b) in enumerate(plans * 2)]
+    alone = oracle_engine(tiny_engine, accuracy=0.5)
+    want = [alone.generate(p, **kw).token_ids for p, kw in requests]
+    small = oracle_engine(tiny_engine, accuracy=0.5, max_model_len=160, kv_cache_mb=2)
+    seqs = [small.sequence(p, **kw) for p, kw in requests]
+    for s in seqs:
+        small.add(s)
+    for _ in range(5000):
+        if not small.busy:
+            break
+        small.step()
+    got = [[t for step in s.outbox for t in step.token_ids] for s in seqs]
+    assert small.preemptions > 0
+    assert got == want
+    for (p, kw), ids in zip(requests, got):
+        end = next(i for i, t in enumerate(ids) if t in small.eos_ids)
+        assert _accepts(small.grammars, kw["constraint"], ids[:end + 1])
+
+
+def test_the_tree_grows_only_legal_tokens_and_a_forced_token_is_certain(tiny_engine):
+    c = Constraint("regex", r"\{\"key\": [0-9]+\}")
+    state = GrammarState(tiny_engine.grammars.compile(c), tiny_engine.vocab_size)
+    logprobs = torch.randn(15, tiny_engine.vocab_size).log_softmax(-1)
+    tree = best_first(0, logprobs, 24, state.children(logprobs, 24))
+    assert tree.size == 24
+    for i, path in enumerate(tree.paths()):
+        assert state.legal(path), path
+    forced = [i for i in range(1, len(tree.tokens)) if tree.ranks[i] == 0 and
+              state.allowed(tree.path(tree.parents[i])).sum() == 1]
+    assert forced and all(tree.logps[i] == 0.0 for i in forced)  # "{" then '"' ... : the drafter's word overruled
+
+
+@pytest.mark.parametrize("constraint,message", [
+    (Constraint("regex", "(unclosed"), "parenthesis"),
+    (Constraint("json", '{"type": "nonsense"}'), "does not compile"),
+    (Constraint("grammar", "root ::= undefined_rule"), "does not compile"),
+    (Constraint("choice", "[]"), "does not compile"),
+])
+def test_a_constraint_that_does_not_compile_is_refused(tiny_engine, constraint, message):
+    with pytest.raises(ConstraintError, match=message):
+        tiny_engine.sequence("hi", constraint=constraint)
+    assert tiny_engine.generate("hi", max_new_tokens=4, constraint=CONSTRAINTS["regex"][0]).token_ids
+
+
+def test_a_compile_past_its_time_is_refused_and_not_run_again(tiny_pair):
+    engine = Engine.load(*tiny_pair)
+    slow = Grammars(engine.tokenizer, engine.vocab_size, list(engine.eos_ids), timeout_s=1e-4)
+    big = Constraint("json", json.dumps({"type": "object", "properties": {
+        f"k{i}": {"type": "array", "items": {"type": "string", "pattern": "[a-z]{2,9}"}} for i in range(40)}}))
+    with pytest.raises(ConstraintError, match="took over"):
+        slow.compile(big)
+    assert big not in slow.cache
+
+
+def test_the_grammar_cost_is_recorded_per_round(oracle):
+    out = oracle.generate(PROMPTS[0], max_new_tokens=32, method="ddtree", budget=16,
+                          constraint=CONSTRAINTS["json"][0])
+    rounds = out.stats.rounds
+    assert sum(r.grammar_masks for r in rounds) == out.stats.to_dict()["grammar_masks"] > len(rounds)
+    assert all(r.grammar_ms >= 0 for r in rounds) and out.stats.to_dict()["grammar_ms"] > 0
+
+
+def test_past_the_grammar_s_end_nothing_is_constrained(tiny_engine):
+    """With ignore_eos, decoding goes on after the grammar's stop token, unconstrained, as vLLM leaves a
+    terminated grammar's bitmask unfilled; every method agrees there too."""
+    constraint = CONSTRAINTS["choice"][0]
+    ref = tiny_engine.generate(PROMPTS[2], max_new_tokens=20, method="ar", constraint=constraint, ignore_eos=True)
+    assert len(ref.token_ids) == 20
+    out = tiny_engine.generate(PROMPTS[2], max_new_tokens=20, method="ddtree", budget=8, constraint=constraint,
+                               ignore_eos=True)
+    assert out.token_ids == ref.token_ids
+
