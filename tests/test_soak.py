@@ -20,7 +20,7 @@ CONCURRENCY, REQUESTS = 16, 208
 DEADLINE_S = 240  # the whole soak, its isolated reruns aside
 MALFORMED = [
     {"prompt": "x", "temperature": -1},
-    {"prompt": "x", "response_format": {"type": "json_object"}},
+    {"prompt": "x", "structured_outputs": {"regex": "(unclosed"}},
     {"prompt": "x", "stop": ["y" * 300]},
     {"prompt": [1, 10**7]},
     {"prompt": "x", "max_tokens": 0},
