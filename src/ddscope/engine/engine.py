@@ -70,7 +70,7 @@ class Engine:
                              if isinstance(target, Target) else (None, None))
         self.scheduler = Scheduler(blocks, max_num_seqs, max_prefill_tokens)
         self.runner = Runner(target, drafter, prefill_threads)
-        self._grammars: Grammars | None = None
+        self.grammars = Grammars(tokenizer, target.cfg.vocab_size, list(self.eos_ids))  # structured outputs
 
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
@@ -78,8 +78,8 @@ class Engine:
              device_map: str | None = None, kv_cache_mb: int = KV_CACHE_MB, prefix_cache: bool = True,
              prefill_threads: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
              max_prefill_tokens: int = MAX_PREFILL_TOKENS) -> "Engine":
-        """`target_backend`: the native Qwen3/Llama model where it applies (auto), or transformers for any
-        other causal LM (ddscope.models.hf_target); `device_map` (transformers) shards a target over several GPUs."""
+        """`target_backend`: native Qwen3/Llama where it applies (auto), or transformers for any other causal LM
+        (ddscope.models.hf_target); `device_map` (transformers) shards a target over several GPUs."""
         if target is None:
             target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
         if dtype not in DTYPES:
@@ -100,9 +100,7 @@ class Engine:
                    prefix_cache=prefix_cache, prefill_threads=prefill_threads, max_num_seqs=max_num_seqs,
                    max_prefill_tokens=max_prefill_tokens)
 
-    def with_drafter(self, drafter: str | Path) -> "Engine":
-        """Another engine over this one's target (weights shared, caches its own), with another drafter:
-        two drafters compared side by side in one process."""
+    def with_drafter(self, drafter: str | Path) -> "Engine":  # weights shared, caches its own: drafters side by side
         return Engine(self.target, Drafter.load(Path(drafter), self.target), self.tokenizer, Path(self.source),
                       self.max_model_len, self.default_budget, self.kv_cache_mb, prefill_threads=self.prefill_threads,
                       max_num_seqs=self.scheduler.max_num_seqs,
@@ -128,13 +126,6 @@ class Engine:
             raise ValueError("prompt is empty")
         return ids
 
-    @property
-    def grammars(self) -> Grammars:
-        """The structured-output compiler over this tokenizer (built at the first constrained request)."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, list(self.eos_ids))
-        return self._grammars
-
     def check(self, method: str, budget: int | str | None) -> None:
         """Raise ValueError unless `method` and `budget` can be served; touches no state (any thread)."""
         if method not in self.methods:
@@ -145,8 +136,7 @@ class Engine:
             raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
 
     def calibrate(self) -> None:
-        """Time the verify cost `auto` needs (or read it from the cache on disk), now rather than at the first
-        `auto` request: a server calls this on its load thread, before it serves anything."""
+        """Time the verify cost `auto` needs (or read it from disk) now: a server's load thread, before serving."""
         if self.drafter is not None and self.verify_cost is None:
             self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
             self.runner.budget = BatchBudget(self.verify_cost)
@@ -192,9 +182,8 @@ class Engine:
         N >= 0) puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
         (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
         out of `ddtree` trees (the drafter alone). `cache_salt` keeps its prefix-cache entries apart from other
-        salts'; `priority` orders admission, lower first (vLLM's priority policy). `constraint`: structured
-        outputs (ddscope.engine.grammars), every node masked by its own grammar state and the drafts grown of
-        legal tokens; `steer=False` masks at the verify only, as vLLM does (for side-by-side measurements).
+        salts'; `priority` orders admission, lower first (vLLM's priority policy). `constraint`: structured outputs
+        (ddscope.spec.grammar); `steer=False` masks at the verify only, as vLLM does, for side-by-side measurements.
         """
         ids = self.encode(prompt)
         check_request(len(ids), self.max_model_len, self.vocab_size, max_new_tokens, min_tokens, stop,
@@ -210,8 +199,7 @@ class Engine:
         proposer = self.proposer(method, budget, sampling, lookup)
         generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
         pages = Pages(device=self.device, salt=cache_salt)
-        grammar = (GrammarState(self.grammars.compile(constraint), self.vocab_size, steer)
-                   if constraint is not None else None)
+        grammar = GrammarState(self.grammars.compile(constraint), self.vocab_size, steer) if constraint else None
         decoder = Decoder(self.target, self.drafter, proposer, sampling, generator, law, logprobs, grammar)
         stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
         completion = Completion(self.tokenizer, eos, max_new_tokens, min_tokens, stop or [], stops,
@@ -224,7 +212,7 @@ class Engine:
 
     def _caches(self, pages: Pages, length: int) -> tuple:
         """A sequence's target and drafter caches: its pages of the pool, or (transformers) its own, made only
-        when it is admitted (Scheduler._admit), so that a queue holds no memory."""
+        when it is admitted (Scheduler._admit): a queue holds no memory."""
         if self.pool is not None:
             return self.pool.target_cache(pages), self.pool.drafter_cache(pages) if self.drafter else None
         room = length + MAX_BUDGET + LOOKUP_MAX + 1  # + root, tree, lookup

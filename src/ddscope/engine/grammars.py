@@ -41,13 +41,12 @@ class Constraint:
 
 
 class Grammars:
-    """One engine's compiler: the tokenizer's vocabulary as xgrammar reads it, its stop tokens the engine's EOS."""
+    """One engine's compiler: the tokenizer's vocabulary as xgrammar reads it, its stop tokens the engine's EOS;
+    built at the first compile, so that an engine that is never asked for a constraint never loads xgrammar."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], timeout_s: float = COMPILE_TIMEOUT_S):
-        import xgrammar as xgr
-
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
+        self._compiler: Any = None
         self.timeout_s = timeout_s
         self.cache: OrderedDict[Constraint, Any] = OrderedDict()
         self.running: dict[Constraint, threading.Thread] = {}  # compiles past their time, still going
@@ -64,6 +63,7 @@ class Grammars:
                 raise ConstraintError(f"compiling this {c.kind} took over {self.timeout_s:g} s; it is refused")
             if len(self.running) >= MAX_RUNAWAY:
                 raise ConstraintError("the server is still compiling constraints that ran past their time limit")
+        self.compiler  # built here, under no time limit of its own compile
         result: dict[str, Any] = {}
 
         def run() -> None:
@@ -86,6 +86,16 @@ class Grammars:
             while len(self.cache) > CACHE_ENTRIES:
                 self.cache.popitem(last=False)
         return result["grammar"]
+
+    @property
+    def compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
 
     def _compile(self, c: Constraint) -> Any:
         comp = self.compiler

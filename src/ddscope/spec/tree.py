@@ -107,9 +107,9 @@ def chain(root: int, tokens: list[int]) -> DraftTree:
     return DraftTree([root, *tokens], list(range(-1, n)), list(range(n + 1)))
 
 
-Children = Callable[["DraftTree", int], tuple[list[float], list[int]]]  # node -> its candidates (log-p, token), rank order
+Children = Callable[["DraftTree", int], tuple[list[float], list[int]]]  # node -> (log-ps, tokens), rank order
 Score = Callable[[int, list[float], int], float]  # (node depth, its candidates' log-ps, rank) -> log-score of the rank
-Steer = Callable[[torch.Tensor, int], Children]  # (the drafter's log-probs, k) -> each node's k candidates (a grammar's)
+Steer = Callable[[torch.Tensor, int], Children]  # (drafter log-probs, k) -> each node's k candidates (a grammar's)
 
 
 def top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
