@@ -73,11 +73,11 @@ def _add_surface_args(p: argparse.ArgumentParser) -> None:
                         '"disable_any_whitespace": true}\' (backend: auto or xgrammar)')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default once tools are sent), with --tool-call-parser')
-    g.add_argument("--tool-call-parser", choices=PARSERS, help="how `auto` tool calls are read from the output")
+    g.add_argument("--tool-call-parser", choices=PARSERS, help="how `auto` tool calls are read from the output (default: none: `auto` is refused)")
     g.add_argument("--allowed-origins", type=_json_list, default=[], metavar="JSON",
                    help='CORS origins, as a JSON list, e.g. \'["http://localhost:3000"]\' (default: none)')
-    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help="CORS methods")
-    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON", help="CORS headers")
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help="CORS methods (default: %(default)s)")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON", help="CORS headers (default: %(default)s)")
     g.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
 
 
