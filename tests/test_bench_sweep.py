@@ -224,3 +224,25 @@ def test_a_counter_source_is_not_read_under_concurrency(tmp_path):
     assert alone["avg_commit"] is not None and len(together) == 2
     for r in together:
         assert r["avg_commit"] is None and "cannot separate concurrent requests" in r["acceptance_note"]
+
+
+def test_a_constrained_workload_sends_each_server_its_own_field_and_prices_the_grammar(tiny_pair, tmp_path, capsys):
+    """`--workload json`: every request carries the records schema (vLLM's structured_outputs to ddscope), every
+    token is under it (the array cannot close in 16 tokens), and the grammar's time a step is read and named."""
+    from ddscope.bench.backends import constraint_fields
+    from ddscope.bench.workloads import RECORDS
+
+    target, drafter = tiny_pair
+    out = tmp_path / "out"
+    assert bench("sweep", "--target", str(target), "--drafter", str(drafter), "--workload", "json", "--contexts",
+                 "16,64", "--max-tokens", "16", "--repeats", "1", "--warmup", "0", "--out", str(out)) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["backend"]["constraint"] == {"structured_outputs": {"json": RECORDS}}
+    assert all(r["grammar_ms"] > 0 and r["completion_tokens"] == 16 for r in doc["records"])
+    assert "the grammar's time a step" in capsys.readouterr().out
+    schema = {"type": "object"}
+    assert constraint_fields("vllm", "completions", schema) == {"structured_outputs": {"json": schema}}
+    assert constraint_fields("sglang", "completions", schema) == {"json_schema": '{"type": "object"}'}
+    assert constraint_fields("sglang", "generate", schema) == {"json_schema": '{"type": "object"}'}
+    assert constraint_fields("sglang", "chat", schema)["response_format"]["json_schema"]["schema"] == schema
+    assert constraint_fields("llamacpp", "completions", schema) == {"json_schema": schema}

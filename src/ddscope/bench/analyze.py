@@ -39,6 +39,7 @@ def _aggregate(rows: list[dict[str, Any]]) -> list[Point]:
         logged = [int(r["log_lines"]) for r in grp if r.get("log_lines") is not None]
         server = [r["server_avg_commit"] for r in grp if r.get("server_avg_commit")]
         nodes = [r["nodes_per_step"] for r in grp if r.get("nodes_per_step")]
+        grammar = [r["grammar_ms"] for r in grp if r.get("grammar_ms") is not None]
         points.append(Point(
             label=label, prompt_tokens=median(r["prompt_tokens"] for r in grp), tok_per_s=median(tps),
             avg_commit=median(commits) if len(commits) == len(grp) else None, n=len(grp),
@@ -46,7 +47,7 @@ def _aggregate(rows: list[dict[str, Any]]) -> list[Point]:
             step_ms_sd=pstdev(steps) if steps else 0.0, engine_step_ms=median(engine) if engine else None,
             log_lines=sum(logged) if logged else None,
             server_avg_commit=median(server) if len(server) == len(grp) else None,
-            nodes_per_step=median(nodes) if nodes else None))
+            nodes_per_step=median(nodes) if nodes else None, grammar_ms=median(grammar) if grammar else None))
     return sorted(points, key=lambda p: (p.label, p.prompt_tokens))
 
 
@@ -168,6 +169,13 @@ def _length_notes(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+def _grammar_shares(points: list[Point]) -> list[str]:
+    """The grammar's part of each constrained point's step (what the server reports of it)."""
+    each = [f"{p.grammar_ms:.2f} of {p.step_ms:.2f} ms ({100 * p.grammar_ms / p.step_ms:.0f}%) at "
+            f"{p.prompt_tokens:.0f}" for p in points if p.grammar_ms and p.step_ms]
+    return [f"structured outputs: the grammar's time a step (masks and matcher), {', '.join(each)}"] if each else []
+
+
 TREE_SIZE_SPREAD = 1.15  # tokens verified a step may vary this much across the fitted points
 
 
@@ -233,7 +241,7 @@ def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int
         notes.append(f"baseline {baseline!r} has no acceptance data: tok/s only, no decomposition")
         return Analysis(baseline, None, points, [], _position_report(rows, window), notes, by_concurrency)
     fit = robust_fit([p.prompt_tokens for p in base], [p.step_ms for p in base])
-    notes += _mixed_trees(base)
+    notes += _mixed_trees(base) + _grammar_shares(points)
     if fit.poor:
         notes.append(f"the step-time fit is poor (R^2 = {fit.r2:.2f} < {R2_MIN:g}): attribution shares are "
                      f"withheld and raw ratios shown; step time does not follow context on a line here")

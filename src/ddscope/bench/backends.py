@@ -7,6 +7,7 @@ See docs/bench.md for the per-engine references.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -205,6 +206,27 @@ def server_decode(backend: str, body: dict[str, Any], completion_tokens: int) ->
     else:
         seconds = None
     return (completion_tokens - 1, seconds) if seconds and completion_tokens > 1 else None
+
+
+def constraint_fields(backend: str, route: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema in the server's own request field: vLLM's `structured_outputs` (ddscope's too); SGLang's
+    `json_schema` string on /v1/completions and /generate (sglang/srt/entrypoints/openai/protocol.py:400,
+    srt/sampling/sampling_params.py:169 in 0.5.23), its `response_format` on chat (protocol.py:1238-1249);
+    llama-server's `json_schema`; OpenAI's `response_format` elsewhere."""
+    if backend in ("ddscope", "vllm"):
+        return {"structured_outputs": {"json": schema}}
+    if backend == "sglang" and route != "chat":
+        return {"json_schema": json.dumps(schema)}
+    if backend == "llamacpp":
+        return {"json_schema": schema}
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "records", "schema": schema}}}
+
+
+def grammar_ms(backend: str, body: dict[str, Any]) -> float | None:
+    """The grammar's time a verify step, where the server reports it (ddscope)."""
+    ext = (body.get("ddscope") or {}) if backend == "ddscope" else {}
+    steps, ms = num(ext.get("verify_steps")), num(ext.get("grammar_ms"))
+    return ms / steps if steps and ms is not None else None
 
 
 def engine_step_ms(backend: str, body: dict[str, Any]) -> float | None:

@@ -32,6 +32,7 @@ class Point:
     log_lines: int | None = None  # server log lines behind avg_commit, over the repeats
     server_avg_commit: float | None = None  # the server's own figure, where it differs from the delivered one
     nodes_per_step: float | None = None  # tokens the target verified per step (tree nodes with the root), where said
+    grammar_ms: float | None = None  # structured outputs: the grammar's time a step, where the server says
 
     @property
     def step_ms(self) -> float | None:

@@ -29,7 +29,7 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
         return None
     row = {"label": str(raw.get("label") or default_label), "context": raw.get("context")}
     for key in ("prompt_tokens", "tok_per_s", "avg_commit", "server_avg_commit", "engine_step_ms", "log_lines",
-                "e2e_tok_per_s", "aggregate_tok_per_s", "ttft_s", "nodes_per_step"):
+                "e2e_tok_per_s", "aggregate_tok_per_s", "ttft_s", "nodes_per_step", "grammar_ms"):
         row[key] = as_number(raw.get(key), key, where)
     row["concurrency"] = int(as_number(raw.get("concurrency"), "concurrency", where) or 1)
     if not row["prompt_tokens"] or not row["tok_per_s"]:

@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 
 from ddscope.bench.acceptance import AcceptanceReader, Observation
-from ddscope.bench.backends import (Reading, Server, cached_of, decoding_method, delivered, engine_step_ms,
+from ddscope.bench.backends import (Reading, Server, cached_of, constraint_fields, decoding_method, delivered,
+                                    engine_step_ms, grammar_ms,
                                     nodes_per_step, server_decode, server_prefill_s, step_commits, text_digest,
                                     usage_of)
 from ddscope.bench.serverlog import ServerLog, WindowReading
@@ -36,7 +37,7 @@ SCHEMA = "ddscope.bench.results/1"
 CSV_FIELDS = ("label", "context", "concurrency", "repeat", "prompt_tokens", "cached_tokens", "completion_tokens", "latency_s", "prefill_s",
               "tok_per_s", "tok_per_s_basis", "e2e_tok_per_s", "avg_commit", "server_avg_commit",
               "avg_commit_basis", "verify_steps", "step_ms",
-              "engine_step_ms", "ttft_s", "aggregate_tok_per_s", "log_lines", "log_straddling", "error")
+              "engine_step_ms", "grammar_ms", "ttft_s", "aggregate_tok_per_s", "log_lines", "log_straddling", "error")
 PROBE_TOKENS = 8
 
 # Request fields that switch per-request telemetry on. Servers that ignore unknown fields (SGLang,
@@ -305,13 +306,15 @@ class Sweep:
         return ids if self.token_ids else self.tokenizer.decode(ids)
 
     def payload(self, route: str, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+        schema = self.workload.schema
         if route == "generate":  # SGLang native; source: sglang/srt/managers/io_struct.py:185,188,227
+            params = {"max_new_tokens": max_tokens, "temperature": self.cfg.temperature, "ignore_eos": True}
             return {"input_ids" if isinstance(prompt, list) else "text": prompt, "stream": False,
-                    "sampling_params": {"max_new_tokens": max_tokens, "temperature": self.cfg.temperature,
-                                        "ignore_eos": True}}
+                    "sampling_params": {**params, **(constraint_fields(self.backend, route, schema) if schema else {})}}
         extras = {k: v for k, v in self.extras.items() if not (self.cfg.stream and k == "return_meta_info")}
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": self.cfg.temperature,
-                                "ignore_eos": True, "stream": self.cfg.stream, **extras}
+                                "ignore_eos": True, "stream": self.cfg.stream, **extras,
+                                **(constraint_fields(self.backend, route, schema) if schema else {})}
         if self.model:
             body["model"] = self.model
         if self.cfg.stream:
@@ -456,6 +459,7 @@ class Sweep:
             response_id=body.get("id"), text_sha1=text_digest(body),
             latency_s=round(latency, 6), prefill_s=None if prefill is None else round(prefill, 6), tok_per_s=tps,
             tok_per_s_basis=basis, e2e_tok_per_s=completion / latency, engine_step_ms=engine_step_ms(self.backend, body),
+            grammar_ms=grammar_ms(self.backend, body),
             commits=step_commits(self.backend, body, completion), nodes_per_step=nodes_per_step(self.backend, body),
             **acceptance_fields(acc, completion, tps))
         if logged is not None:
@@ -484,7 +488,9 @@ class Sweep:
                         "max_model_len": self.max_model_len, **self.decoding, "request_extras": self.extras,
                         "route": self.url(self.openai_route if self.reader.route == "openai" else self.reader.route),
                         "prompt_format": "token_ids" if self.token_ids else "text",
-                        "prompt_tokenizer": self.tokenizer_origin},
+                        "prompt_tokenizer": self.tokenizer_origin,
+                        "constraint": constraint_fields(self.backend, self.openai_route, self.workload.schema)
+                        if self.workload.schema else None},
             "acceptance_source": self.reader.source.to_dict(),
             "acceptance_refused": self.reader.refused,
             "tok_per_s": self._bases([]),

@@ -4,7 +4,9 @@
 offline packages: code = HumanEval, math = GSM8K (test split), chat = MT-Bench first turns, and reasoning = GSM8K
 questions after worked step-by-step answers (GSM8K's own, calculator marks removed), ending in "Let's think step
 by step.": prompts that ask for the long free-form reasoning the mission's collapse was seen on.
-`file:PATH` reads a .jsonl file (a "prompt" or "text" field per line) or a plain text file.
+`file:PATH` reads a .jsonl file (a "prompt" or "text" field per line) or a plain text file. `json` is padding's
+prompt with structured output: a JSON array of records (RECORDS) that cannot close within any sweep's output, so
+every token of a fixed-length generation is under the grammar.
 """
 from __future__ import annotations
 
@@ -18,7 +20,12 @@ from typing import Protocol
 
 PADDING_SENTENCE = "Distributed systems require careful reasoning about consistency and failure. "
 PADDING_SUFFIX = "\nContinue:"
-WORKLOADS = ("padding", "code", "math", "chat", "reasoning")
+WORKLOADS = ("padding", "code", "math", "chat", "reasoning", "json")
+RECORDS = {"type": "array", "minItems": 100000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                     "name": {"type": "string", "pattern": "[A-Z][a-z]{1,12}"},
+                                     "ok": {"type": "boolean"}},
+    "required": ["id", "name", "ok"], "additionalProperties": False}}
 REASONING_SHOTS = 3  # worked answers before each question
 
 # (package, resource path inside it, pip requirement) for the offline prompt sets.
@@ -44,10 +51,11 @@ class Tokenizer(Protocol):
 class Workload:
     label: str
     prompts: tuple[str, ...]   # for padding: the one sentence that is repeated
+    schema: dict | None = None  # a JSON schema the output must match (structured outputs)
 
     @property
     def is_padding(self) -> bool:
-        return self.label == "padding"
+        return self.label in ("padding", "json")
 
 
 def _read_jsonl(lines: list[str], where: str) -> list[dict]:
@@ -91,11 +99,13 @@ def load_workload(spec: str) -> Workload:
     """Resolve `padding|code|math|chat|file:PATH` to its prompts."""
     if spec == "padding":
         return Workload("padding", (PADDING_SENTENCE,))
+    if spec == "json":
+        return Workload("json", (PADDING_SENTENCE,), RECORDS)
     if spec.startswith("file:"):
         path = Path(spec[len("file:"):]).expanduser()
         return Workload(f"file:{path.name}", tuple(_file_prompts(path)))
     if spec not in _PACKAGED:
-        raise WorkloadError(f"unknown workload {spec!r}: use padding, code, math, chat, reasoning or file:PATH")
+        raise WorkloadError(f"unknown workload {spec!r}: use padding, code, math, chat, reasoning, json or file:PATH")
     rows = _packaged_rows(spec)
     if spec == "code":
         prompts = [r["prompt"] for r in rows]
