@@ -33,6 +33,10 @@ from support.real_peer import unavailable
 from support.relay import Relay
 
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
+COMPACT = {"backend": "xgrammar", "disable_any_whitespace": True}  # both servers' structured-outputs defaults
+RECORD = {"type": "object", "properties": {"name": {"type": "string", "pattern": "[a-z_]{1,12}"},
+                                           "args": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["name", "args"]}
 CROSS_PROMPTS = ("def fibonacci(n):", "The history of distributed systems", "Question: what is 17 * 3?\nAnswer:")
 
 # Whichever test runs first installs and starts the peer inside its own time: pyproject's 600 s per test
@@ -45,7 +49,8 @@ def vllm(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     try:
         with vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", log,
-                         extra=("--per-request-spec-decode-metrics", "detailed")) as url:
+                         extra=("--per-request-spec-decode-metrics", "detailed",
+                                "--structured-outputs-config", json.dumps(COMPACT))) as url:
             yield url, log
     except PeerUnavailable as e:
         unavailable(e)
@@ -280,20 +285,30 @@ FIELDS = {  # vLLM's request fields, each answered by the real vLLM (DFlash on) 
     "allowed_token_ids": {"allowed_token_ids": list(range(200, 700))},
     "token ids and echo": {"return_token_ids": True, "echo": True},
     "truncated": {"truncate_prompt_tokens": 3, "return_token_ids": True},
+    "structured choice": {"structured_outputs": {"choice": ["return a + b", "pass", "raise"]}},
+    "structured regex": {"structured_outputs": {"regex": "\\n    (return|yield) [a-z]( [+*-] [a-z])?\\n"}},
+    "structured grammar": {"structured_outputs": {"grammar": 'root ::= "\\n    return " [a-z] " + " [a-z]'}},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": RECORD}}},
 }
+SHORT = ("allowed_token_ids", "bad_words", "structured choice")  # nothing to accept, or too few tokens to draft
 
 
 @pytest.mark.parametrize("name", list(FIELDS))
 def test_vllms_request_fields_get_vllms_answer_from_ddscope(vllm, name):
     """Text, token ids, finish reason and usage equal vLLM's own, greedy, for each field vLLM clients send."""
+    from ddscope.server.constraints import StructuredOutputsConfig
     from ddscope.server.launch import serve_in_background
+    from ddscope.server.state import Surface
 
     body = {"prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0, **FIELDS[name]}
     keys = ("text", "finish_reason", "token_ids", "prompt_token_ids")
-    with serve_in_background(budget=32) as ours, httpx.Client(timeout=300) as client:
+    surface = Surface(structured_outputs=StructuredOutputsConfig(**COMPACT))
+    with serve_in_background(budget=32, surface=surface) as ours, httpx.Client(timeout=300) as client:
         model = client.get(f"{vllm[0]}/v1/models").json()["data"][0]["id"]
         theirs = client.post(f"{vllm[0]}/v1/completions", json={**body, "model": model}).json()
         mine = client.post(f"{ours}/v1/completions", json=body).json()
     assert {k: theirs["choices"][0].get(k) for k in keys} == {k: mine["choices"][0].get(k) for k in keys}, name
     assert theirs["usage"]["prompt_tokens"] == mine["usage"]["prompt_tokens"]
-    assert mine["ddscope"]["avg_commit"] > 1.2 or name in ("allowed_token_ids", "bad_words")  # trees accepted
+    assert mine["ddscope"]["avg_commit"] > 1.2 or name in SHORT  # trees accepted
+    if name == "json_schema":  # both sides' JSON valid and finished
+        assert theirs["choices"][0]["finish_reason"] == "stop" and json.loads(theirs["choices"][0]["text"])
