@@ -190,6 +190,37 @@ def test_host_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert first.bandwidth_gbps == max(first.measured["read_gbps"].values())  # a product's read or a read alone
 
 
+def test_the_host_keeps_its_best_rates_and_a_beaten_floor_is_measured_again(tmp_path, monkeypatch):
+    """A measurement taken while the machine was busy (here: a low one, then a fast one) never lowers the floor
+    below the best rates seen; a step that beats the host's floor has the host measured again, and what is
+    still beaten is called a floor to re-measure, never a wrong model."""
+    from dataclasses import replace
+
+    from ddscope.bench.analyze import analyze
+    from ddscope.bench.limit import hardware as hw_module
+    from ddscope.bench.limit.shape import load_shape
+    from ddscope.bench.limit.verdict import BEATEN_HOST, FloorSpec, against_floor
+    from ddscope.bench.synthetic import make_target
+
+    monkeypatch.setenv("DDSCOPE_CACHE", str(tmp_path))
+    slow = hw_module.Hardware("host", 5.0, {"fp32": 0.05, "bf16": 0.05}, measured={"threads": 1})
+    fast = replace(slow, bandwidth_gbps=40.0, tflops={"fp32": 1.0, "bf16": 0.02})
+    readings = iter([fast, slow])
+    monkeypatch.setattr(hw_module, "measure_host", lambda threads: next(readings))
+    assert hw_module.host(1) == fast
+    kept = hw_module.host(1, remeasure=True)  # the busy reading
+    assert kept.bandwidth_gbps == 40.0 and kept.tflops == {"fp32": 1.0, "bf16": 0.05} == hw_module.host(1).tflops
+
+    shape = load_shape(make_target(tmp_path / "t", hidden=256, layers=4))
+    rows = [{"label": "padding", "context": c, "prompt_tokens": c, "tok_per_s": 1e6, "avg_commit": 2.0,
+             "nodes_per_step": 8.0} for c in (16, 512)]  # a 0.002 ms step: below any floor
+    remeasured = []
+    monkeypatch.setattr(hw_module, "measure_host", lambda threads: remeasured.append(threads) or fast)
+    notes = against_floor(analyze(rows), FloorSpec(shape, kept))["notes"]
+    assert remeasured == [1] and notes and all(BEATEN_HOST in n for n in notes if "beats" in n)
+    assert not any("that is a wrong model" in n for n in notes)
+
+
 @pytest.mark.parametrize("kind, most", [("fp32", 2 * 16 * 2 * 6e9), ("bf16", 1024 * 6e9)])
 def test_the_units_peak_loops_count_their_flops(kind, most):
     """kernels.c's register-only loops run and are not optimised away: on one thread they stay under what

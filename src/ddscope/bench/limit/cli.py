@@ -111,6 +111,8 @@ def register(sub: Any) -> None:
     p.add_argument("--contexts", type=int_list, default=[13, 1663, 3333, 5553],
                    help="context lengths in tokens (default: 13,1663,3333,5553)")
     p.add_argument("--json", action="store_true", help="print JSON: points, line, hardware, model")
+    p.add_argument("--remeasure", action="store_true",
+                   help="with --hardware host: measure this machine again first (its best rates are kept)")
     p.set_defaults(func=cmd_limit)
 
 
@@ -134,6 +136,12 @@ def cmd_limit(args: argparse.Namespace) -> int:
             raise FloorArgsError("give --hardware (a card name, host, or custom:...)")
         if args.floor_model is None:
             raise FloorArgsError("give --model DIR_OR_CONFIG")
+        if args.remeasure:
+            if not args.hardware.startswith("host"):
+                raise FloorArgsError("--remeasure measures this machine: it goes with --hardware host[:THREADS]")
+            from ddscope.bench.limit.hardware import hardware_named, host
+
+            host(hardware_named(args.hardware).measured.get("threads"), remeasure=True)
         report = limit_report(FloorRequest.from_args(args), args.contexts)
     except (FloorArgsError, ConfigError, FloorError, HardwareError) as e:
         print(f"ddscope bench limit: error: {e}", file=sys.stderr)
