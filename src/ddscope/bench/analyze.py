@@ -25,8 +25,25 @@ from ddscope.bench.fit import R2_MIN, AnalysisError, Fit, NothingMeasured, Point
 from ddscope.bench.records import as_number
 
 
+def _pooled(grp: list[dict[str, Any]]) -> tuple[float, float, float | None] | None:
+    """(avg_commit, decode tok/s, the server's own avg_commit) of a run of different prompts as a server counts it: all its tokens after the
+    first over all its verify steps, and over all its decode time (what vLLM's counters and AIPerf's token-weighted
+    figures give); None for repeats of one prompt (their median is the point) or without per-request counts."""
+    prompts = {r.get("prompt_sha1") for r in grp}
+    if len(grp) < 2 or (len(prompts) == 1 and None not in prompts):
+        return None
+    if not all(r.get("verify_steps") and r.get("completion_tokens") and r.get("avg_commit") for r in grp):
+        return None
+    tokens, steps = sum(r["completion_tokens"] - 1 for r in grp), sum(r["verify_steps"] for r in grp)
+    decode_s = sum((r["completion_tokens"] - 1) / r["tok_per_s"] for r in grp)
+    server = (sum(r["server_avg_commit"] * r["verify_steps"] for r in grp) / steps
+              if all(r.get("server_avg_commit") for r in grp) else None)
+    return tokens / steps, tokens / decode_s, server
+
+
 def _aggregate(rows: list[dict[str, Any]]) -> list[Point]:
-    """Median over repeats of each (label, context) group; spread as the population sd."""
+    """Each (label, context) group: a run of different prompts pooled as the server counts it (_pooled), repeats
+    of one prompt by their median; the spread across requests as the population sd."""
     groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["label"], row["context"]), []).append(row)
@@ -40,14 +57,17 @@ def _aggregate(rows: list[dict[str, Any]]) -> list[Point]:
         server = [r["server_avg_commit"] for r in grp if r.get("server_avg_commit")]
         nodes = [r["nodes_per_step"] for r in grp if r.get("nodes_per_step")]
         grammar = [r["grammar_ms"] for r in grp if r.get("grammar_ms") is not None]
+        pooled = _pooled(grp)
+        commit = median(commits) if len(commits) == len(grp) else None
         points.append(Point(
-            label=label, prompt_tokens=median(r["prompt_tokens"] for r in grp), tok_per_s=median(tps),
-            avg_commit=median(commits) if len(commits) == len(grp) else None, n=len(grp),
+            label=label, prompt_tokens=median(r["prompt_tokens"] for r in grp),
+            tok_per_s=pooled[1] if pooled else median(tps), avg_commit=pooled[0] if pooled else commit, n=len(grp),
             tok_per_s_sd=pstdev(tps), avg_commit_sd=pstdev(commits) if commits else 0.0,
             step_ms_sd=pstdev(steps) if steps else 0.0, engine_step_ms=median(engine) if engine else None,
             log_lines=sum(logged) if logged else None,
-            server_avg_commit=median(server) if len(server) == len(grp) else None,
-            nodes_per_step=median(nodes) if nodes else None, grammar_ms=median(grammar) if grammar else None))
+            server_avg_commit=(pooled[2] if pooled else median(server)) if len(server) == len(grp) else None,
+            nodes_per_step=median(nodes) if nodes else None, grammar_ms=median(grammar) if grammar else None,
+            summary="pooled" if pooled else "median"))
     return sorted(points, key=lambda p: (p.label, p.prompt_tokens))
 
 

@@ -33,6 +33,7 @@ class Point:
     server_avg_commit: float | None = None  # the server's own figure, where it differs from the delivered one
     nodes_per_step: float | None = None  # tokens the target verified per step (tree nodes with the root), where said
     grammar_ms: float | None = None  # structured outputs: the grammar's time a step, where the server says
+    summary: str = "median"  # "pooled": a run of different prompts, its tokens and decode time over its steps
 
     @property
     def step_ms(self) -> float | None:

@@ -37,6 +37,9 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
     if row["context"] in (None, ""):
         row["context"] = row["prompt_tokens"]
     row["commits"] = raw.get("commits")
+    row["completion_tokens"] = as_number(raw.get("completion_tokens"), "completion_tokens", where)
+    row["verify_steps"] = as_number(raw.get("verify_steps"), "verify_steps", where)
+    row["prompt_sha1"] = raw.get("prompt_sha1")  # None (AIPerf): unknown, taken as a prompt of its own
     return row
 
 

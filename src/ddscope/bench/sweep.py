@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import hashlib
 import json
 import os
 import platform
@@ -432,6 +433,7 @@ class Sweep:
             record["error"] = str(e)
             self.lost = self.lost or f"the server stopped answering: {e}"
             return record
+        record["prompt_sha1"] = hashlib.sha1(json.dumps(prompt).encode()).hexdigest()[:12]  # which prompt: pooling
         before, started = self.reader.snapshot() if alone else None, time.time()
         record["started_at"] = started  # wall clock, to match server log lines against
         try:
