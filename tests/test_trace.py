@@ -156,3 +156,30 @@ def test_the_checks_flag_chunks_that_arrive_in_bursts():
     even = Stream([(0.02 * i, 3) for i in range(40)], {"usage": {"completion_tokens": 120}})
     assert not check(even, steps_of(even, 10), "sglang", True).approximate
     assert median(s["gap_ms"] for s in steps_of(even, 10)) == pytest.approx(20)
+
+
+def test_a_loop_is_found_where_the_text_keeps_a_period_and_only_there():
+    from ddscope.bench.loops import find_loop, split_commits
+
+    varied = list(range(100, 140))
+    assert find_loop(varied) is None and find_loop(varied + [7, 8, 9] * 3) is None  # 9 tokens: too short to call
+    loop = find_loop(varied + [7, 8, 9, 10] * 6)
+    assert (loop.start, loop.period) == (40, 4)
+    assert find_loop(varied + ["_"] * 20).period == 1
+    split = split_commits([3, 4, 2, 16, 16], start=10)  # steps start at positions 1, 4, 8, 10, 26
+    assert split["avg_commit_before_loop"] == 3 and split["avg_commit_in_loop"] == 16 and split["loop_steps"] == 2
+
+
+def test_a_demo_trace_marks_its_looping_stretch_apart(tmp_path, capsys):
+    """The demo target settles into repeating one token within a few hundred: the trace says where, and gives
+    the loop's acceptance apart from the rest (issue 63: a loop read as acceptance)."""
+    out = tmp_path / "trace"
+    assert main(["bench", "trace", "--max-tokens", "384", "--repeats", "1", "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    [req] = doc["requests"]
+    assert req["loop"] and req["loop"]["from"] < 384 - 16
+    steps = req["steps"]
+    assert all(s["in_loop"] == (s["position"] >= req["loop"]["from"]) for s in steps)
+    inside = [s["commit"] for s in steps if s["in_loop"]]
+    assert inside and sum(inside) / len(inside) > 8  # every draft right in a loop
+    assert "end in a loop" in capsys.readouterr().out

@@ -214,6 +214,28 @@ def _mixed_trees(base: list[Point]) -> list[str]:
             f"(bench sweep --budget N)"]
 
 
+def _loop_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Points whose outputs end in a loop, with the acceptance inside the loop apart from before it."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["context"]), []).append(r)
+    notes = []
+    for (label, ctx), grp in groups.items():
+        looping = [r for r in grp if r.get("loop_from") is not None]
+        if not looping:
+            continue
+        unit = looping[0].get("loop_unit") or "token"
+        line = (f"{label} @ {ctx}: {len(looping)} of {len(grp)} outputs end in a loop (from {unit} "
+                f"{median(r['loop_from'] for r in looping):.0f}, period {median(r['loop_period'] for r in looping):.0f})")
+        inside = [r["avg_commit_in_loop"] for r in looping if r.get("avg_commit_in_loop")]
+        before = [r["avg_commit_before_loop"] for r in looping if r.get("avg_commit_before_loop")]
+        if inside:
+            line += f": avg_commit {median(inside):.2f} in the loop"
+            line += f", {median(before):.2f} before it" if before else ""
+        notes.append(line + "; acceptance there is the loop's, not the workload's")
+    return notes
+
+
 def concurrency_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (label, context, concurrency) with a level above 1 measured: the medians of aggregate tok/s (all
     requests' tokens over the group's wall time; one after another: each request's end-to-end tok/s),
@@ -255,7 +277,7 @@ def analyze(rows: list[dict[str, Any]], baseline: str | None = None, window: int
         baseline = "padding" if "padding" in labels else labels[0]
     elif baseline not in labels:
         raise AnalysisError(f"baseline {baseline!r} is not among the labels: {', '.join(labels)}")
-    notes = _length_notes(rows)
+    notes = _length_notes(rows) + _loop_notes(rows)
     base = sorted((p for p in points if p.label == baseline and p.avg_commit), key=lambda p: p.prompt_tokens)
     if not base:
         notes.append(f"baseline {baseline!r} has no acceptance data: tok/s only, no decomposition")

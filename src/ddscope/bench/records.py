@@ -39,6 +39,9 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
     row["commits"] = raw.get("commits")
     row["completion_tokens"] = as_number(raw.get("completion_tokens"), "completion_tokens", where)
     row["verify_steps"] = as_number(raw.get("verify_steps"), "verify_steps", where)
+    for key in ("loop_from", "loop_period", "avg_commit_in_loop", "avg_commit_before_loop"):
+        row[key] = as_number(raw.get(key), key, where)
+    row["loop_unit"] = raw.get("loop_unit")
     row["prompt_sha1"] = raw.get("prompt_sha1")  # None (AIPerf): unknown, taken as a prompt of its own
     return row
 

@@ -28,6 +28,7 @@ from ddscope.bench.backends import (Reading, Server, cached_of, constraint_field
                                     engine_step_ms, grammar_ms,
                                     nodes_per_step, server_decode, server_prefill_s, step_commits, text_digest,
                                     usage_of)
+from ddscope.bench.loops import loop_fields
 from ddscope.bench.serverlog import ServerLog, WindowReading
 from ddscope.bench.sources import Acceptance
 from ddscope.bench.tokens import TokenizerError
@@ -44,7 +45,7 @@ PROBE_TOKENS = 8
 # Request fields that switch per-request telemetry on. Servers that ignore unknown fields (SGLang,
 # vLLM) are read from the response; the next set is tried only when a server rejects the fields.
 REQUEST_EXTRAS: dict[str, list[dict[str, Any]]] = {
-    "ddscope": [{"return_rounds": True}, {}],
+    "ddscope": [{"return_rounds": True, "return_token_ids": True}, {}],
     # source: sglang/srt/entrypoints/openai/protocol.py:393,961,964 (return_meta_info: chat only)
     "sglang": [{"return_spec_tokens_details": True, "return_meta_info": True}, {}],
 }
@@ -464,6 +465,7 @@ class Sweep:
             grammar_ms=grammar_ms(self.backend, body),
             commits=step_commits(self.backend, body, completion), nodes_per_step=nodes_per_step(self.backend, body),
             **acceptance_fields(acc, completion, tps))
+        record.update(loop_fields(body, record["commits"]))
         if logged is not None:
             record.update(log_avg_commit=logged.avg_commit, log_lines=logged.lines,
                           log_straddling=logged.straddling, log_formats=logged.formats)

@@ -43,18 +43,20 @@ class Stream:
     chunks: list[tuple[float, int]] = field(default_factory=list)
     body: dict[str, Any] = field(default_factory=dict)
     counted: str = "logprobs"  # how tokens per chunk were counted: logprobs, token_ids, or "text" (1 a chunk)
+    tokens: list[Any] = field(default_factory=list)  # the generated tokens as the chunks give them (loops are found on them)
 
 
-def _chunk_tokens(choice: dict[str, Any]) -> tuple[int, str]:
+def _chunk_tokens(choice: dict[str, Any]) -> tuple[list[Any], str]:
+    """The chunk's tokens (their strings or ids; a whole text as one where nothing counts them) and how counted."""
     logprobs = choice.get("logprobs") or {}
     if isinstance(logprobs.get("tokens"), list):  # completions
-        return len(logprobs["tokens"]), "logprobs"
+        return logprobs["tokens"], "logprobs"
     if isinstance(logprobs.get("content"), list):  # chat
-        return len(logprobs["content"]), "logprobs"
+        return [e.get("token") for e in logprobs["content"]], "logprobs"
     if isinstance(choice.get("token_ids"), list):  # vLLM's return_token_ids
-        return len(choice["token_ids"]), "token_ids"
+        return choice["token_ids"], "token_ids"
     text = choice.get("text") or (choice.get("delta") or {}).get("content")
-    return (1 if text else 0), "text"
+    return ([text] if text else []), "text"
 
 
 def read_stream(client: httpx.Client, url: str, payload: dict[str, Any], timeout_s: float) -> Stream:
@@ -78,9 +80,10 @@ def read_stream(client: httpx.Client, url: str, payload: dict[str, Any], timeout
                 chunk = json.loads(line[5:])
                 now = time.perf_counter() - t0
                 for choice in chunk.get("choices") or []:
-                    n, how = _chunk_tokens(choice)
-                    if n:
-                        out.chunks.append((now, n))
+                    tokens, how = _chunk_tokens(choice)
+                    if tokens:
+                        out.chunks.append((now, len(tokens)))
+                        out.tokens += tokens
                         out.counted = how if out.counted != "text" else "text"
                 out.body.update({k: v for k, v in chunk.items() if v is not None})
     except httpx.HTTPError as e:

@@ -12,6 +12,7 @@ import numpy as np
 from ddscope.bench.analyze import analyze
 from ddscope.bench.fit import AnalysisError
 from ddscope.bench.intervals import category_matrix
+from ddscope.bench.loops import find_loop
 from ddscope.bench.records import load_rows
 from ddscope.bench.trace import (SCHEMA, SKIP_STEPS, VLLM_DRAFTS, StreamFailed, against_sweep, check, generation_fit,
                                  read_stream, rolling_median, steps_of)
@@ -40,6 +41,9 @@ def trace_one(sweep: Any, prompt: list[int] | str, max_tokens: int, timeout_s: f
     usage = stream.body.get("usage") or {}
     prompt_tokens = int(usage.get("prompt_tokens") or (len(prompt) if isinstance(prompt, list) else 0))
     steps = steps_of(stream, prompt_tokens)
+    loop = find_loop(stream.tokens) if stream.counted != "text" else None
+    for s in steps:
+        s["in_loop"] = loop is not None and s["position"] >= loop.start
     counters = (before, sweep.server.metrics()) if sweep.backend == "vllm" else None
     checks = check(stream, steps, sweep.backend, speculating(sweep.backend, stream.body, counters), counters)
     if status != "complete":
@@ -47,7 +51,8 @@ def trace_one(sweep: Any, prompt: list[int] | str, max_tokens: int, timeout_s: f
     return {"status": status, "error": error, "prompt_tokens": prompt_tokens,
             "completion_tokens": usage.get("completion_tokens"), "tokens_counted_by": stream.counted,
             "approximate": checks.approximate, "reasons": checks.reasons, "checks": checks.facts,
-            "tokens_sum": checks.tokens_sum, "steps": steps}
+            "tokens_sum": checks.tokens_sum, "steps": steps,
+            "loop": {"from": loop.start, "period": loop.period} if loop else None}
 
 
 def speculating(backend: str, body: dict[str, Any], counters: tuple[Any, Any] | None) -> bool | None:
@@ -112,6 +117,7 @@ def summarize(doc: dict[str, Any], against: Path | None = None, floor: Any = Non
                  "approximate": any(r["approximate"] for r in reqs),
                  "reasons": sorted({why for r in reqs for why in r["reasons"]}),
                  "avg_commit": sum(counted) / len(counted) if counted else None,
+                 **_loop_split(reqs, steps),
                  "median_gap_ms": float(np.median([s["gap_ms"] for s in late])) if late else None}
         if fit and sweep_fit:
             entry["against_sweep"] = against_sweep(fit, sweep_fit, lo, hi)
@@ -122,6 +128,18 @@ def summarize(doc: dict[str, Any], against: Path | None = None, floor: Any = Non
             if s["commit"] is not None:
                 cells.setdefault((label, s["position"] // width * width), []).append(s["commit"])
     return {"workloads": workloads, "matrix": category_matrix(cells), "window": width}
+
+
+def _loop_split(reqs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance inside the requests' looping stretches apart from outside them (a loop is the easiest text)."""
+    inside = [s["commit"] for s in steps if s.get("in_loop") and s["commit"] is not None]
+    outside = [s["commit"] for s in steps if not s.get("in_loop") and s["commit"] is not None]
+    if not inside:
+        return {"looping_requests": 0}
+    return {"looping_requests": sum(1 for r in reqs if r.get("loop")),
+            "loop_from": [r["loop"]["from"] for r in reqs if r.get("loop")],
+            "avg_commit_in_loop": sum(inside) / len(inside),
+            "avg_commit_outside_loop": sum(outside) / len(outside) if outside else None}
 
 
 def _floor(spec: Any, steps: list[dict[str, Any]], lo: float, hi: float) -> dict[str, Any]:
@@ -156,6 +174,12 @@ def lines(doc: dict[str, Any], summary: dict[str, Any]) -> list[str]:
             line += (f"; step_ms = {fit['a_ms']:.2f} + {1e3 * fit['b_ms_per_token']:.3f} ms per 1k tokens over the "
                      f"generation (R^2 {fit['r2']:.2f})" if fit["r2"] is not None else "")
         out.append(line)
+        if w.get("looping_requests"):
+            outside = w["avg_commit_outside_loop"]
+            out.append(f"  loop: {w['looping_requests']} of {w['requests']} generations end in a loop (from token "
+                       f"{', '.join(map(str, w['loop_from']))}): avg_commit {w['avg_commit_in_loop']:.2f} in it"
+                       + (f", {outside:.2f} outside it" if outside else "")
+                       + "; acceptance there is the loop's, not the workload's")
         if "against_sweep" in w:
             out.append(f"  {w['against_sweep']['verdict']}")
         if "floor" in w:
