@@ -183,3 +183,22 @@ def test_a_demo_trace_marks_its_looping_stretch_apart(tmp_path, capsys):
     inside = [s["commit"] for s in steps if s["in_loop"]]
     assert inside and sum(inside) / len(inside) > 8  # every draft right in a loop
     assert "end in a loop" in capsys.readouterr().out
+
+
+def test_a_trace_under_load_is_each_streams_steps_and_the_servers_together(tiny_pair, tmp_path, capsys):
+    """`--concurrency 1,3`: the repeats alone, then three streams at once; each stream is still its own rounds,
+    their steps together are the server's verify-step counter's delta, and the step under load is set beside
+    the step alone."""
+    target, drafter = tiny_pair
+    out = tmp_path / "trace"
+    assert trace("--target", str(target), "--drafter", str(drafter), "--max-tokens", "48", "--repeats", "1",
+                 "--concurrency", "1,3", "--out", str(out)) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [r["concurrency"] for r in doc["requests"]] == [1, 3, 3, 3]
+    [group] = doc["groups"]
+    assert not group["approximate"], group["reasons"]
+    assert group["server_steps"] == group["trace_steps"] == sum(len(r["steps"]) for r in doc["requests"][1:])
+    assert group["trace_tokens"] == group["usage_tokens"] == group["server_tokens"] == 3 * 48
+    assert all(r["checks"]["rounds_equal"] for r in doc["requests"])
+    printed = capsys.readouterr().out
+    assert "under load (c=3, 3 streams)" in printed and "the server counted" in printed

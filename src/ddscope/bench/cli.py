@@ -108,6 +108,11 @@ def _add_trace_flags(p: argparse.ArgumentParser) -> None:
                    help=f"tokens to generate, ignore_eos (default {TRACE_URL_MAX_TOKENS} with --url, "
                         f"{TRACE_EMBEDDED_MAX_TOKENS} on the embedded server)")
     t.add_argument("--repeats", type=at_least(1), default=3, help="generations per workload (default: %(default)s)")
+    t.add_argument("--concurrency", type=_levels, default=(1,), metavar="N[,N...]",
+                   help="streams traced at once, e.g. 1,4: each level above 1 traces N generations together (each "
+                        "its own steps, their steps together checked against the server's counters) after the "
+                        "repeats alone, so the step along a generation is compared alone and under load "
+                        "(default: 1)")
     t.add_argument("--first-prompt", type=at_least(0), default=0, help="the workload's first prompt index (default: 0)")
     t.add_argument("--temperature", type=number_in(0.0, 2.0), default=0.0, help="(default: %(default)s)")
     t.add_argument("--timeout", type=number_in(0.0, 86400.0, low_open=True), default=1800.0,
@@ -503,7 +508,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.against is not None and not args.against.is_file():
         raise BenchError(f"--against: file not found: {args.against}")
     workloads = [load_workload(w.strip()) for w in args.workload.split(",") if w.strip()]
-    args.contexts, args.concurrency, args.clamp_contexts = [args.prompt_tokens], (1,), False
+    args.contexts, args.clamp_contexts = [args.prompt_tokens], False
     if args.max_tokens is None:
         args.max_tokens = TRACE_EMBEDDED_MAX_TOKENS if not args.url else TRACE_URL_MAX_TOKENS
     with staged(args.out) as stage:
@@ -524,8 +529,10 @@ def _trace(args: argparse.Namespace, workloads: list[Any], stage: Path, base_url
     header = {k: v for k, v in sweep.header().items() if k in ("environment", "backend")}
     run_cfg = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "repeats": args.repeats,
                "first_prompt": args.first_prompt, "timeout_s": args.timeout, "temperature": args.temperature,
-               "workloads": [w.label for w in workloads], "floor": args.floor.to_dict() if args.floor else None}
-    with _Progress(len(workloads) * args.repeats, f"trace on {sweep.backend}") as bar:
+               "workloads": [w.label for w in workloads], "floor": args.floor.to_dict() if args.floor else None,
+               "concurrency": list(args.concurrency)}
+    total = len(workloads) * (args.repeats + sum(c for c in args.concurrency if c > 1))
+    with _Progress(total, f"trace on {sweep.backend}") as bar:
         return tracing.run(sweep, workloads, run_cfg, stage, header, bar.advance)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,9 +31,11 @@ def payload(sweep: Any, prompt: list[int] | str, max_tokens: int) -> dict[str, A
     return body
 
 
-def trace_one(sweep: Any, prompt: list[int] | str, max_tokens: int, timeout_s: float) -> dict[str, Any]:
-    """One traced request: its steps, checks and status (`dropped` keeps the partial trace)."""
-    before = sweep.server.metrics() if sweep.backend == "vllm" else None
+def trace_one(sweep: Any, prompt: list[int] | str, max_tokens: int, timeout_s: float,
+              alone: bool = True) -> dict[str, Any]:
+    """One traced request: its steps, checks and status (`dropped` keeps the partial trace). `alone`: no other
+    request in flight, so vLLM's counters around it are its own (else the group's are checked: trace_group)."""
+    before = sweep.server.metrics() if sweep.backend == "vllm" and alone else None
     status, error = "complete", None
     try:
         stream = read_stream(sweep.client, sweep.url("completions"), payload(sweep, prompt, max_tokens), timeout_s)
@@ -44,7 +47,7 @@ def trace_one(sweep: Any, prompt: list[int] | str, max_tokens: int, timeout_s: f
     loop = find_loop(stream.tokens) if stream.counted != "text" else None
     for s in steps:
         s["in_loop"] = loop is not None and s["position"] >= loop.start
-    counters = (before, sweep.server.metrics()) if sweep.backend == "vllm" else None
+    counters = (before, sweep.server.metrics()) if before is not None else None
     checks = check(stream, steps, sweep.backend, speculating(sweep.backend, stream.body, counters), counters)
     if status != "complete":
         checks.fail(f"the trace is partial: {error}")
@@ -72,24 +75,73 @@ def run(sweep: Any, workloads: list[Any], cfg: dict[str, Any], out: Path, header
         advance: Callable[[str], None]) -> dict[str, Any]:
     """Trace `repeats` generations per workload; results.json is rewritten after each, so a run that stops keeps
     what it traced."""
-    doc = {"schema": SCHEMA, **header, "config": cfg, "requests": [], "status": "running"}
+    doc = {"schema": SCHEMA, **header, "config": cfg, "requests": [], "groups": [], "status": "running"}
     for workload in workloads:
         sweep.workload = workload
         for r in range(cfg["repeats"]):
             prompt = sweep.prompt(cfg["prompt_tokens"], cfg["first_prompt"] + r)
-            record = {"workload": workload.label, "repeat": r, **trace_one(sweep, prompt, cfg["max_tokens"],
-                                                                          cfg["timeout_s"])}
-            doc["requests"].append(record)
-            write_json(out / "results.json", doc)
-            advance(f"{workload.label} #{r}: {len(record['steps'])} steps"
-                    + (" (approximate)" if record["approximate"] else ""))
-            if record["status"] != "complete":
-                doc["status"] = "aborted"
-                write_json(out / "results.json", doc)
+            record = {"workload": workload.label, "repeat": r, "concurrency": 1,
+                      **trace_one(sweep, prompt, cfg["max_tokens"], cfg["timeout_s"])}
+            if not _keep(doc, [record], out, advance):
+                return doc
+        for level in [c for c in cfg.get("concurrency", [1]) if c > 1]:
+            first = cfg["first_prompt"] + cfg["repeats"]  # new prompts: no stream is served from another's cache
+            records, group = trace_group(sweep, [sweep.prompt(cfg["prompt_tokens"], first + k) for k in range(level)],
+                                         cfg["max_tokens"], cfg["timeout_s"])
+            for k, record in enumerate(records):
+                record.update(workload=workload.label, repeat=k, concurrency=level)
+            doc["groups"].append({"workload": workload.label, **group})
+            if not _keep(doc, records, out, advance):
                 return doc
     doc["status"] = "complete"
     write_json(out / "results.json", doc)
     return doc
+
+
+def _keep(doc: dict[str, Any], records: list[dict[str, Any]], out: Path, advance: Callable[[str], None]) -> bool:
+    """Add traced records to the document on disk; False (the document marked aborted) if one was dropped."""
+    doc["requests"] += records
+    write_json(out / "results.json", doc)
+    for r in records:
+        advance(f"{r['workload']} #{r['repeat']} (c={r['concurrency']}): {len(r['steps'])} steps"
+                + (" (approximate)" if r["approximate"] else ""))
+    if all(r["status"] == "complete" for r in records):
+        return True
+    doc["status"] = "aborted"
+    write_json(out / "results.json", doc)
+    return False
+
+
+STEP_COUNTERS = {"ddscope": "ddscope:verify_steps_total", "vllm": VLLM_DRAFTS}
+TOKEN_COUNTERS = {"ddscope": "ddscope:generation_tokens_total", "vllm": "vllm:generation_tokens_total"}
+
+
+def trace_group(sweep: Any, prompts: list[Any], max_tokens: int, timeout_s: float
+                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`len(prompts)` streams at once, each traced as its own steps; the server's step and token counters around
+    the group are checked against the streams' together (each stream's first chunk is its prefill's, no step)."""
+    before = sweep.server.metrics()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        records = list(pool.map(lambda p: trace_one(sweep, p, max_tokens, timeout_s, alone=False), prompts))
+    after = sweep.server.metrics()
+    group: dict[str, Any] = {"concurrency": len(prompts), "trace_steps": sum(len(r["steps"]) for r in records),
+                             "trace_tokens": sum(r["tokens_sum"] for r in records),
+                             "usage_tokens": sum(r["completion_tokens"] or 0 for r in records)}
+    for key, names in (("server_steps", STEP_COUNTERS), ("server_tokens", TOKEN_COUNTERS)):
+        name = names.get(sweep.backend)
+        if name and before is not None and after is not None and name in after.values:
+            group[key] = sum(after.values[name]) - sum(before.values.get(name, []))
+    reasons = []
+    slack = len(prompts) if sweep.backend == "vllm" else 0  # vLLM may count a draft past max_tokens per stream
+    if "server_steps" in group and abs(group["server_steps"] - group["trace_steps"]) > slack:
+        reasons.append(f"the server counted {group['server_steps']:.0f} steps and the streams hold "
+                       f"{group['trace_steps']}: under load their chunks are not its steps")
+    if group["trace_tokens"] != group["usage_tokens"] or group.get("server_tokens", group["usage_tokens"]) != \
+            group["usage_tokens"]:
+        reasons.append(f"tokens: streams {group['trace_tokens']}, usage {group['usage_tokens']}, server "
+                       f"{group.get('server_tokens')}")
+    group.update(approximate=bool(reasons), reasons=reasons)
+    return records, group
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -107,7 +159,7 @@ def summarize(doc: dict[str, Any], against: Path | None = None, floor: Any = Non
     sweep_fit = _sweep_fit(against) if against else None
     workloads, cells = {}, {}
     for label in dict.fromkeys(r["workload"] for r in doc["requests"]):
-        reqs = [r for r in doc["requests"] if r["workload"] == label]
+        reqs = [r for r in doc["requests"] if r["workload"] == label and r.get("concurrency", 1) == 1]
         steps = [s for r in reqs for s in r["steps"]]
         late = [s for r in reqs for s in r["steps"][SKIP_STEPS:]]  # each request's warm-up steps left out
         fit = generation_fit(late)
@@ -121,6 +173,7 @@ def summarize(doc: dict[str, Any], against: Path | None = None, floor: Any = Non
                  "median_gap_ms": float(np.median([s["gap_ms"] for s in late])) if late else None}
         if fit and sweep_fit:
             entry["against_sweep"] = against_sweep(fit, sweep_fit, lo, hi)
+        entry["under_load"] = _under_load([r for r in doc["requests"] if r["workload"] == label])
         if floor is not None and late:
             entry["floor"] = _floor(floor, late, lo, hi)
         workloads[label] = entry
@@ -128,6 +181,19 @@ def summarize(doc: dict[str, Any], against: Path | None = None, floor: Any = Non
             if s["commit"] is not None:
                 cells.setdefault((label, s["position"] // width * width), []).append(s["commit"])
     return {"workloads": workloads, "matrix": category_matrix(cells), "window": width}
+
+
+def _under_load(reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per concurrency level: the median step (chunk gap, each stream's warm-up steps left out) and avg_commit."""
+    out = {}
+    for level in sorted({r.get("concurrency", 1) for r in reqs}):
+        steps = [s for r in reqs if r.get("concurrency", 1) == level for s in r["steps"][SKIP_STEPS:]]
+        commits = [s["commit"] for s in steps if s["commit"] is not None]
+        if steps:
+            out[str(level)] = {"streams": sum(1 for r in reqs if r.get("concurrency", 1) == level),
+                               "median_gap_ms": float(np.median([s["gap_ms"] for s in steps])),
+                               "avg_commit": sum(commits) / len(commits) if commits else None}
+    return out
 
 
 def _loop_split(reqs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -167,6 +233,11 @@ def lines(doc: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     out = [f"trace: {doc['backend']['name']} at {doc['backend']['url']}, {doc['config']['prompt_tokens']} prompt "
            f"tokens, {doc['config']['max_tokens']} out, {doc['config']['repeats']} repeat(s) per workload; "
            f"status {doc['status']}"]
+    for g in doc.get("groups", []):
+        truth = (f"the server counted {g['server_steps']:.0f}" if "server_steps" in g else "the server counts no steps")
+        out.append(f"- {g['workload']} at c={g['concurrency']}: the streams' {g['trace_steps']} steps together, "
+                   f"{truth}; {g['trace_tokens']} tokens, usage {g['usage_tokens']}"
+                   + (f" (approximate: {'; '.join(g['reasons'])})" if g["approximate"] else ""))
     for label, w in summary["workloads"].items():
         fit = w["fit"]
         line = f"- {label}: {w['steps']} steps, avg_commit {w['avg_commit']:.2f}" if w["avg_commit"] else f"- {label}"
@@ -174,6 +245,14 @@ def lines(doc: dict[str, Any], summary: dict[str, Any]) -> list[str]:
             line += (f"; step_ms = {fit['a_ms']:.2f} + {1e3 * fit['b_ms_per_token']:.3f} ms per 1k tokens over the "
                      f"generation (R^2 {fit['r2']:.2f})" if fit["r2"] is not None else "")
         out.append(line)
+        load = w.get("under_load") or {}
+        if len(load) > 1 and "1" in load:
+            alone = load["1"]["median_gap_ms"]
+            for level, x in load.items():
+                if level != "1":
+                    out.append(f"  under load (c={level}, {x['streams']} streams): step {x['median_gap_ms']:.2f} ms, "
+                               f"x{x['median_gap_ms'] / alone:.2f} the step alone ({alone:.2f} ms); avg_commit "
+                               f"{x['avg_commit'] or 0:.2f} against {load['1']['avg_commit'] or 0:.2f} alone")
         if w.get("looping_requests"):
             outside = w["avg_commit_outside_loop"]
             out.append(f"  loop: {w['looping_requests']} of {w['requests']} generations end in a loop (from token "
