@@ -58,3 +58,27 @@ def test_aiperf_reads_ddscopes_acceptance_and_ddscope_reads_aiperfs_run(tmp_path
     trace = json.loads(capsys.readouterr().out)["workloads"]["aiperf"]
     assert not trace["approximate"], trace["reasons"]
     assert trace["steps"] == steps and trace["avg_commit"] == pytest.approx(committed / steps)
+
+
+def test_a_run_without_per_request_records_reads_the_servers_counters(tmp_path, capsys):
+    """`--per-request-spec-decode-metrics none`: AIPerf has no spec record per request, but it scraped the server's
+    /metrics over its profiling phase (on by default in 0.13); `analyze` reads the run's avg_commit and step time
+    from those counters, and they equal what the server's own counters say, read here apart from AIPerf."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", list(load_workload("code").prompts[162:170]))
+    with serve_process(["--per-request-spec-decode-metrics", "none"], tmp_path / "serve.log") as url:
+        before = counters(url)
+        run = profile(url, "target", DEMO_DIR / "target", tmp_path / "run", prompts=prompts, requests=8,
+                      concurrency=2, max_tokens=48)
+        after = counters(url)
+    records = [json.loads(line) for line in (run / "profile_export.jsonl").read_text().splitlines()]
+    assert not any(r.get("spec_decode_acceptance") for r in records)
+    delta = {k: after[k] - before.get(k, 0.0) for k in ("vllm:spec_decode_num_drafts_total",
+                                                        "vllm:request_decode_time_seconds_sum",
+                                                        "ddscope:committed_tokens_total")}
+    steps = delta["vllm:spec_decode_num_drafts_total"]
+    assert main(["bench", "analyze", str(run), "--json"]) == 0
+    analysis = json.loads(capsys.readouterr().out)
+    (point,) = analysis["points"]
+    assert point["avg_commit"] == pytest.approx(delta["ddscope:committed_tokens_total"] / steps, rel=0.015)
+    assert point["step_ms"] == pytest.approx(1e3 * delta["vllm:request_decode_time_seconds_sum"] / steps, rel=0.05)
+    assert point["avg_commit"] > 1.5

@@ -94,7 +94,8 @@ VLLM_SERIES = {  # name (as prometheus_client parses it) -> type; docs/server.md
     "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:spec_decode_num_drafts": "counter",
     "vllm:spec_decode_num_draft_tokens": "counter", "vllm:spec_decode_num_accepted_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "counter", "vllm:time_to_first_token_seconds": "histogram",
-    "vllm:inter_token_latency_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram"}
+    "vllm:inter_token_latency_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram"}
 
 
 def scrape(url: str) -> dict[str, tuple[str, dict[str, float]]]:

@@ -4,7 +4,9 @@ decomposition needs, per request, in `profile_export.jsonl` (`--export-level rec
 A line is {"metadata", "metrics": {tag: {"value", "unit"}}, "spec_decode_acceptance", "error"}
 (aiperf/common/models/record_models.py:1714-1742, post_processors/record_export_jsonl_writer.py:66-93). The
 acceptance record is AIPerf's reading of vLLM's `metrics.speculative_decoding` (aiperf/spec_decode/vllm_adapter.py),
-or of ddscope's, which has the same shape. Acceptance is never guessed: a run without it gives tok/s only.
+or of ddscope's, which has the same shape. Acceptance is never guessed: a run without it reads the server's own
+counters where AIPerf scraped them (SERVER_METRICS, on by default in 0.13: aiperf/server_metrics/json_exporter.py,
+deltas over the profiling phase only), else gives tok/s only.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from ddscope.bench.backends import cut_commits
 from ddscope.bench.fit import AnalysisError
 
 EXPORT = "profile_export.jsonl"
+SERVER_METRICS = "server_metrics_export.json"
+# Prometheus family names, as AIPerf keys them (a counter without `_total`); ddscope serves them too.
+DRAFTS, TOKENS, DECODE = "vllm:spec_decode_num_drafts", "vllm:generation_tokens", "vllm:request_decode_time_seconds"
 TO_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3, "sec": 1e3}
 
 
@@ -84,6 +89,29 @@ def record(row: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
+def server_counted(path: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the run has no per-request spec records but AIPerf scraped the server's counters: the run's avg_commit
+    (its tokens after each request's first over its verify steps) and step time (its decode time over its steps),
+    put on every row, so the point is the run's as the server counts it; the acceptance source it names, or None."""
+    try:
+        metrics = json.loads(path.read_text())["metrics"]
+        drafts, tokens = (sum(s["stats"]["total"] for s in metrics[k]["series"]) for k in (DRAFTS, TOKENS))
+        decode = metrics[DECODE]["series"]
+        decode_s, finished = sum(s["stats"]["sum"] for s in decode), sum(s["stats"]["count"] for s in decode)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not drafts or not finished or tokens <= finished:
+        return None
+    commit, step_ms = (tokens - finished) / drafts, 1e3 * decode_s / drafts
+    for r in rows:
+        r.update(avg_commit=commit, server_avg_commit=commit, tok_per_s=1e3 * commit / step_ms,
+                 tok_per_s_basis="server_decode", verify_steps=(r["completion_tokens"] - 1) / commit)
+    return {"name": "aiperf.server_metrics", "kind": "server_counters", "approximate": False,
+            "definition": f"the run's ({tokens:.0f} generation tokens - {finished:.0f} requests) / {drafts:.0f} "
+                          f"{DRAFTS} and {decode_s:.3f} s of {DECODE} / the same steps, over AIPerf's profiling phase "
+                          f"({path.name})"}
+
+
 def load(path: Path, label: str = "aiperf") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows for analyze from one AIPerf run (one prompt length): each request a record of the run's context (the
     median prompt length), and the run's setup as a results.json header has it."""
@@ -104,6 +132,7 @@ def load(path: Path, label: str = "aiperf") -> tuple[list[dict[str, Any]], dict[
             rows.append(got)
     if not rows:
         raise AIPerfError(f"{file}: no request succeeded ({failed} failed)")
+    counted = None if any(r["avg_commit"] for r in rows) else server_counted(file.parent / SERVER_METRICS, rows)
     context = round(median(r["prompt_tokens"] for r in rows))
     for r in rows:
         r.update(label=label, context=context, concurrency=1)
@@ -113,11 +142,14 @@ def load(path: Path, label: str = "aiperf") -> tuple[list[dict[str, Any]], dict[
             "acceptance_source": {"name": "aiperf.spec_decode_acceptance", "kind": "per_request", "approximate": False,
                                   "definition": "(usage completion_tokens - 1) / the request's spec-decode steps, "
                                                 "from the server's per-request record as AIPerf exported it"}
-            if spec else {},
-            "acceptance_refused": {} if spec else {
+            if spec else counted or {},
+            "acceptance_refused": {} if spec or counted else {
                 "aiperf": "the run has no per-request spec-decode records (the server gave no per-request metrics, "
                           "e.g. vLLM without --per-request-spec-decode-metrics): tok/s only, acceptance not guessed"},
-            "tok_per_s": {"basis": "client_latency", "includes_prefill": True,
+            "tok_per_s": {"basis": "server_decode", "includes_prefill": False,
+                          "definition": "the server's decode time over its verify steps, from its counters as AIPerf "
+                                        "scraped them"} if counted else
+                         {"basis": "client_latency", "includes_prefill": True,
                           "definition": "completion_tokens / AIPerf's request_latency (some requests have no time to "
                                         "first token: the run was not streamed)"} if whole else
                          {"basis": "client_minus_prefill", "includes_prefill": False,

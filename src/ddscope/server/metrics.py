@@ -128,6 +128,10 @@ class VllmSeries:
                              VLLM, buckets=VLLM_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              VLLM, buckets=VLLM_E2E_BUCKETS, registry=r)
+        # vLLM observes it at finish as the last token's time less the first's (v1/metrics/stats.py:601 in 0.32):
+        # over the drafts, a run's decode time a step (what AIPerf's server-metrics export lets a reader divide)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase "
+                                     "for request.", VLLM, buckets=VLLM_E2E_BUCKETS, registry=r)
 
 
 class Fanout:
@@ -171,6 +175,7 @@ class ModelMetrics:
         self.step_phase = {p: m.step_phase.labels(model_name, p) for p in PHASES}
         self.ttft = Fanout(m.ttft.labels(model_name), v.ttft.labels(*on))
         self.e2e = Fanout(m.e2e.labels(model_name), v.e2e.labels(*on))
+        self.decode_time = v.decode_time.labels(*on)
         self.running = Fanout(m.running.labels(model_name), v.running.labels(*on))
         self.waiting = Fanout(m.waiting.labels(model_name), v.waiting.labels(*on))
         self.batch_size = m.batch_size.labels(model_name)

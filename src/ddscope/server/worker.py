@@ -325,6 +325,7 @@ class EngineWorker:
             if job.stream:
                 job.emit(step)
             if step.finish_reason:
+                self.metrics.decode_time.observe(now - a.first_at)
                 stats = step.stats.to_dict(rounds=job.return_rounds)
                 stats["queue_ms"] = 1000 * (a.start - job.arrival)
                 stats["ttft_ms"] = 1000 * (a.first_at - job.arrival)
