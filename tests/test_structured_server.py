@@ -217,3 +217,26 @@ def test_a_request_chat_template_is_used(client, demo):
                                        extra_body={"chat_template": "{{ messages[0]['content'] }} says:",
                                                    "return_token_ids": True}, temperature=0)
     assert r.model_extra["prompt_token_ids"] == demo.tokenizer.encode("hi says:", add_special_tokens=False)
+
+
+TAG = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<fn="], "at_least_one": True, "stop_after_first": True,
+    "tags": [{"begin": "<fn=add>", "content": {"type": "regex", "pattern": "[0-9]{1,2}"}, "end": "</fn>"}]}}
+LEGACY_TAG = {"type": "structural_tag", "triggers": ["<fn="], "structures": [
+    {"begin": "<fn=add>", "schema": {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]},
+     "end": "</fn>"}]}
+
+
+def test_structural_tags_in_both_formats_and_n_choices_under_one_constraint(client, demo):
+    r = client.completions.create(model="demo", prompt="def add(a, b):", max_tokens=30, temperature=0,
+                                  extra_body={"response_format": TAG})
+    assert re.fullmatch(r"<fn=add>[0-9]{1,2}</fn>", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == demo.generate("def add(a, b):", max_new_tokens=30, temperature=0, method="ar",
+                                              constraint=Constraint("structural_tag", json.dumps(TAG))).text
+    legacy = client.completions.create(model="demo", prompt="x = add(", max_tokens=40, temperature=0,
+                                       extra_body={"structured_outputs": {"structural_tag": json.dumps(LEGACY_TAG)}})
+    text = legacy.choices[0].text
+    assert "<fn=" not in text or re.search(r"<fn=add>\s*\{\s*\"a\"\s*:\s*[12]\s*\}\s*</fn>", text), text
+    many = client.completions.create(model="demo", prompt="Pick:", max_tokens=8, temperature=1.0, seed=3, n=4,
+                                     extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert len(many.choices) == 4 and all(c.text in ("red", "green", "blue") for c in many.choices)
