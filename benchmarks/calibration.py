@@ -31,8 +31,8 @@ class Recording(DDTree):
         self.rows: list[tuple[float, bool, bool]] = []
         self._tree: DraftTree | None = None
 
-    def tree(self, root, draft_logits, sampling, ctx_len, history=()) -> DraftTree:
-        self._tree = super().tree(root, draft_logits, sampling, ctx_len, history)
+    def tree(self, root, draft_logits, sampling, ctx_len, history=(), steer=None) -> DraftTree:
+        self._tree = super().tree(root, draft_logits, sampling, ctx_len, history, steer)
         return self._tree
 
     def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
