@@ -2,10 +2,13 @@
 compact (`--structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'`), at concurrency 1.
 
 Each request goes to both servers in turn (the order flips each time), greedy, the same prompt token ids and the
-same `structured_outputs`; the texts must be equal (asserted). Acceptance is each server's own count: vLLM's from
-its `vllm:spec_decode_num_drafts_total` counter around the request, ddscope's from its `ddscope` object. tok/s is
-completion tokens over the client's latency (prefill included), as a user sees it. Prints a Markdown table of
-medians and the ratio:
+same `structured_outputs`, streamed with `logprobs: 0` so that every engine step is one chunk (vLLM emits a step's
+tokens as one delta; ddscope's steps are checked against its rounds); the texts must be equal (counted). A step is
+a chunk after the prefill's, so avg_commit is (completion tokens - 1) / steps on both sides; beside vLLM's, its own
+`vllm:spec_decode_num_drafts_total` delta, which counts only the steps that proposed a draft (a grammar that
+refuses a draft's first token leaves it none). ddscope runs at its defaults (`--budget auto`) and, as a second arm,
+with `budget` 32 sent per request. tok/s is completion tokens over the client's latency (prefill included), as a
+user sees it. Prints a Markdown table of medians and the ratio:
 
     python benchmarks/peer_grammar.py --rounds 3
 """
@@ -51,11 +54,21 @@ def drafts(client: httpx.Client, url: str) -> float:
                for s in f.samples if s.name == DRAFTS)
 
 
-def timed(client: httpx.Client, url: str, body: dict) -> tuple[dict, float]:
-    t0 = time.perf_counter()
-    r = client.post(f"{url}/v1/completions", json=body)
-    r.raise_for_status()
-    return r.json(), time.perf_counter() - t0
+def timed(client: httpx.Client, url: str, body: dict) -> tuple[str, int, int, float]:
+    """(text, completion tokens, chunks that carried tokens, latency) of one streamed request."""
+    body = {**body, "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}}
+    text, chunks, tokens, t0 = "", 0, 0, time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            doc = json.loads(line[5:])
+            for c in doc.get("choices") or []:
+                text += c.get("text") or ""
+                chunks += bool((c.get("logprobs") or {}).get("tokens"))
+            tokens = (doc.get("usage") or {}).get("completion_tokens") or tokens
+    return text, tokens, chunks, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -74,29 +87,32 @@ def main() -> None:
         tokenize = lambda text: client.post(f"{ours}/tokenize", json={"prompt": text}).json()["tokens"]
         print(f"CPU: {model}; demo pair, fp32, greedy, {args.max_tokens} tokens at most, c=1, "
               f"{args.rounds} rounds x {len(PROMPTS)} prompts per workload\n")
-        print("| workload | avg_commit ddscope | vLLM DFlash | tok/s ddscope | vLLM DFlash | ratio | same text |")
-        print("|---|---|---|---|---|---|---|")
+        print("| workload | avg_commit: ddscope auto | budget 32 | vLLM DFlash (steps; drafts) | tok/s: ddscope auto | "
+              "budget 32 | vLLM DFlash | auto / vLLM | 32 / vLLM | same text |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        arms = {"auto": (ours, {}), "b32": (ours, {"budget": 32}), "vllm": (theirs, {"model": name})}
         for label, so in WORKLOADS.items():
-            rows = {"ours": [], "theirs": []}
+            rows: dict[str, list[tuple[int, float, float, float]]] = {k: [] for k in arms}
             same = 0
             for r in range(args.rounds):
                 for i, prompt in enumerate(PROMPTS):
                     body = {"prompt": tokenize(prompt), "max_tokens": args.max_tokens, "temperature": 0,
                             "structured_outputs": so}
-                    got = {}
-                    for side in (("ours", "theirs") if (r + i) % 2 == 0 else ("theirs", "ours")):
-                        url = ours if side == "ours" else theirs
-                        before = drafts(client, url) if side == "theirs" else 0.0
-                        doc, latency = timed(client, url, {**body, "model": name} if side == "theirs" else body)
-                        n = doc["usage"]["completion_tokens"]
-                        steps = drafts(client, url) - before if side == "theirs" else doc["ddscope"]["verify_steps"]
-                        got[side] = doc["choices"][0]["text"]
-                        rows[side].append(((n - 1), steps, n / latency))
-                    same += got["ours"] == got["theirs"]
-            commit = {k: sum(a for a, _, _ in v) / max(sum(s for _, s, _ in v), 1) for k, v in rows.items()}
-            rate = {k: statistics.median(t for _, _, t in v) for k, v in rows.items()}
-            print(f"| {label} | {commit['ours']:.2f} | {commit['theirs']:.2f} | {rate['ours']:.0f} | "
-                  f"{rate['theirs']:.0f} | {rate['ours'] / rate['theirs']:.2f}x | {same}/{len(rows['ours'])} |")
+                    texts = []
+                    for arm in (list(arms) if (r + i) % 2 == 0 else list(arms)[::-1]):
+                        url, extra = arms[arm]
+                        before = drafts(client, url) if arm == "vllm" else 0.0
+                        text, n, chunks, latency = timed(client, url, {**body, **extra})
+                        drafted = drafts(client, url) - before if arm == "vllm" else chunks - 1
+                        texts.append(text)
+                        rows[arm].append((n - 1, chunks - 1, drafted, n / latency))
+                    same += len(set(texts)) == 1
+            commit = {k: sum(x[0] for x in v) / max(sum(x[1] for x in v), 1) for k, v in rows.items()}
+            per_draft = sum(x[0] for x in rows["vllm"]) / max(sum(x[2] for x in rows["vllm"]), 1)
+            rate = {k: statistics.median(x[3] for x in v) for k, v in rows.items()}
+            print(f"| {label} | {commit['auto']:.2f} | {commit['b32']:.2f} | {commit['vllm']:.2f}; {per_draft:.2f} | "
+                  f"{rate['auto']:.0f} | {rate['b32']:.0f} | {rate['vllm']:.0f} | {rate['auto'] / rate['vllm']:.2f}x | "
+                  f"{rate['b32'] / rate['vllm']:.2f}x | {same}/{len(rows['auto'])} |")
 
 
 if __name__ == "__main__":
