@@ -229,7 +229,7 @@ def test_the_units_peak_loops_count_their_flops(kind, most):
     from ddscope.models import peaks
 
     if peaks.units(kind) is None:
-        pytest.skip(f"kernels.c has no {kind} peak loop here (it needs AVX-512, and AMX for bf16)")
+        pytest.skip(f"kernels.c has no {kind} peak loop here (it needs AVX-512, and AMX or AVX512-BF16 for bf16)")
     assert 1e9 < hw_module._loop_tflops(kind, 1) * 1e12 <= most
 
 

@@ -98,7 +98,7 @@ def test_without_the_library_torch_ops_run(tmp_path, env):
 
 
 def _panels(dtype: torch.dtype) -> bool:
-    """Whether kernels.c's panels serve `dtype` here (fp32: AVX-512; bf16: AMX, lent by Linux)."""
+    """Whether kernels.c's panels serve `dtype` here (fp32: AVX-512; bf16: AMX, lent by Linux, or AVX512-BF16)."""
     return native.paneled(torch.ones(128, 64, dtype=dtype))
 
 
@@ -110,7 +110,7 @@ def test_panelled_products_match_torch_and_each_row_alone(dtype, bias):
     from ddscope.models.layers import PanelLinear
 
     if not _panels(dtype):
-        pytest.skip(f"no panels for {dtype} here (fp32 needs AVX-512, bf16 AMX)")
+        pytest.skip(f"no panels for {dtype} here (fp32 needs AVX-512, bf16 AMX or AVX512-BF16)")
     torch.manual_seed(2)
     linear = torch.nn.Linear(320, 256, bias=bias).to(dtype)
     panelled = PanelLinear(linear)
@@ -178,7 +178,7 @@ def test_panels_serve_only_weights_of_whole_panels():
     assert native.paneled(torch.ones(256, 64)) == hasattr(native.library(), "linear_f32")
     assert not native.paneled(torch.ones(200, 64))
     bf16 = hasattr(native.library(), "linear_bf16")
-    assert native.paneled(torch.ones(96, 64, dtype=torch.bfloat16)) == (bf16 and bool(native.library().amx_ready()))
+    assert native.paneled(torch.ones(96, 64, dtype=torch.bfloat16)) == (bf16 and native.bf16_products() != "none")
     assert not native.paneled(torch.ones(96, 48, dtype=torch.bfloat16))  # k in blocks of 32
     assert not native.paneled(torch.ones(80, 64, dtype=torch.bfloat16))  # outputs in pairs of 16-wide panels
     assert not native.paneled(torch.ones(256, 64, dtype=torch.float16))
@@ -328,7 +328,7 @@ def test_rows_in_kernels_are_the_modules_bits(tmp_path, arch, pages, dtype):
     from ddscope.models.target import Target
 
     if not (layer_call.decodes(dtype) and _panels(dtype)):
-        pytest.skip(f"no decode calls for {dtype} here (fp32 needs AVX-512, bf16 AMX)")
+        pytest.skip(f"no decode calls for {dtype} here (fp32 needs AVX-512, bf16 AMX or AVX512-BF16)")
     target = Target.load(make_target(tmp_path / arch, arch, hidden=256, layers=3), torch.device("cpu"), dtype)
     prompt, new, tree = torch.randint(4, 200, (50,)), torch.randint(4, 200, (6,)), torch.randint(4, 200, (9,))
     mask = _tree_mask(9, 65, seed=9)

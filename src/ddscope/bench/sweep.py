@@ -131,6 +131,8 @@ def cpu_model() -> str:
 
 
 def environment() -> dict[str, Any]:
+    from ddscope.models.native import kernels  # torch: loaded only where the bench records its environment
+
     def version(pkg: str) -> str | None:
         try:
             return metadata.version(pkg)
@@ -145,6 +147,7 @@ def environment() -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "packages": {p: version(p) for p in ("ddscope", "torch", "transformers", "httpx")},
+        "kernels": kernels(),  # this machine's (the embedded server's), not a --url server's
     }
 
 

@@ -240,6 +240,17 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
  * rows by 2 panels sums its k blocks in order from zero, each output by its own row and column alone, so a row's
  * result is the same bits whatever M: a decode step reads the weight at near the memory's rate and a prefill
  * runs at the tile unit's rate. K and N are multiples of 32 (ddscope.models.native.paneled). */
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__)
+#define BF16_PRODUCTS 1
+/* Panels of 16 outputs, k-major in pairs: a k pair's 16 outputs are one 64-byte line, the layout both the tile
+ * unit's B operand and vdpbf16ps's second operand read. */
+void pack_bf16(const uint16_t *w, uint16_t *p, int64_t N, int64_t K, int threads) {
+#pragma omp parallel for num_threads(threads)
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t k = 0; k < K; k++) p[((n / 16) * (K / 2) + k / 2) * 32 + (n % 16) * 2 + k % 2] = w[n * K + k];
+}
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -252,11 +263,7 @@ int amx_ready(void) { /* Linux lends a process the tile registers on request (ar
   return ready;
 }
 
-void pack_bf16(const uint16_t *w, uint16_t *p, int64_t N, int64_t K, int threads) {
-#pragma omp parallel for num_threads(threads)
-  for (int64_t n = 0; n < N; n++)
-    for (int64_t k = 0; k < K; k++) p[((n / 16) * (K / 2) + k / 2) * 32 + (n % 16) * 2 + k % 2] = w[n * K + k];
-}
+int bf16_products(void) { return amx_ready() ? 1 : 0; } /* 1: the tile unit's; 0: none here */
 
 typedef struct {
   uint8_t palette, start_row, reserved[14];
@@ -339,6 +346,59 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
         }
     }
     _tile_release();
+  }
+}
+#elif defined(__AVX512BF16__)
+/* ---- bf16 products without the tile unit: vdpbf16ps (AVX512-BF16, e.g. AMD Zen 4) ---------------------------
+ * y [M, N] = x [M, K] @ W^T, W in pack_bf16's panels. Each output sums its k pairs in order from zero in fp32, one
+ * vdpbf16ps a pair, then is rounded once to bf16: a row's result is the same bits whatever M, and whichever of
+ * the blocked or the single-row loop ran it. A decode row streams each panel once (one line a vdpbf16ps); DP_ROWS
+ * rows share each line, and a row block of DP_ROW_BLOCK stays in L2 while a thread's panels pass. */
+#define DP_ROWS 8
+#define DP_ROW_BLOCK 64
+
+int bf16_products(void) { return 2; } /* 2: vdpbf16ps */
+
+static inline __m512 dp_pair(__m512 acc, const uint16_t *x, __m512bh w) {
+  uint32_t pair;
+  memcpy(&pair, x, 4);
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), w);
+}
+
+static inline void dp_store(uint16_t *y, __m512 acc) {
+  _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
+static void dp_rows(const uint16_t *x, const uint16_t *panel, uint16_t *y, int64_t K, int64_t N) {
+  __m512 acc[DP_ROWS];
+  for (int i = 0; i < DP_ROWS; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; kp++) {
+    __m512bh w = (__m512bh)_mm512_loadu_si512(panel + kp * 32);
+    for (int i = 0; i < DP_ROWS; i++) acc[i] = dp_pair(acc[i], x + i * K + 2 * kp, w);
+  }
+  for (int i = 0; i < DP_ROWS; i++) dp_store(y + i * N, acc[i]);
+}
+
+static void dp_row(const uint16_t *x, const uint16_t *panel, uint16_t *y, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; kp++) acc = dp_pair(acc, x + 2 * kp, (__m512bh)_mm512_loadu_si512(panel + kp * 32));
+  dp_store(y, acc);
+}
+
+void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, int64_t K, int64_t N, int threads) {
+  int64_t panels = N / 16;
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), c0 = panels * t / T, c1 = panels * (t + 1) / T;
+    for (int64_t mc = 0; mc < M; mc += DP_ROW_BLOCK) {
+      int64_t m1 = M < mc + DP_ROW_BLOCK ? M : mc + DP_ROW_BLOCK;
+      for (int64_t c = c0; c < c1; c++) {
+        const uint16_t *panel = p + c * K * 16;
+        int64_t m = mc;
+        for (; m + DP_ROWS <= m1; m += DP_ROWS) dp_rows(x + m * K, panel, y + m * N + c * 16, K, N);
+        for (; m < m1; m++) dp_row(x + m * K, panel, y + m * N + c * 16, K);
+      }
+    }
   }
 }
 #endif
@@ -870,7 +930,7 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n,
 #define ADD_F32(a, b) ((a) + (b))
 #define ADD_BF16(a, b) f2bf(bf2f(a) + bf2f(b)) /* rounded once, as torch's bf16 add */
 DECODE(f32, float, ADD_F32, tree_attend_f32)
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef BF16_PRODUCTS
 DECODE(bf16, uint16_t, ADD_BF16, attend_bf16)
 #endif
 
@@ -907,6 +967,21 @@ void read_peak_f32(const float *a, int64_t n, float *sink, int threads) { /* n a
     sink[t] = _mm512_reduce_add_ps(s[0]);
   }
 }
+
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__)) && defined(__AVX512BF16__)
+#define DP_PEAK(i) a##i = _mm512_dpbf16_ps(a##i, x, y);
+void dp_peak_bf16(int64_t steps, float *sink, int threads) { /* a step: 12 vdpbf16ps of 16 lanes (2 pairs) a thread */
+#pragma omp parallel num_threads(threads)
+  {
+    const __m512bh x = (__m512bh)_mm512_set1_epi16(0x2000), y = x; /* 2^-63 squared: the sums stay tiny, finite */
+    PEAK_CHAINS(PEAK_START)
+    for (int64_t i = 0; i < steps; i++) { PEAK_CHAINS(DP_PEAK) }
+    __m512 s = _mm512_setzero_ps();
+    PEAK_CHAINS(PEAK_SUM)
+    sink[omp_get_thread_num()] = _mm512_reduce_add_ps(s);
+  }
+}
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 void amx_peak_bf16(int64_t steps, float *sink, int threads) { /* a step: 4 products of 16 x 32 by 32 x 16 a thread */

@@ -34,8 +34,8 @@ DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _T: the threads to run on
 _SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
 _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
-                     "pack_bf16": (_P, _P, _I, _I, _T), "linear_bf16": (_P, _P, _P, _I, _I, _I, _T), "amx_ready": (),
-                     "fma_peak_f32": (_I, _P, _T), "amx_peak_bf16": (_I, _P, _T), "read_peak_f32": (_P, _I, _P, _T),
+                     "pack_bf16": (_P, _P, _I, _I, _T), "linear_bf16": (_P, _P, _P, _I, _I, _I, _T), "amx_ready": (), "bf16_products": (),
+                     "fma_peak_f32": (_I, _P, _T), "amx_peak_bf16": (_I, _P, _T), "dp_peak_bf16": (_I, _P, _T), "read_peak_f32": (_P, _I, _P, _T),
                      "attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "attend_bf16": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                      "tree_attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
@@ -149,13 +149,30 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     return y
 
 
+BF16_PRODUCTS = {0: "none", 1: "amx", 2: "avx512-bf16"}
+
+
+def bf16_products() -> str:
+    """Which of kernels.c's bf16 products this CPU runs, chosen when the library is built for it: the tile unit's
+    (AMX, where Linux lends it), vdpbf16ps (AVX512-BF16 without AMX, e.g. AMD Zen 4), or none (torch's)."""
+    return BF16_PRODUCTS[library().bf16_products()] if has("bf16_products") else "none"
+
+
+def kernels() -> str:
+    """What kernels.c runs on this CPU, as chosen when it loaded: e.g. "fp32 avx512, bf16 avx512-bf16", or torch's
+    ops where it did not build (no compiler, DDSCOPE_NATIVE=0)."""
+    if library() is None:
+        return "torch (kernels.c not loaded)"
+    return f"fp32 {'avx512' if has('linear_f32') else 'torch'}, bf16 {bf16_products()}"
+
+
 def paneled(weight: torch.Tensor) -> bool:
-    """Whether `linear` serves this weight: on a CPU with AVX-512, fp32, or bf16 where the CPU has AMX and Linux
-    lends it; its shape whole panels."""
+    """Whether `linear` serves this weight: on a CPU with AVX-512, fp32, or bf16 where `bf16_products` has a
+    kernel; its shape whole panels."""
     dtype = weight.dtype
     return (dtype in PANEL_OUTPUTS and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % PANEL_OUTPUTS[dtype] == 0 and weight.shape[1] % PANEL_INPUTS[dtype] == 0
-            and has(f"linear_{DTYPES[dtype]}") and (dtype != torch.bfloat16 or bool(library().amx_ready())))
+            and has(f"linear_{DTYPES[dtype]}") and (dtype != torch.bfloat16 or bf16_products() != "none"))
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:

@@ -11,14 +11,18 @@ import torch
 
 from ddscope.models import native
 
-UNITS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2)}  # FLOPs a step
+# FLOPs a step: 12 FMAs of 16 lanes; 4 tile products; 12 vdpbf16ps of 16 lanes, each 2 products summed
+UNITS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2),
+         "bf16-dp": ("dp_peak_bf16", 12 * 16 * 4)}
 
 
 def units(kind: str) -> tuple[Callable[[int, int], None], int] | None:
-    """The register-only loop at the peak of `kind`'s units (fp32: FMA, bf16: AMX) as `run(steps, threads)`,
-    and a thread's FLOPs a step (12 FMAs of 16 lanes; 4 tile products); None without AVX-512 or AMX."""
+    """The register-only loop at the peak of `kind`'s units (fp32: FMA; bf16: AMX, else vdpbf16ps) as
+    `run(steps, threads)`, and a thread's FLOPs a step; None where kernels.c has no such loop here."""
+    if kind == "bf16" and native.bf16_products() == "avx512-bf16":
+        kind = "bf16-dp"
     name, flops = UNITS[kind]
-    if not native.has(name) or (kind == "bf16" and not native.library().amx_ready()):
+    if not native.has(name) or (kind == "bf16" and native.bf16_products() != "amx"):
         return None
     lib = native.library()
     return lambda steps, threads: getattr(lib, name)(steps, (ctypes.c_float * threads)(), threads), flops

@@ -71,9 +71,11 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
             mark_load_failed(app, str(e))
             server.should_exit = True
             return
-        log.info("model %s ready in %.1f s: methods=%s max_model_len=%d default method=%s budget=%s",
+        from ddscope.models.native import kernels
+
+        log.info("model %s ready in %.1f s: methods=%s max_model_len=%d default method=%s budget=%s kernels=%s",
                  engine.model_name, time.monotonic() - t0, ",".join(engine.methods), engine.max_model_len,
-                 config.method, budget)
+                 config.method, budget, kernels())
 
     threading.Thread(target=load, name="ddscope-load", daemon=True).start()
     server.run()
