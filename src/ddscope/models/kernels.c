@@ -351,10 +351,10 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
 #elif defined(__AVX512BF16__)
 /* ---- bf16 products without the tile unit: vdpbf16ps (AVX512-BF16, e.g. AMD Zen 4) ---------------------------
  * y [M, N] = x [M, K] @ W^T, W in pack_bf16's panels. Each output sums its k pairs in order from zero in fp32, one
- * vdpbf16ps a pair, then is rounded once to bf16: a row's result is the same bits whatever M, and whichever of
- * the blocked or the single-row loop ran it. A decode row streams each panel once (one line a vdpbf16ps); DP_ROWS
- * rows share each line, and a row block of DP_ROW_BLOCK stays in L2 while a thread's panels pass. */
-#define DP_ROWS 8
+ * vdpbf16ps a pair, then is rounded once to bf16: a row's result is the same bits whatever M, and whatever the
+ * block of rows it falls in. A decode row streams each panel once (one line a vdpbf16ps); up to DP_ROWS rows share
+ * each line, and a row block of DP_ROW_BLOCK stays in L2 while a thread's panels pass. */
+#define DP_ROWS 16
 #define DP_ROW_BLOCK 64
 
 int bf16_products(void) { return 2; } /* 2: vdpbf16ps */
@@ -365,24 +365,24 @@ static inline __m512 dp_pair(__m512 acc, const uint16_t *x, __m512bh w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), w);
 }
 
-static inline void dp_store(uint16_t *y, __m512 acc) {
-  _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(acc));
-}
-
-static void dp_rows(const uint16_t *x, const uint16_t *panel, uint16_t *y, int64_t K, int64_t N) {
+/* `r` rows by one panel, each line of it read once for all of them (r a constant where it is called). */
+static inline __attribute__((always_inline)) void dp_rows(const uint16_t *x, const uint16_t *panel, uint16_t *y,
+                                                          int64_t K, int64_t N, const int r) {
   __m512 acc[DP_ROWS];
-  for (int i = 0; i < DP_ROWS; i++) acc[i] = _mm512_setzero_ps();
+  for (int i = 0; i < r; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; kp++) {
     __m512bh w = (__m512bh)_mm512_loadu_si512(panel + kp * 32);
-    for (int i = 0; i < DP_ROWS; i++) acc[i] = dp_pair(acc[i], x + i * K + 2 * kp, w);
+    for (int i = 0; i < r; i++) acc[i] = dp_pair(acc[i], x + i * K + 2 * kp, w);
   }
-  for (int i = 0; i < DP_ROWS; i++) dp_store(y + i * N, acc[i]);
+  for (int i = 0; i < r; i++) _mm256_storeu_si256((__m256i *)(y + i * N), (__m256i)_mm512_cvtneps_pbh(acc[i]));
 }
 
-static void dp_row(const uint16_t *x, const uint16_t *panel, uint16_t *y, int64_t K) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < K / 2; kp++) acc = dp_pair(acc, x + 2 * kp, (__m512bh)_mm512_loadu_si512(panel + kp * 32));
-  dp_store(y, acc);
+#define DP_CASE(r) case r: dp_rows(x, panel, y, K, N, r); break;
+static void dp_block(const uint16_t *x, const uint16_t *panel, uint16_t *y, int64_t K, int64_t N, int r) {
+  switch (r) {
+    DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
+    DP_CASE(9) DP_CASE(10) DP_CASE(11) DP_CASE(12) DP_CASE(13) DP_CASE(14) DP_CASE(15) DP_CASE(16)
+  }
 }
 
 void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, int64_t K, int64_t N, int threads) {
@@ -392,12 +392,9 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
     int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), c0 = panels * t / T, c1 = panels * (t + 1) / T;
     for (int64_t mc = 0; mc < M; mc += DP_ROW_BLOCK) {
       int64_t m1 = M < mc + DP_ROW_BLOCK ? M : mc + DP_ROW_BLOCK;
-      for (int64_t c = c0; c < c1; c++) {
-        const uint16_t *panel = p + c * K * 16;
-        int64_t m = mc;
-        for (; m + DP_ROWS <= m1; m += DP_ROWS) dp_rows(x + m * K, panel, y + m * N + c * 16, K, N);
-        for (; m < m1; m++) dp_row(x + m * K, panel, y + m * N + c * 16, K);
-      }
+      for (int64_t c = c0; c < c1; c++)
+        for (int64_t m = mc; m < m1; m += DP_ROWS) /* each row's sums the same whatever the block it falls in */
+          dp_block(x + m * K, p + c * K * 16, y + m * N + c * 16, K, N, m1 - m < DP_ROWS ? (int)(m1 - m) : DP_ROWS);
     }
   }
 }
