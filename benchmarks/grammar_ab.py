@@ -17,23 +17,17 @@ import subprocess
 import torch
 
 from ddscope.engine import Engine
+from ddscope.bench.workloads import STRUCTURED, STRUCTURED_PROMPTS
 from ddscope.engine.grammars import Constraint
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "[A-Z][a-z]{1,9}"},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "city": {"enum": ["Paris", "Oslo", "Lima", "Kyoto"]}},
-          "required": ["name", "age", "city"]}
-CALLS = {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "object", "properties": {
-    "name": {"enum": ["get_weather", "get_time"]}, "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "pattern": "[A-Z][a-z]{1,9}"}}, "required": ["city"]}},
-    "required": ["name", "parameters"]}}
-WORKLOADS = {
-    "json-person": Constraint("json", json.dumps(PERSON), any_whitespace=False),
-    "tool-calls": Constraint("json", json.dumps(CALLS), any_whitespace=False),
-    "regex-date": Constraint("regex", r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"),
-    "choice": Constraint("choice", json.dumps(["positive", "negative", "neutral"])),
-}
-PROMPTS = ["def fib(n):", "Give me a person as JSON:", "import json\n", "The answer is", "class Stack:"]
+def constraint(fields: dict) -> Constraint:
+    """A workload's `structured_outputs` as the engine's constraint (compact JSON, as both servers run it)."""
+    ((kind, spec),) = fields.items()
+    return Constraint(kind, spec if isinstance(spec, str) else json.dumps(spec), any_whitespace=False)
+
+
+WORKLOADS = {name: constraint(fields) for name, fields in STRUCTURED.items()}
+PROMPTS = STRUCTURED_PROMPTS
 
 
 def run(engine: Engine, prompt: str, method: str, budget: int | None, c: Constraint, steer: bool) -> dict:

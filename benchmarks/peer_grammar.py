@@ -26,26 +26,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddscope.bench.embedded import serve_process
+from ddscope.bench.workloads import STRUCTURED, STRUCTURED_PROMPTS
 from ddscope.engine.limits import DEMO_DIR
 from ddscope.peers.vllm import vllm_server
 
 COMPACT = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "[A-Z][a-z]{1,9}"},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "city": {"enum": ["Paris", "Oslo", "Lima", "Kyoto"]}},
-          "required": ["name", "age", "city"]}
-CALLS = {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "object", "properties": {
-    "name": {"enum": ["get_weather", "get_time"]}, "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "pattern": "[A-Z][a-z]{1,9}"}}, "required": ["city"]}},
-    "required": ["name", "parameters"]}}
-WORKLOADS = {
-    "json-person": {"json": PERSON},
-    "tool-calls": {"json": CALLS},
-    "regex-date": {"regex": "20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"},
-    "choice": {"choice": ["positive", "negative", "neutral"]},
-    "ebnf-call": {"grammar": 'root ::= [a-z_]{1,12} "(" [a-z]{1,6} ("," " " [a-z]{1,6}){0,2} ")"'},
-}
-PROMPTS = ["def fib(n):", "Give me a person as JSON:", "import json\n", "The answer is", "class Stack:"]
+WORKLOADS, PROMPTS = STRUCTURED, STRUCTURED_PROMPTS
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 
 

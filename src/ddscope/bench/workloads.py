@@ -58,6 +58,24 @@ class Workload:
         return self.label in ("padding", "json")
 
 
+# Constraints an agent sends, in vLLM's `structured_outputs` shape ({kind: spec}), for side-by-side measurements of
+# structured traffic (benchmarks/grammar_ab.py, benchmarks/peer_grammar.py), with prompts that do not ask for them.
+_CITY = {"type": "string", "pattern": "[A-Z][a-z]{1,9}"}
+STRUCTURED = {
+    "json-person": {"json": {"type": "object", "properties": {
+        "name": _CITY, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Oslo", "Lima", "Kyoto"]}}, "required": ["name", "age", "city"]}},
+    "tool-calls": {"json": {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "object", "properties": {
+        "name": {"enum": ["get_weather", "get_time"]},
+        "parameters": {"type": "object", "properties": {"city": _CITY}, "required": ["city"]}},
+        "required": ["name", "parameters"]}}},
+    "regex-date": {"regex": "20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"},
+    "choice": {"choice": ["positive", "negative", "neutral"]},
+    "ebnf-call": {"grammar": 'root ::= [a-z_]{1,12} "(" [a-z]{1,6} ("," " " [a-z]{1,6}){0,2} ")"'},
+}
+STRUCTURED_PROMPTS = ("def fib(n):", "Give me a person as JSON:", "import json\n", "The answer is", "class Stack:")
+
+
 def _read_jsonl(lines: list[str], where: str) -> list[dict]:
     rows = []
     for n, line in enumerate(lines, 1):
