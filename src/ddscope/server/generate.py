@@ -18,7 +18,7 @@ from ddscope.server.requests import child_params, engine_params
 from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_request_metrics, prompt_logprobs, sse
 from ddscope.server.schemas import APIError, ChatCompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
-from ddscope.server.tools import ToolStream, choice_of, read_calls, tool_schema
+from ddscope.server.tools import ToolStream, choice_of, tool_schema
 from ddscope.server.worker import (Done, EngineWorker, Event, Failed, InvalidRequest, Job, QueueFull, ShuttingDown,
                                    WorkerDied)
 
