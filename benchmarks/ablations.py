@@ -24,9 +24,9 @@ from ddscope import Engine
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.models import layers as layers_mod
 from ddscope.models.layers import RMSNorm, rope
-from ddscope.spec import completion as completion_mod
-from ddscope.spec import proposers as proposers_mod
-from ddscope.spec import sampling
+from ddscope.speculative import completion as completion_mod
+from ddscope.speculative import proposers as proposers_mod
+from ddscope.speculative import sampling
 
 
 class RecomputedRope:

@@ -16,9 +16,9 @@ from engine_args import load_engine, parser
 
 from ddscope import Engine
 from ddscope.bench.workloads import fit_ids, load_workload
-from ddscope.spec.proposers import DDTree
-from ddscope.spec.stats import RoundStats
-from ddscope.spec.tree import DraftTree
+from ddscope.speculative.proposers import DDTree
+from ddscope.speculative.stats import RoundStats
+from ddscope.speculative.tree import DraftTree
 
 EDGES = (0, .02, .05, .1, .2, .3, .4, .5, .6, .7, .8, .9, .95, .99, 1.0001)
 

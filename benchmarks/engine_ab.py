@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from statistics import median
 
-from concurrency import WORK, abba, baseline_tree
+from ab_harness import WORK, abba, baseline_tree
 
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine

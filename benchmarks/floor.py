@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from floor_check import prompt, together  # the served prompts and concurrent requests both floor scripts send
+from floor_common import build, late, prompt, together  # the model, prompts and concurrent requests of all floor scripts
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddscope.bench.limit import step_floor
@@ -39,7 +39,7 @@ from ddscope.bench.limit.floor import Floor
 from ddscope.bench.limit.hardware import Hardware, faster, measure_host
 from ddscope.bench.limit.shape import ModelShape, load_shape
 from ddscope.bench.sweep import cpu_model
-from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
+from ddscope.bench.synthetic import make_drafter, oracle_engine
 from ddscope.engine import Engine
 
 DECODE_CONTEXTS = (16, 4096)
@@ -89,11 +89,6 @@ class Floors:
                 f"{lo_hi([x['bf16'] for x in matmuls], 1e3)}); {len(self.hosts)} measurements")
 
 
-def build(root: Path) -> tuple[Path, Path]:
-    target = make_target(root / "target", "qwen3", hidden=1024, layers=24, max_len=8192)
-    return target, make_drafter(root / "drafter", target, block_size=16)
-
-
 def chain_drafter(root: Path, target: Path) -> Path:
     """A random drafter of block 33, for vLLM's DFlash to verify chains of 32 drafts (one layer: its own
     forward is a tenth of a verify's)."""
@@ -106,9 +101,6 @@ def _seconds(fn) -> float:
     fn()
     return time.perf_counter() - t0
 
-
-def _late(values: list) -> list:
-    return values[len(values) // 2:]
 
 
 class Ddscope:
@@ -123,8 +115,8 @@ class Ddscope:
 
     def _rounds(self, engine: Engine, context: int, **kw) -> tuple[float, float]:
         out = engine.generate(self._ids(context), max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True, **kw)
-        late = _late(out.stats.rounds)
-        return (statistics.median(r.step_ms - r.draft_ms for r in late), statistics.median(r.verify_ms for r in late))
+        rounds = late(out.stats.rounds)
+        return (statistics.median(r.step_ms - r.draft_ms for r in rounds), statistics.median(r.verify_ms for r in rounds))
 
     def decode(self, context: int) -> tuple[float, float]:
         return self._rounds(self.engine, context, method="ar")
@@ -144,8 +136,8 @@ class Ddscope:
             self.engine.add(seq)
         while self.engine.busy:
             self.engine.step()
-        late = [r for r in _late(seqs[0].stats.rounds) if r.batch == size]
-        return (statistics.median(r.step_ms for r in late), statistics.median(r.verify_ms for r in late))
+        rounds = [r for r in late(seqs[0].stats.rounds) if r.batch == size]
+        return (statistics.median(r.step_ms for r in rounds), statistics.median(r.verify_ms for r in rounds))
 
 
 def ddscope_rows(target: Path, drafter: Path, dtype: str, repeats: int, floors: Floors) -> list[dict]:
@@ -218,11 +210,11 @@ def vllm_rows(target: Path, dtype: str, tmp: Path, floors: Floors) -> list[dict]
         rows.append(_row("vllm-cpu", dtype, phase, [(step, None, floor)]))
 
     def decode_ms(context: int, counter: str) -> float:
-        return statistics.median(_late(streamed_steps(url, body(context, TOKENS), counter)))
+        return statistics.median(late(streamed_steps(url, body(context, TOKENS), counter)))
 
     def batch_ms(size: int) -> float:
         outs = together(url, [body(16, TOKENS) for _ in range(size)], stream=True)
-        return statistics.median(statistics.median(_late(o["gaps"])) for o in outs)
+        return statistics.median(statistics.median(late(o["gaps"])) for o in outs)
 
     with vllm_server(target, None, tmp / f"vllm-{dtype}.log", extra=("--dtype", dtype, "--max-num-seqs", "8")) as url:
         together(url, [body(16, 4)])  # warm-up

@@ -42,8 +42,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from floor import build
-from floor_check import prompt
+from floor_common import build, prompt
 
 import ddscope.models.kv_pool as kv_pool
 import ddscope.models.layers as layers

@@ -19,11 +19,9 @@ import json
 import statistics
 import sys
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
+from floor_common import build, late, prompt, together
 
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.limit import step_floor
@@ -38,38 +36,6 @@ DDSCOPE_ARMS = (("ar", 1, 1), ("ar", 1, 4), ("ar", 1, 8), ("ddtree", 8, 1), ("dd
 VLLM_BATCHES = (1, 4, 8)
 
 
-def build(root: Path) -> tuple[Path, Path]:
-    from ddscope.bench.synthetic import make_drafter, make_target
-
-    target = make_target(root / "target", "qwen3", hidden=1024, layers=24, max_len=8192)
-    return target, make_drafter(root / "drafter", target, block_size=16)
-
-
-def prompt(context: int, i: int) -> list[int]:
-    return [(7 * i + 3 * k) % 300 + 5 for k in range(context)]  # distinct per request: no prefix-cache hits
-
-
-def send(url: str, body: dict, stream: bool) -> dict:
-    """One completion; streamed: the gaps between its chunks, in ms."""
-    with httpx.Client(timeout=900) as client:
-        if not stream:
-            return client.post(f"{url}/v1/completions", json=body).json()
-        gaps, last = [], None
-        with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append(1e3 * (now - last))
-                    last = now
-        return {"gaps": gaps}
-
-
-def together(url: str, bodies: list[dict], stream: bool = False) -> list[dict]:
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        return list(pool.map(lambda b: send(url, b, stream), bodies))
-
-
 def ddscope_rows(url: str, model: str, contexts: list[int], floors) -> list[dict]:
     rows, n = [], 0
     for context in contexts:
@@ -78,7 +44,7 @@ def ddscope_rows(url: str, model: str, contexts: list[int], floors) -> list[dict
                        "ignore_eos": True, "method": method, "budget": budget, "return_rounds": True}
                       for i in range(batch)]
             n += batch
-            rounds = [r for out in together(url, bodies) for r in _late(out["ddscope"]["rounds"])]
+            rounds = [r for out in together(url, bodies) for r in late(out["ddscope"]["rounds"])]
             ratios = [(r["verify_ms"], floors(r["ctx_len"], r["nodes"] + 1, r["batch"])) for r in rounds]
             rows.append(_row("ddscope serve", f"{method}" + (f" {budget}" if method == "ddtree" else ""), batch,
                              context, statistics.median(r["nodes"] + 1 for r in rounds), ratios))
@@ -93,15 +59,12 @@ def vllm_rows(url: str, model: str, contexts: list[int], floors) -> list[dict]:
             bodies = [{"model": model, "prompt": prompt(context, n + i), "max_tokens": TOKENS, "temperature": 0,
                        "ignore_eos": True} for i in range(batch)]
             n += batch
-            gaps = [statistics.median(_late(out["gaps"])) for out in together(url, bodies, stream=True)]
+            gaps = [statistics.median(late(out["gaps"])) for out in together(url, bodies, stream=True)]
             ratios = [(g, floors(context + TOKENS // 2, 1, batch)) for g in gaps]
             rows.append(_row("vllm-cpu", "plain", batch, context, 1, ratios))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
-
-def _late(steps: list) -> list:
-    return steps[len(steps) // 2:]
 
 
 def _row(engine: str, arm: str, batch: int, context: int, nodes: float, pairs: list) -> dict:

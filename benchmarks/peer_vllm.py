@@ -27,11 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
+
+from ab_harness import Server  # log path -> a running server's URL
 
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.sweep import cpu_model
@@ -39,7 +40,6 @@ from ddscope.engine.limits import DEMO_DIR
 from ddscope.peers.sglang import SGLANG, sglang_server
 from ddscope.peers.vllm import VLLM_CPU, all_cores, vllm_server
 
-Server = Callable[[Path], AbstractContextManager[str]]  # log path -> a running server's URL
 VLLM_METRICS = ("--enable-per-request-metrics",)
 
 

@@ -18,7 +18,7 @@ from engine_args import load_engine, parser
 
 from ddscope.bench.workloads import fit_ids, load_workload
 from ddscope.policy.auto import AutoBudget
-from ddscope.spec.proposers import DDTree
+from ddscope.speculative.proposers import DDTree
 
 TIMED = {"tree": (DDTree, "tree"), "drafts": (AutoBudget, "drafts"), "observe": (AutoBudget, "observe")}
 

@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
-from concurrency import WORK, abba, baseline_server, load, model_of, prompts_for
+from ab_harness import WORK, abba, baseline_server, load, model_of, prompts_for
 
 from ddscope.bench.embedded import serve_process
 from ddscope.bench.sweep import cpu_model

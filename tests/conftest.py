@@ -58,3 +58,15 @@ def virtual_time(monkeypatch):
     clock = VirtualTime(monkeypatch)
     clock.install()
     return clock
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hand_back_freed_memory():
+    """After each file, the memory its engines freed goes back to Linux: an engine keeps freed memory for its next
+    step (ddscope.models.pages.keep_freed), which in a process that loads engine after engine is its peak."""
+    yield
+    import gc
+
+    from ddscope.models.pages import trim
+    gc.collect()
+    trim()

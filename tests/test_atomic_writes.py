@@ -14,7 +14,7 @@ import torch
 
 from ddscope.bench.sweep import ResultsWriter
 from ddscope.training.distill import append_whole_lines
-from ddscope.training.drafter_ckpt import save_drafter
+from ddscope.models.drafter_ckpt import save_drafter
 
 
 class Killed(BaseException):

@@ -12,9 +12,10 @@ import pytest
 
 from ddscope.bench.synthetic import oracle_engine
 from ddscope.engine import Engine
+from ddscope.engine.request import Request
 from ddscope.server.metrics import ServerMetrics
 from ddscope.server.worker import EngineWorker, Failed, Job
-from ddscope.spec.decoder import Decoder
+from ddscope.speculative.decoder import Decoder
 from support.pool_check import assert_pool_empty
 
 JOBS = [("def add(a, b):", dict(method="ddtree", budget=16, max_new_tokens=40, ignore_eos=True)),
@@ -96,7 +97,7 @@ def test_a_failed_forward_rewinds_every_cache(oracle, monkeypatch):
 def submitted(engine: Engine) -> tuple[EngineWorker, list[Job]]:
     """A worker on `engine` running JOBS, long enough to be caught mid-generation (call inside a running loop)."""
     worker = EngineWorker(engine, ServerMetrics().bind("m"), max_queue=8, log_interval=3600)
-    jobs = [Job(f"r{i}", engine.encode(p), dict(kw, max_new_tokens=400), deadline=time.monotonic() + 60)
+    jobs = [Job(f"r{i}", engine.encode(p), Request(**dict(kw, max_new_tokens=400)), deadline=time.monotonic() + 60)
             for i, (p, kw) in enumerate(JOBS)]
     for j in jobs:
         worker.submit(j)
@@ -135,7 +136,7 @@ def test_a_closed_worker_leaves_nothing_in_the_engine(oracle):
 
 def test_cached_tokens_count_the_first_admission_only(tiny_engine):
     engine = Engine(tiny_engine.target, tiny_engine.drafter, tiny_engine.tokenizer, Path(tiny_engine.source),
-                    tiny_engine.max_model_len, max_prefill_tokens=128)
+                    max_model_len=tiny_engine.max_model_len, max_prefill_tokens=128)
     prompt = [10 + (7 * i) % 300 for i in range(300)]
     seq = engine.sequence(prompt, method="ddtree", budget=8, max_new_tokens=8, ignore_eos=True)
     engine.add(seq)
@@ -149,7 +150,7 @@ def test_cached_tokens_count_the_first_admission_only(tiny_engine):
 
 def test_a_resumed_scored_request_scores_nothing_again(tiny_engine, monkeypatch):
     engine = Engine(tiny_engine.target, tiny_engine.drafter, tiny_engine.tokenizer, Path(tiny_engine.source),
-                    tiny_engine.max_model_len)
+                    max_model_len=tiny_engine.max_model_len)
     want = engine.generate("def add(a, b):", method="ddtree", budget=8, max_new_tokens=24, ignore_eos=True,
                            logprobs=1, prompt_logprobs=1)
     seq = engine.sequence("def add(a, b):", method="ddtree", budget=8, max_new_tokens=24, ignore_eos=True,
@@ -177,7 +178,7 @@ def test_a_resumed_scored_request_scores_nothing_again(tiny_engine, monkeypatch)
 
 def test_a_long_prompt_holds_back_neither_a_short_one_nor_drafting(tiny_engine):
     engine = Engine(tiny_engine.target, tiny_engine.drafter, tiny_engine.tokenizer, Path(tiny_engine.source),
-                    tiny_engine.max_model_len, max_prefill_tokens=64)
+                    max_model_len=tiny_engine.max_model_len, max_prefill_tokens=64)
     decoding = engine.sequence("def add(a, b):", method="ddtree", budget="auto", max_new_tokens=200,
                                ignore_eos=True)
     engine.add(decoding)

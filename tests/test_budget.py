@@ -10,11 +10,11 @@ from ddscope.policy.auto import AutoBudget
 from ddscope.policy.batch import BatchBudget
 from ddscope.policy.cost import NODE_GRID, VerifyCost
 from ddscope.policy.learn import Acceptance, Learned, SizeRatio
-from ddscope.spec.lookup import LOOKUP_MAX
-from ddscope.spec.proposers import MAX_AUTO_BUDGET, DDTree
-from ddscope.spec.sampling import SamplingParams
-from ddscope.spec.stats import RoundStats
-from ddscope.spec.tree import DraftTree
+from ddscope.speculative.lookup import LOOKUP_MAX
+from ddscope.speculative.proposers import MAX_AUTO_BUDGET, DDTree
+from ddscope.speculative.sampling import SamplingParams
+from ddscope.speculative.stats import RoundStats
+from ddscope.speculative.tree import DraftTree
 
 
 def cost(slope_per_node: float, slope_per_ctx: float = 0.0) -> VerifyCost:

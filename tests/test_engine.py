@@ -8,7 +8,7 @@ import pytest
 from ddscope.bench.synthetic import oracle_engine
 from ddscope.cli import main
 from ddscope.models.pages import keep_freed
-from ddscope.spec.lookup import LOOKUP_MAX
+from ddscope.speculative.lookup import LOOKUP_MAX
 
 
 def test_stats_are_consistent(tiny_engine):

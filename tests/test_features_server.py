@@ -53,7 +53,8 @@ def server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
                 yield url, d / "storage"
     except PeerUnavailable as e:
         unavailable(e)
-    del other
+    finally:
+        other = None  # not held by the traceback a skip or failure keeps of this frame
 
 
 def _tree_rss(port: str) -> int:

@@ -14,8 +14,8 @@ import xgrammar as xgr
 from ddscope.bench.synthetic import oracle_engine
 from ddscope.engine import Engine
 from ddscope.engine.grammars import Constraint, ConstraintError, Grammars
-from ddscope.spec.grammar import GrammarState
-from ddscope.spec.tree import best_first
+from ddscope.speculative.grammar import GrammarState
+from ddscope.speculative.tree import best_first
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "[a-z]{1,8}"}, "n": {"type": "integer", "minimum": 0, "maximum": 999},

@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddscope"
 # Lower layers never import higher ones. The top layer's rooms may use each other, but no module may loop back.
-LAYERS = {"util": 0, "config": 1, "models": 2, "spec": 3, "policy": 4, "engine": 5, "server": 6,
+LAYERS = {"util": 0, "config": 1, "models": 2, "speculative": 3, "policy": 4, "engine": 5, "server": 6,
           "bench": 7, "training": 7, "peers": 7, "cli": 8, "": 8}
 CORE_LIMIT = 300  # lines, outside the rooms that sit on top (bench, training, server)
 HELP_BUDGET_S = 0.5
@@ -61,7 +61,7 @@ def test_every_module_has_a_layer():
 
 def test_imports_point_down_the_stack():
     up = sorted(f"{m} -> {dep}" for m, deps in GRAPH.items() for dep in deps if layer(dep) > layer(m))
-    assert not up, "imports that point up the stack util -> config -> models -> spec -> policy -> engine -> " \
+    assert not up, "imports that point up the stack util -> config -> models -> speculative -> policy -> engine -> " \
                    "server -> bench/training/peers -> cli:\n" + "\n".join(up)
 
 

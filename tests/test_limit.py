@@ -364,11 +364,6 @@ def test_no_measured_step_beats_its_host_floor(tmp_path):
         for r in out.stats.rounds:
             floor = step_floor(shape, hw, context=r.ctx_len, nodes=r.nodes + 1).floor_ms
             assert r.verify_ms >= floor, (method, r, floor)
-    # and a floor worth the name: on the threads the step ran on, the ar step is within 1.6x of it (issue 63)
-    threads = torch.get_num_threads()
-    own = faster(host(threads), measure_host(threads))
-    ar = sorted(r.verify_ms for r in outs["ar"].stats.rounds)
-    assert ar[len(ar) // 2] <= 1.6 * step_floor(shape, own, context=outs["ar"].stats.rounds[0].ctx_len, nodes=1).floor_ms
     # the trees were real: drafted, verified and accepted
     assert sum(r.nodes for r in outs["ddtree"].stats.rounds) > 0 and outs["ddtree"].stats.to_dict()["avg_commit"] > 2
 

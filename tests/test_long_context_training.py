@@ -12,7 +12,7 @@ from ddscope.bench.synthetic import make_drafter
 from ddscope.models.target import Target
 from ddscope.training.contexts import parse_context_lengths, sample_length, select_mix
 from ddscope.training.distill import DistillSpec, build_prompts, distill, read_cache
-from ddscope.training.train_drafter import TrainSpec, make_blocks, new_drafter
+from ddscope.training.train_drafter import DrafterPlan, TrainSpec, make_blocks, new_drafter
 from support.runs import TINY_PROMPTS, run_cli, write_prompts
 
 MIX = "16-64:0.5,64-256:0.3,256-1024:0.2"
@@ -100,15 +100,15 @@ def test_init_drafter_starts_from_its_weights_and_refuses_a_mismatch(tmp_path, t
     cfg = json.loads((drafter_dir / "config.json").read_text())
     layer_ids, mask = cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["mask_token_id"]
     spec = TrainSpec(block_size=cfg["block_size"], layers=cfg["num_hidden_layers"], steps=1, seed=9)
-    fresh, _ = new_drafter(target_dir, target, spec, mask, layer_ids)
-    tuned, _ = new_drafter(target_dir, target, spec, mask, layer_ids, init=drafter_dir)
+    fresh, _ = new_drafter(target_dir, target, spec, DrafterPlan(mask, layer_ids))
+    tuned, _ = new_drafter(target_dir, target, spec, DrafterPlan(mask, layer_ids, init=drafter_dir))
     from ddscope.models.drafter import drafter_state
     init = drafter_state(drafter_dir)
     assert all(torch.equal(tuned.state_dict()[k], v) for k, v in init.items())
     assert not all(torch.equal(fresh.state_dict()[k], v) for k, v in init.items())
     other = make_drafter(tmp_path / "b4", target_dir, block_size=4)
     with pytest.raises(ValueError, match="init-drafter"):
-        new_drafter(target_dir, target, spec, mask, layer_ids, init=other)
+        new_drafter(target_dir, target, spec, DrafterPlan(mask, layer_ids, init=other))
 
 
 def test_distill_with_context_mix_resumes_without_redoing_items(tmp_path, tiny_pair):

@@ -1,10 +1,10 @@
 """Prompt lookup: the copied continuation, its branch in the tree, and what it does to a real generation."""
 import torch
 
-from ddscope.spec.lookup import LOOKUP_MAX, Lookup
-from ddscope.spec.proposers import DDTree
-from ddscope.spec.sampling import SamplingParams
-from ddscope.spec.tree import chain
+from ddscope.speculative.lookup import LOOKUP_MAX, Lookup
+from ddscope.speculative.proposers import DDTree
+from ddscope.speculative.sampling import SamplingParams
+from ddscope.speculative.tree import chain
 from support.virtual_time import DEMO
 
 
@@ -99,7 +99,7 @@ def test_lookup_is_scored_against_the_committed_tokens_grafted_or_not():
     """With the lookup gain spent, a plain round verifies the root alone, whatever lookup proposes; the
     tokens the round commits score the proposal all the same (those right before the first miss), and
     once they match, the next round grafts a branch for real."""
-    from ddscope.spec.stats import RoundStats
+    from ddscope.speculative.stats import RoundStats
 
     proposer = DDTree(budget=4)
     proposer.lookup_gain = 0.0

@@ -4,6 +4,7 @@ import torch
 
 from ddscope.bench.synthetic import oracle_engine
 from ddscope.models.layers import rope
+from support.tolerance import assert_same_sums, sums_depth
 
 
 def prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -60,14 +61,6 @@ def test_greedy_equals_ar_with_a_drafter_never_accepted(tiny_engine, ar_referenc
         assert out.stats.to_dict()["avg_commit"] < 1.3
 
 
-def assert_same_sums(actual: torch.Tensor, expected: torch.Tensor, depth: int) -> None:
-    """Equal up to the dtype's rounding: each element is a chain of at most `depth` products summed, every step
-    rounding by at most eps of the largest magnitude, so only a difference beyond eps * depth * max|x| is a bug
-    (smaller ones are the summation order, which differs with the CPU's kernels and the batch's shape)."""
-    tol = torch.finfo(expected.dtype).eps * depth * (expected.abs().max().item() if expected.numel() else 0.0)
-    torch.testing.assert_close(actual, expected, atol=tol, rtol=0)
-
-
 def test_cache_equals_fresh_prefill_after_every_round(oracle):
     engine = oracle
     prompt = prompts(engine.vocab_size, 3, seed=5)[2]
@@ -76,7 +69,7 @@ def test_cache_equals_fresh_prefill_after_every_round(oracle):
     seq = engine.sequence(prompt, max_new_tokens=120, method="ddtree", budget=16, ignore_eos=True)
     cache, draft_cache, pool = seq.decoder.cache, seq.decoder.draft_cache, engine.pool
     geo = engine.target.cfg.geometry
-    depth = geo.num_layers * (geo.hidden_size + geo.intermediate_size + len(prompt) + 120)  # sums in a row
+    depth = sums_depth(geo, len(prompt) + 120)
     for step in engine.follow(seq):
         committed += step.token_ids
         if step.finish_reason:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ddscope.bench.synthetic import oracle_engine
-from ddscope.spec.law import bad_word_ids
-from ddscope.spec.tree import DraftTree
+from ddscope.speculative.law import bad_word_ids
+from ddscope.speculative.tree import DraftTree
 
 PROMPT = "def add(a, b):"
 LAWS = {

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
 from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
-from ddscope.spec.decoder import Decoder
+from ddscope.speculative.decoder import Decoder
 
 V, PROMPT, N = 32, [5, 9, 7], 250
 METHODS = [("ar", None), ("dflash", None), ("ddtree", 1), ("ddtree", 16), ("ddtree", "auto")]

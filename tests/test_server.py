@@ -130,7 +130,7 @@ def test_openai_completion(oai, model):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     ext = r.model_extra["ddscope"]
     check_extension(ext, r.usage.model_dump())
-    assert ext["method"] == "ddtree" and ext["budget"] == 32
+    assert ext["method"] == "ddtree" and ext["budget"] == "auto"  # DEFAULT_BUDGET
 
 
 def test_openai_chat(oai, model):
@@ -229,7 +229,7 @@ def test_extension_is_consistent_for_every_method(server, method):
     if method == "ar":
         assert ext["avg_commit"] == 1.0 and ext["nodes_verified"] == 0
     if method == "ddtree":
-        from ddscope.spec.lookup import LOOKUP_MAX  # budget 8 caps the drafter's tree; a lookup branch comes on top
+        from ddscope.speculative.lookup import LOOKUP_MAX  # budget 8 caps the drafter's tree; a lookup branch comes on top
         assert all(x["nodes"] <= 8 + LOOKUP_MAX for x in rounds)
 
 

@@ -167,7 +167,7 @@ def test_a_lookup_commit_near_the_context_limit_fits_the_drafters_buffer(tmp_pat
 
 
 def test_a_bug_around_one_request_fails_it_and_the_worker_goes_on(tiny_engine, monkeypatch):
-    from ddscope.spec.stats import GenerationStats
+    from ddscope.speculative.stats import GenerationStats
 
     to_dict, calls = GenerationStats.to_dict, []
 

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from ddscope.engine import Step
+from ddscope.engine.request import Request
 from ddscope.server.metrics import ServerMetrics
 from ddscope.server.worker import EngineWorker, Failed, Job, ShuttingDown
-from ddscope.spec.stats import GenerationStats, RoundStats
+from ddscope.speculative.stats import GenerationStats, RoundStats
 
 WAIT_S = 60  # generous: only a hang reaches it
 
@@ -29,7 +30,7 @@ class SteppingEngine:
         self.hook_at, self.hook, self.steps, self.closed = hook_at, lambda: None, 0, False
         self.seq: SimpleNamespace | None = None
 
-    def sequence(self, prompt: list[int], **params: object) -> SimpleNamespace:
+    def sequence(self, prompt: list[int], request: Request) -> SimpleNamespace:
         return SimpleNamespace(outbox=deque(), started=False, preemptions=0, error=None,
                                stats=GenerationStats(method="ar", budget=None, prompt_tokens=1))
 
@@ -60,7 +61,7 @@ class SignallingJob(Job):
 
 
 def job() -> SignallingJob:
-    return SignallingJob("req", [1], {}, deadline=time.monotonic() + 3600)  # a deadline no test reaches
+    return SignallingJob("req", [1], Request(), deadline=time.monotonic() + 3600)  # a deadline no test reaches
 
 
 def worker_for(engine: SteppingEngine) -> EngineWorker:

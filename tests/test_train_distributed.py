@@ -156,5 +156,5 @@ def test_malformed_runs_fail_with_one_line(target, tmp_path, capsys, monkeypatch
     # The same check inside every rank, for a direct torchrun launch.
     monkeypatch.setattr(train_drafter, "_world", lambda: (3, 0))
     with pytest.raises(ValueError, match="world size 3 is larger than the data: 2 usable"):
-        train_drafter.train(target, None, [{"ids": [1, 2, 3], "prompt_len": 1}] * 2, TrainSpec(steps=1), 3, [0],
-                            tmp_path / "o", tmp_path / "w")
+        train_drafter.train(target, None, [{"ids": [1, 2, 3], "prompt_len": 1}] * 2, TrainSpec(steps=1),
+                            train_drafter.DrafterPlan(3, [0]), tmp_path / "o", tmp_path / "w")

@@ -142,7 +142,7 @@ def test_closing_line_names_the_steps_behind_each_loss(tmp_path, quick_target, c
 
 
 def test_drafter_weights_get_ordinary_file_permissions(tmp_path):
-    from ddscope.training.drafter_ckpt import save_drafter
+    from ddscope.models.drafter_ckpt import save_drafter
 
     old = os.umask(0o022)
     try:

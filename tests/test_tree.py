@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from ddscope.spec.tree import best_first, chain
+from ddscope.speculative.tree import best_first, chain
 
 
 def random_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:

@@ -157,7 +157,7 @@ def test_priority_orders_admission(oracle):
     from pathlib import Path
 
     from ddscope.engine import Engine
-    engine = Engine(oracle.target, oracle.drafter, oracle.tokenizer, Path(oracle.source), oracle.max_model_len,
+    engine = Engine(oracle.target, oracle.drafter, oracle.tokenizer, Path(oracle.source), max_model_len=oracle.max_model_len,
                     max_num_seqs=1)
     seqs = [engine.sequence(PROMPT, method="ar", max_new_tokens=2, ignore_eos=True, priority=p) for p in (5, -1, 0)]
     order = []

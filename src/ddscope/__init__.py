@@ -1,11 +1,11 @@
 """ddscope: DDTree speculative decoding you can see into.
 
-`Engine`, `Generation` and `Step` load on first use, so that `ddscope --help` imports no torch."""
+`Engine` and the rest load on first use, so that `ddscope --help` imports no torch."""
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "Generation", "Step"]
+__all__ = ["Engine", "EngineConfig", "Generation", "Request", "RequestError", "Step"]
 __version__ = "0.1.0"
 
 

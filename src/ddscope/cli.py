@@ -6,7 +6,7 @@ import json
 import sys
 
 from ddscope.config import CheckpointError
-from ddscope.engine.limits import default_method
+from ddscope.engine.limits import DEFAULT_BUDGET
 from ddscope.util.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
 
@@ -15,8 +15,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     engine = load_engine(args)
-    method = args.method or default_method(engine.methods)
-    out = engine.generate(args.prompt, max_new_tokens=args.max_tokens, method=method, budget=args.budget,
+    out = engine.generate(args.prompt, max_new_tokens=args.max_tokens, method=args.method, budget=args.budget,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           ignore_eos=args.ignore_eos)
     stats = out.stats.to_dict(rounds=args.json)
@@ -42,7 +41,7 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     add_prefill_threads_arg(p)
     p.add_argument("--method", choices=("ddtree", "dflash", "ar"),
                    help="decoding method (default: ddtree with a drafter, else ar)")
-    p.add_argument("--budget", type=budget_arg, default="auto",
+    p.add_argument("--budget", type=budget_arg, default=DEFAULT_BUDGET,
                    help="DDTree node budget, or auto (sized each step from measured costs, as serve) "
                         "(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=200, help="new tokens to generate (default: %(default)s)")

@@ -15,7 +15,7 @@ from ddscope.config import DrafterConfig
 from ddscope.engine import Engine
 from ddscope.models.drafter import Draft, Drafter
 from ddscope.models.target import Target
-from ddscope.training.drafter_ckpt import drafter_config, pick_layer_ids, save_drafter
+from ddscope.models.drafter_ckpt import drafter_config, pick_layer_ids, save_drafter
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (
@@ -132,7 +132,7 @@ def oracle_engine(engine: Engine, accuracy: float = 1.0, seed: int = 0, max_mode
                   **engine_kw) -> Engine:
     """Another engine over `engine`'s target and drafter (weights shared, caches its own) that drafts with
     an OracleDrafter: accuracy 1.0 is accepted in full at T=0, 0.5 about half the time per token."""
-    oracle = Engine(engine.target, engine.drafter, engine.tokenizer, Path(engine.source),
-                    max_model_len or engine.max_model_len, engine.default_budget, **engine_kw)
+    oracle = Engine(engine.target, engine.drafter, engine.tokenizer, Path(engine.source), engine.config,
+                    max_model_len=max_model_len or engine.max_model_len, **engine_kw)
     oracle.drafter = oracle.runner.drafter = OracleDrafter(engine.drafter, oracle.target, accuracy, seed)
     return oracle

@@ -7,7 +7,8 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {"Engine": "ddscope.engine.engine", "Generation": "ddscope.engine.engine", "Step": "ddscope.engine.sequence",
-         "load_engine": "ddscope.engine.engine"}
+         "load_engine": "ddscope.engine.engine", "Request": "ddscope.engine.request",
+         "RequestError": "ddscope.engine.request", "EngineConfig": "ddscope.engine.limits"}
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ from ddscope.engine.limits import MAX_BUDGET
 from ddscope.models.drafter import Drafter
 from ddscope.models.kv_pool import BLOCK, KVPool, Pages
 from ddscope.models.target import Target
-from ddscope.spec.lookup import LOOKUP_MAX
+from ddscope.speculative.lookup import LOOKUP_MAX
 
 
 class OutOfBlocks(RuntimeError):

@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 
 from ddscope.config import CheckpointError, eos_ids
 from ddscope.engine.block_manager import sized_pool
-from ddscope.engine.grammars import Constraint, Grammars
-from ddscope.engine.limits import (DEMO_DIR, DTYPES, KV_CACHE_MB, MAX_BUDGET, MAX_NUM_SEQS, MAX_PREFILL_TOKENS, METHODS,
-                                   check_request)
+from ddscope.engine.grammars import Grammars
+from ddscope.engine.limits import DEMO_DIR, DTYPES, MAX_BUDGET, METHODS, EngineConfig
+from ddscope.engine.request import Bounds, Request, check_method
 from ddscope.engine.runner import Runner, StepReport
 from ddscope.engine.scheduler import Scheduler
 from ddscope.engine.sequence import Sequence, Step
@@ -28,14 +28,14 @@ from ddscope.policy.auto import AutoBudget
 from ddscope.policy.batch import BatchBudget
 from ddscope.policy.cost import VerifyCost
 from ddscope.policy.learn import LearnedBySampler
-from ddscope.spec.completion import Completion
-from ddscope.spec.decoder import Decoder
-from ddscope.spec.grammar import GrammarState
-from ddscope.spec.law import Law, bad_word_ids
-from ddscope.spec.lookup import LOOKUP_MAX
-from ddscope.spec.proposers import AR, DDTree, DFlash, Proposer
-from ddscope.spec.sampling import SamplingParams, TokenLogprob
-from ddscope.spec.stats import GenerationStats
+from ddscope.speculative.completion import Completion
+from ddscope.speculative.decoder import Decoder
+from ddscope.speculative.grammar import GrammarState
+from ddscope.speculative.law import Law, bad_word_ids
+from ddscope.speculative.lookup import LOOKUP_MAX
+from ddscope.speculative.proposers import AR, DDTree, DFlash, Proposer
+from ddscope.speculative.sampling import SamplingParams, TokenLogprob
+from ddscope.speculative.stats import GenerationStats
 
 
 @dataclass
@@ -53,33 +53,33 @@ class Engine:
     """The engine: sequences added at any time are decoded together, one batched step at a time
     (ddscope.engine.scheduler, ddscope.engine.runner); `stream` and `generate` follow one of them."""
 
-    def __init__(self, target: Target | HFTarget, drafter: Drafter | None, tokenizer, source: Path, max_model_len: int,
-                 default_budget: int | str = 32, kv_cache_mb: int = KV_CACHE_MB, prefix_cache: bool = True,
-                 prefill_threads: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
-                 max_prefill_tokens: int = MAX_PREFILL_TOKENS):
+    def __init__(self, target: Target | HFTarget, drafter: Drafter | None, tokenizer, source: Path,
+                 config: EngineConfig | None = None, **knobs: Any):
+        """`config`, or `knobs` (EngineConfig's fields) over it."""
         keep_freed()  # a step's activations: reused, not faulted in again from Linux
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source, self.model_name = str(source.resolve()), source.name
-        self.max_model_len, self.default_budget = max_model_len, default_budget
+        self.config = config = EngineConfig.of(config, **knobs)
+        self.max_model_len = config.max_model_len or target.cfg.max_position_embeddings
         self.verify_cost: VerifyCost | None = None  # calibrated on first use of budget="auto"
         self.learned = LearnedBySampler()  # auto's model of the pair, across requests
         self.device = target.lm_head.weight.device
         self.eos_ids = eos_ids(source, tokenizer, target.cfg.eos_token_ids)
-        self.kv_cache_mb, self.prefill_threads = kv_cache_mb, prefill_threads
-        self.pool, blocks = (sized_pool(target, drafter, max_model_len, kv_cache_mb, prefix_cache, max_num_seqs)
-                             if isinstance(target, Target) else (None, None))
-        self.scheduler = Scheduler(blocks, max_num_seqs, max_prefill_tokens)
-        self.runner = Runner(target, drafter, prefill_threads)
+        self.pool, blocks = (sized_pool(target, drafter, self.max_model_len, config.kv_cache_mb, config.prefix_cache,
+                                        config.max_num_seqs) if isinstance(target, Target) else (None, None))
+        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_prefill_tokens)
+        self.runner = Runner(target, drafter, config.prefill_threads)
         self.grammars = Grammars(tokenizer, target.cfg.vocab_size, list(self.eos_ids))  # structured outputs
+        self.bounds = Bounds(self.methods, self.max_model_len, self.vocab_size, config.budget)
 
     @classmethod
     def load(cls, target: str | Path | None = None, drafter: str | Path | None = None, device: str = "cpu",
-             dtype: str = "float32", max_model_len: int | None = None, target_backend: str = "auto",
-             device_map: str | None = None, kv_cache_mb: int = KV_CACHE_MB, prefix_cache: bool = True,
-             prefill_threads: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
-             max_prefill_tokens: int = MAX_PREFILL_TOKENS) -> "Engine":
+             dtype: str = "float32", target_backend: str = "auto", device_map: str | None = None,
+             config: EngineConfig | None = None, **knobs: Any) -> "Engine":
         """`target_backend`: native Qwen3/Llama where it applies (auto), or transformers for any other causal LM
-        (ddscope.models.hf_target); `device_map` (transformers) shards a target over several GPUs."""
+        (ddscope.models.hf_target); `device_map` (transformers) shards a target over several GPUs. `config`, or
+        `knobs` (EngineConfig's fields) over it: the engine's."""
+        config = EngineConfig.of(config, **knobs)
         if target is None:
             target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
         if dtype not in DTYPES:
@@ -94,17 +94,13 @@ class Engine:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{target_dir}: no usable tokenizer ({e})") from e
         limit = model.cfg.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
-        return cls(model, draft, tokenizer, target_dir, max_model_len or limit, kv_cache_mb=kv_cache_mb,
-                   prefix_cache=prefix_cache, prefill_threads=prefill_threads, max_num_seqs=max_num_seqs,
-                   max_prefill_tokens=max_prefill_tokens)
+        if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
+        return cls(model, draft, tokenizer, target_dir, config)
 
     def with_drafter(self, drafter: str | Path) -> "Engine":  # weights shared, caches its own: drafters side by side
         return Engine(self.target, Drafter.load(Path(drafter), self.target), self.tokenizer, Path(self.source),
-                      self.max_model_len, self.default_budget, self.kv_cache_mb, prefill_threads=self.prefill_threads,
-                      max_num_seqs=self.scheduler.max_num_seqs,
-                      max_prefill_tokens=self.scheduler.max_prefill_tokens)
+                      self.config, max_model_len=self.max_model_len)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -126,15 +122,6 @@ class Engine:
             raise ValueError("prompt is empty")
         return ids
 
-    def check(self, method: str, budget: int | str | None) -> None:
-        """Raise ValueError unless `method` and `budget` can be served; touches no state (any thread)."""
-        if method not in self.methods:
-            raise ValueError(f"unknown or unavailable method {method!r}; available: {', '.join(self.methods)}")
-        budget = self.default_budget if budget is None else budget
-        if method == "ddtree" and budget != "auto" and (
-                not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET):
-            raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
-
     def calibrate(self) -> None:
         """Time the verify cost `auto` needs (or read it from disk) now: a server's load thread, before serving."""
         if self.drafter is not None and self.verify_cost is None:
@@ -144,68 +131,47 @@ class Engine:
     def proposer(self, method: str, budget: int | str | None, sampling: SamplingParams = SamplingParams(),
                  lookup: bool = True) -> Proposer:
         """A fresh proposer; `lookup=False` leaves the prompt-lookup branch out of `ddtree` (the drafter alone)."""
-        self.check(method, budget)
+        check_method(method, budget, self.bounds)
         if method == "ar":
             return AR()
         if method == "dflash":
             return DFlash()
-        budget = self.default_budget if budget is None else budget
+        budget = self.config.budget if budget is None else budget
         if budget == "auto":
             self.calibrate()
             return DDTree(AutoBudget(self.verify_cost, self.learned.under(sampling, lookup),
                                      block=self.drafter.block_size), lookup)
         return DDTree(budget, lookup)
 
-    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[Step]:
-        """`follow(sequence(prompt, **kwargs))`: validate now (ValueError), then yield the prefill's token as
-        the first Step (the sequence joins the batch at the first `next`) and one Step per verify round after
+    def stream(self, prompt: str | list[int], request: Request | None = None, **fields: Any) -> Iterator[Step]:
+        """`follow(sequence(prompt, request, **fields))`: validate now (ValueError), then yield the prefill's token
+        as the first Step (the sequence joins the batch at the first `next`) and one Step per verify round after
         it. Other sequences in the engine (other streams, `add`ed ones) advance in the same steps. Closing the
         iterator cancels generation at the next step."""
-        return self.follow(self.sequence(prompt, **kwargs))
+        return self.follow(self.sequence(prompt, request, **fields))
 
-    def sequence(self, prompt: str | list[int], *, max_new_tokens: int = 128, method: str = "ddtree",
-                 budget: int | str | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 min_p: float = 0.0, seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0,
-                 stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
-                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, lookup: bool = True, repetition_penalty: float = 1.0,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, cache_salt: str | None = None,
-                 priority: int = 0, constraint: Constraint | None = None, steer: bool = True) -> Sequence:
-        """A validated request, not yet added; raises ValueError on bad input.
-
-        `stop_token_ids` end a generation as EOS does (the token kept, its text only with
-        `include_stop_str_in_output`, as vLLM), also under `ignore_eos`. `logit_bias`, `allowed_token_ids`,
-        `bad_words` and the three penalties are the target's law at every node (ddscope.spec.law). `logprobs` (top
-        N >= 0) puts each token's log-prob on its Step, `prompt_logprobs` each prompt token's on the first Step
-        (the prompt is then run in full, prefix cache or not). `lookup=False` leaves the prompt-lookup branch
-        out of `ddtree` trees (the drafter alone). `cache_salt` keeps its prefix-cache entries apart from other
-        salts'; `priority` orders admission, lower first (vLLM's priority policy). `constraint`: structured outputs
-        (ddscope.spec.grammar); `steer=False` masks at the verify only, as vLLM does, for side-by-side measurements.
-        """
+    def sequence(self, prompt: str | list[int], request: Request | None = None, **fields: Any) -> Sequence:
+        """`request`, or `fields` (Request's) over it, validated and not yet added: RequestError (a ValueError
+        naming the field) on bad input."""
         ids = self.encode(prompt)
-        check_request(len(ids), self.max_model_len, self.vocab_size, max_new_tokens, min_tokens, stop,
-                      stop_token_ids, logit_bias, logprobs, prompt_logprobs)
-        eos = () if ignore_eos else tuple(self.eos_ids)
-        stops = tuple(stop_token_ids or ())
-        law = Law(dict(logit_bias or {}), eos + stops, min_tokens,
-                  tuple(allowed_token_ids) if allowed_token_ids is not None else None,
-                  bad_word_ids(self.tokenizer, bad_words or [], self.vocab_size), repetition_penalty,
-                  frequency_penalty, presence_penalty)
-        law.check(self.vocab_size)
-        sampling = SamplingParams(temperature, top_p, top_k, seed, min_p)
-        proposer = self.proposer(method, budget, sampling, lookup)
-        generator = torch.Generator(self.device).manual_seed(seed if seed is not None else random.getrandbits(63))
-        pages = Pages(device=self.device, salt=cache_salt)
-        grammar = GrammarState(self.grammars.compile(constraint), self.vocab_size, steer) if constraint else None
-        decoder = Decoder(self.target, self.drafter, proposer, sampling, generator, law, logprobs, grammar)
-        stats = GenerationStats(method, getattr(proposer, "budget", None), len(ids))
-        completion = Completion(self.tokenizer, eos, max_new_tokens, min_tokens, stop or [], stops,
-                                include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens)
-        seq = Sequence(ids, decoder, completion, stats, pages, prompt_logprobs, priority)
-        seq.caches = lambda: self._caches(pages, len(ids) + max_new_tokens)
+        r = Request.of(request, **fields).resolved(self.bounds, len(ids))
+        eos = () if r.ignore_eos else tuple(self.eos_ids)
+        stops = tuple(r.stop_token_ids or ())
+        law = Law(dict(r.logit_bias or {}), eos + stops, r.min_tokens,
+                  tuple(r.allowed_token_ids) if r.allowed_token_ids is not None else None,
+                  bad_word_ids(self.tokenizer, r.bad_words or [], self.vocab_size), r.repetition_penalty,
+                  r.frequency_penalty, r.presence_penalty)
+        sampling = SamplingParams(r.temperature, r.top_p, r.top_k, r.seed, r.min_p)
+        proposer = self.proposer(r.method, r.budget, sampling, r.lookup)
+        generator = torch.Generator(self.device).manual_seed(r.seed if r.seed is not None else random.getrandbits(63))
+        pages = Pages(device=self.device, salt=r.cache_salt)
+        grammar = GrammarState(self.grammars.compile(r.constraint), self.vocab_size, r.steer) if r.constraint else None
+        decoder = Decoder(self.target, self.drafter, proposer, sampling, generator, law, r.logprobs, grammar)
+        stats = GenerationStats(r.method, getattr(proposer, "budget", None), len(ids))
+        completion = Completion(self.tokenizer, eos, r.max_new_tokens, r.min_tokens, list(r.stop or []), stops,
+                                r.include_stop_str_in_output, r.skip_special_tokens, r.spaces_between_special_tokens)
+        seq = Sequence(ids, decoder, completion, stats, pages, r.prompt_logprobs, r.priority)
+        seq.caches = lambda: self._caches(pages, len(ids) + r.max_new_tokens)
         if self.pool is not None:  # views of its pages, which hold nothing until admission
             decoder.attach(*seq.caches())
         return seq
@@ -284,8 +250,8 @@ class Engine:
             if not seq.finished:
                 self.abort(seq)
 
-    def generate(self, prompt: str | list[int], **kwargs) -> Generation:
-        steps = list(self.stream(prompt, **kwargs))
+    def generate(self, prompt: str | list[int], request: Request | None = None, **fields: Any) -> Generation:
+        steps = list(self.stream(prompt, request, **fields))
         ids = [t for s in steps for t in s.token_ids]
         text = "".join(s.text for s in steps)
         last = steps[-1]

@@ -17,9 +17,9 @@ from ddscope.models.drafter import Draft, Drafter
 from ddscope.models.hf_target import TargetLike
 from ddscope.policy.auto import AutoBudget
 from ddscope.policy.batch import BatchBudget
-from ddscope.spec.decoder import Clock
-from ddscope.spec.stats import RoundStats
-from ddscope.spec.tree import DraftTree
+from ddscope.speculative.decoder import Clock
+from ddscope.speculative.stats import RoundStats
+from ddscope.speculative.tree import DraftTree
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Runner:
         lean = new_tokens >= LEAN_PREFILL and any(_first_token(s, n) for s, n in batch.prefills)
         auto_drafts = shared.drafts(len(batch.decodes)) and not lean if shared else False
         drafting = [s for s in batch.decodes if not (lean and s in auto) and (
-            auto_drafts if shared and s in auto else s.decoder.proposer.drafts(s.decoder.cache.length))]
+            auto_drafts if shared and s in auto else s.proposer.drafts(s.length))]
         drafts = dict(zip(drafting, self._draft(drafting)))
         t1 = self.clock()
         if shared:
@@ -156,36 +156,36 @@ class Runner:
         if not seqs:
             return []
         return self.drafter.draft_many(self.target, [
-            Draft(s.decoder.tokens[-1], s.decoder.cache.length, s.decoder.draft_cache, s.decoder.cache) for s in seqs])
+            Draft(s.tokens[-1], s.length, s.decoder.draft_cache, s.decoder.cache) for s in seqs])
 
     def _size_trees(self, shared: BatchBudget, batch: Batch, auto: list[Sequence], drafts: dict,
                     draft_ms: float) -> None:
         """Every `auto` sequence's tree size (when it drafted) and prompt-lookup branch length for this step,
         chosen together (BatchBudget)."""
-        trees = [_policy(s).prepare(s.decoder.tokens[-1], s.decoder.sampling.log_probs(drafts[s]), s.decoder.steer)
+        trees = [_policy(s).prepare(s.tokens[-1], s.decoder.sampling.log_probs(drafts[s]), s.decoder.steer)
                  if s in drafts else [] for s in auto]
-        branches = [s.decoder.proposer.branch_chances(s.decoder.tokens) for s in auto]
+        branches = [s.proposer.branch_chances(s.tokens) for s in auto]
         others = [s for s in batch.decodes if s not in auto]
-        fixed = [(n, s.decoder.cache.length) for s, n in batch.prefills]
-        fixed += [(1 + s.decoder.proposer.max_nodes(self.drafter.block_size) * (s in drafts), s.decoder.cache.length)
+        fixed = [(n, s.length) for s, n in batch.prefills]
+        fixed += [(1 + s.proposer.max_nodes(self.drafter.block_size) * (s in drafts), s.length)
                   for s in others]
-        sizes, lengths = shared.sizes(trees, branches, [s.decoder.cache.length for s in auto], fixed, draft_ms,
+        sizes, lengths = shared.sizes(trees, branches, [s.length for s in auto], fixed, draft_ms,
                                       len(others))
         for s, n, length in zip(auto, sizes, lengths):
             if s in drafts:
                 _policy(s).size = n
-            s.decoder.proposer.branch = length
+            s.proposer.branch = length
 
     def _deliver_round(self, seq: Sequence, tree: DraftTree, new: list[int], path: list[int], drafted: bool,
                        t: tuple[float, ...], batch: int) -> None:
         t0, t1, t2, t3, t4 = t
-        start = seq.decoder.cache.length - len(path)
+        start = seq.length - len(path)
         rnd = RoundStats(start, tree.size, len(new), t1 - t0, t2 - t1, t3 - t2, t4 - t3, (t1 - t0) + (t3 - t2),
                          drafted, batch)
         if seq.decoder.grammar is not None:
             cost = seq.decoder.grammar.take_cost()
             rnd.grammar_masks, rnd.grammar_ms = cost.masks, cost.ms
-        seq.decoder.proposer.observe(rnd, path, new)
+        seq.proposer.observe(rnd, path, new)
         seq.deliver(new, rnd)
 
     @staticmethod
@@ -239,4 +239,4 @@ def _first_token(seq: Sequence, chunk: int) -> bool:
 
 def _policy(seq: Sequence) -> AutoBudget | None:
     """The sequence's `auto` policy, if it decodes with one."""
-    return getattr(seq.decoder.proposer, "policy", None)
+    return getattr(seq.proposer, "policy", None)

@@ -47,13 +47,13 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch()
         for seq in list(self.running):
-            if seq.status is Status.RUNNING and not seq.decoder.prefilling:
-                if self._make_room(seq, seq.decoder.cache.length + seq.lookahead()):
+            if seq.status is Status.RUNNING and not seq.prefilling:
+                if self._make_room(seq, seq.length + seq.lookahead()):
                     batch.decodes.append(seq)
         while self.waiting and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0]):
             self.running.append(self.waiting.pop(0))
             # a resumed sequence whose whole context was cached decodes from the next step
-        batch.prefills = self._chunks([s for s in self.running if s.decoder.prefilling])
+        batch.prefills = self._chunks([s for s in self.running if s.prefilling])
         return batch
 
     def _chunks(self, prefilling: list[Sequence]) -> list[tuple[Sequence, int]]:
@@ -145,4 +145,4 @@ def _rank(seq: Sequence) -> tuple[int, int]:
 
 
 def _remaining(seq: Sequence) -> int:
-    return seq.decoder.prefill_end - seq.decoder.cache.length
+    return seq.decoder.prefill_end - seq.length

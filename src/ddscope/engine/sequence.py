@@ -11,10 +11,11 @@ from enum import Enum
 from typing import Any
 
 from ddscope.models.kv_pool import Pages
-from ddscope.spec.completion import Completion
-from ddscope.spec.decoder import SCORE_ROWS, Decoder
-from ddscope.spec.sampling import TokenLogprob
-from ddscope.spec.stats import GenerationStats, RoundStats
+from ddscope.speculative.completion import Completion
+from ddscope.speculative.decoder import SCORE_ROWS, Decoder
+from ddscope.speculative.proposers import Proposer
+from ddscope.speculative.sampling import TokenLogprob
+from ddscope.speculative.stats import GenerationStats, RoundStats
 
 
 @dataclass
@@ -64,9 +65,27 @@ class Sequence:
         return self.status is Status.FINISHED
 
     @property
+    def length(self) -> int:
+        """Positions its target cache holds: the context committed so far."""
+        return self.decoder.cache.length
+
+    @property
+    def prefilling(self) -> bool:
+        return self.decoder.prefilling
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and committed tokens."""
+        return self.decoder.tokens
+
+    @property
+    def proposer(self) -> Proposer:
+        return self.decoder.proposer
+
+    @property
     def started(self) -> bool:
         """Whether it has generated a token (a preempted one resumes rather than restarts)."""
-        return len(self.decoder.tokens) > len(self.prompt)
+        return len(self.tokens) > len(self.prompt)
 
     @property
     def max_length(self) -> int:

@@ -112,8 +112,8 @@ void norm_rope_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *cos, c
  * side by side: p[N / 64][K][64] ---------------------------------------------------------------------------------
  * Every output is one chain of FMAs over k in order, from zero, whatever M and the tile: a row's result is the
  * same bits alone or among others. A tile holds TILE_ROWS rows by a group's TILE_PANELS panels in 24 registers;
- * one row (a decode step) runs over a group. Each group is one stream through memory: a decode row read the
- * weights in 0.86-0.89 of the time 4 panels laid one after another took, at the read-alone rate (docs/performance.md).
+ * one row (a decode step) runs over a group. Each group is one stream through memory: the hardware prefetcher
+ * follows one stream better than 4 panels laid one after another (docs/journal.md has the measurement).
  * N is a multiple of 128 (ddscope.models.native.paneled). */
 #ifdef __AVX512F__
 #define TILE_PANELS 4
@@ -163,7 +163,7 @@ static inline const char *spread(const char *next, int64_t *due, int64_t lines, 
     __m512 w2 = _mm512_loadu_ps(pq + 32), w3 = _mm512_loadu_ps(pq + 48);                                        \
     FMA_ROWS(MR, xr[i * K + (kk)])                                                                              \
   }
-#define BEAT 4 /* k rows a beat of the loop: its prefetch bookkeeping once a beat, not a k (0.90-0.97 of the time) */
+#define BEAT 4 /* k rows a beat of the loop: its prefetch bookkeeping once a beat, not once a k */
 #define TILE_BODY(MR, FETCH)                                                                                    \
     __m512 acc[MR][TILE_PANELS];                                                                                \
     for (int i = 0; i < MR; i++)                                                                                \
@@ -354,7 +354,7 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
  * vdpbf16ps a pair, then is rounded once to bf16: a row's result is the same bits whatever M, and whatever the
  * block of rows it falls in. A decode row streams each panel once (one line a vdpbf16ps); up to DP_ROWS rows share
  * each line, and a row block of DP_ROW_BLOCK stays in L2 while a thread's panels pass. */
-#define DP_ROWS 8 /* 16 read 16 rows' streams of x at once: prefill ran 1.35x slower */
+#define DP_ROWS 8 /* not 16: a block of 16 rows reads 16 streams of x at once, more than the prefetcher follows */
 #define DP_ROW_BLOCK 64
 
 int bf16_products(void) { return 2; } /* 2: vdpbf16ps */
@@ -742,7 +742,7 @@ static void tree_unit(const float *const *qs, float *const *outs, const uint8_t 
     for (int64_t c = 0; c < d; c++) qp[((u / 16) * d + c) * 16 + u % 16] = qs[u][c];
   for (int64_t l = 0; l < lines_of(S, 0, SCORE_BLOCK, d); l++) _mm_prefetch((const char *)kh + l * 64, _MM_HINT_T1);
   /* Each block's calls fetch the next (the last: v's first), each call its share of the lines evenly over its
-   * loop: in one burst a call's prefetches stall its FMAs (a verify's attention took 1.08-1.14x the time). */
+   * loop: in one burst a call's prefetches stall its FMAs. */
   for (int64_t b = 0; b < S; b += SCORE_BLOCK) {
     int64_t end = S < b + SCORE_BLOCK ? S : b + SCORE_BLOCK, c = 0;
     int64_t calls = d / D_STEP * ((end - b + SCORE_KEYS - 1) / SCORE_KEYS);

@@ -18,7 +18,7 @@ BLOCK = 64  # slots a block; the prefix cache shares whole blocks
 def zeroed(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
     """K/V storage, zeroed now as vLLM allocates its KV cache at start-up: the memory is held from the start (no
     OOM later) and no step pays for first touching it. On CPU, on 2 MiB pages: a decode step streams its keys
-    and values whole, and on 4 KiB pages its attention took 4-5% longer (docs/performance.md)."""
+    and values whole, and on 4 KiB pages its attention took 4-5% longer (docs/journal.md)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
     return pages.huge(shape, dtype).zero_()

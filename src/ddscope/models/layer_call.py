@@ -21,10 +21,14 @@ class DecodeRow:
     q's, k's and v's panels one after another, `gate_up` the gate's and up's (one product each; every output is
     summed alone, so the modules' views of them give the same bits). A layer decodes one row at a time."""
 
-    def __init__(self, w_in: torch.Tensor, eps: float, qkv: torch.Tensor,
-                 norms: tuple[torch.Tensor | None, torch.Tensor | None], qk_eps: float, o: torch.Tensor,
-                 w_post: torch.Tensor, post_eps: float, gate_up: torch.Tensor, down: torch.Tensor, heads: int,
-                 kv_heads: int, d: int):
+    def __init__(self, norm: tuple[torch.Tensor, float], qkv: torch.Tensor,
+                 qk_norms: tuple[torch.Tensor | None, torch.Tensor | None, float], o: torch.Tensor,
+                 post_norm: tuple[torch.Tensor, float], gate_up: torch.Tensor, down: torch.Tensor,
+                 geometry: tuple[int, int, int]):
+        """`norm`, `post_norm`: (weight, eps); `qk_norms`: q's and k's weights (None without) and their eps;
+        `geometry`: (heads, kv_heads, head_dim)."""
+        (w_in, eps), (w_post, post_eps), (heads, kv_heads, d) = norm, post_norm, geometry
+        norms, qk_eps = qk_norms[:2], qk_norms[2]
         dtype, hidden, inter = w_in.dtype, w_in.shape[0], down.shape[1]
         self._weights = (w_in, qkv, *norms, o, w_post, gate_up, down)  # alive while their pointers are bound
         self._suffix = DTYPES[dtype]

@@ -120,7 +120,7 @@ class Attention(nn.Module):
         else:  # the query heads of one K/V head as one head of group * n rows: K/V are read once per group
             grouped = q.reshape(k.shape[0], -1, d)
             if mask is not None and q.dtype in BMM_ATTENTION and q.device.type == "cpu":
-                # a tree's rows over its context: MKL's batched products beat SDPA's CPU kernel (docs/performance.md)
+                # a tree's rows over its context: MKL's batched products beat SDPA's CPU kernel (docs/journal.md)
                 scores = torch.baddbmm(mask.expand(k.shape[0], -1, -1), grouped, k.transpose(1, 2), alpha=d ** -0.5)
                 out = torch.bmm(scores.softmax(-1), v)
             else:
@@ -168,13 +168,12 @@ class DecoderLayer(nn.Module):
                 and native.masks_rows(dtype, g.num_heads, g.num_kv_heads, g.head_dim) and layer_call.decodes(dtype)):
             self.row = None
             return False
-        norms = (a.q_norm.weight, a.k_norm.weight) if g.qk_norm else (None, None)
-        self.row = layer_call.DecodeRow(self.input_layernorm.weight, self.input_layernorm.eps,
-                                        _adjoin(a.q_proj, a.k_proj, a.v_proj), norms,
-                                        a.q_norm.eps if g.qk_norm else 0.0, a.o_proj.panels,
-                                        self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
-                                        _adjoin(m.gate_proj, m.up_proj), m.down_proj.panels, g.num_heads,
-                                        g.num_kv_heads, g.head_dim)
+        qk_norms = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if g.qk_norm else (None, None, 0.0)
+        post = self.post_attention_layernorm
+        self.row = layer_call.DecodeRow((self.input_layernorm.weight, self.input_layernorm.eps),
+                                        _adjoin(a.q_proj, a.k_proj, a.v_proj), qk_norms, a.o_proj.panels,
+                                        (post.weight, post.eps), _adjoin(m.gate_proj, m.up_proj), m.down_proj.panels,
+                                        (g.num_heads, g.num_kv_heads, g.head_dim))
         return True
 
     def decode_row(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

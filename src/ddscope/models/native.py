@@ -239,7 +239,7 @@ def _panel_heads(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
 
 def tree_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`attend` of a tree's rows (or a few causal rows) as two panel products, in fp32: faster than MKL's
-    batched products for a verify of 33 rows over 1057 keys (docs/performance.md); each row's result the same
+    batched products for a verify of 33 rows over 1057 keys (docs/journal.md); each row's result the same
     whatever the rows beside it, though not the bits `attend` gives it."""
     heads, n, d = q.shape
     out = torch.empty(n, heads * d, dtype=q.dtype)

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ddscope.config import DecoderGeometry, TargetConfig
+from ddscope.config import TargetConfig
 from ddscope.models import layers, native
 from ddscope.models.kv_pool import KVCache
 from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias, pack_linears

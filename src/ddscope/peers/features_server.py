@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ddscope.config import read_json, text_config
 from ddscope.peers.vllm import PLUGIN_DIR, PeerUnavailable, ensure_installed, flag_value, kv_cache_args, with_plugins
-from ddscope.training.drafter_ckpt import check_layer_ids
+from ddscope.models.drafter_ckpt import check_layer_ids
 
 CONNECTOR = "DdscopeHiddenStatesConnector"
 CONNECTOR_MODULE = "ddscope_hidden_states"

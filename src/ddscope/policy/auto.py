@@ -8,10 +8,10 @@ import torch
 
 from ddscope.policy.cost import VerifyCost
 from ddscope.policy.learn import Acceptance, Learned, average, clipped
-from ddscope.spec.lookup import LOOKUP_MAX
-from ddscope.spec.proposers import MAX_AUTO_BUDGET
-from ddscope.spec.stats import RoundStats
-from ddscope.spec.tree import DraftTree, Steer, grow, per_depth
+from ddscope.speculative.lookup import LOOKUP_MAX
+from ddscope.speculative.proposers import MAX_AUTO_BUDGET
+from ddscope.speculative.stats import RoundStats
+from ddscope.speculative.tree import DraftTree, Steer, grow, per_depth
 
 # Decayed count of plain rounds (0.95 a round) below which `auto` runs one plain round: about every 60
 # rounds, so that what a plain round costs and commits is measured, not assumed.

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from ddscope.models.target import Target
-from ddscope.spec.lookup import LOOKUP_MAX
-from ddscope.spec.proposers import MAX_AUTO_BUDGET
+from ddscope.speculative.lookup import LOOKUP_MAX
+from ddscope.speculative.proposers import MAX_AUTO_BUDGET
 from ddscope.util.atomic import atomic_write_text
 
 NODE_GRID = (1, 2, 4, 8, 16, 24, 32, 48, MAX_AUTO_BUDGET + 1)

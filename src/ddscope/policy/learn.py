@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ddscope.policy.cost import NODE_GRID
-from ddscope.spec.lookup import LOOKUP_MAX
-from ddscope.spec.sampling import SamplingParams
-from ddscope.spec.tree import Score
+from ddscope.speculative.lookup import LOOKUP_MAX
+from ddscope.speculative.sampling import SamplingParams
+from ddscope.speculative.tree import Score
 
 CHANCE_EDGES = [math.log(p) for p in (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)]
 

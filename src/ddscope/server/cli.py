@@ -5,7 +5,7 @@ import argparse
 import logging
 from typing import Any
 
-from ddscope.engine.limits import KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
+from ddscope.engine.limits import DEFAULT_BUDGET, KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
 from ddscope.util.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
 PARSERS = ("hermes",)  # --tool-call-parser: the formats ddscope.server.tools reads
@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--method", choices=("ddtree", "dflash", "ar"), default=None,
                    help="default decoding method; requests may override it (default: ddtree with a drafter, else ar)")
-    p.add_argument("--budget", type=budget_arg, default="auto",
+    p.add_argument("--budget", type=budget_arg, default=DEFAULT_BUDGET,
                    help="default DDTree node budget, or auto (sized each step for the whole batch from measured "
                         "costs); requests may override it (default: %(default)s)")
     add_threads_arg(p)

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ddscope.engine.grammars import Constraint, ConstraintError
 from ddscope.models.target import KVCacheFull
 from ddscope.server.constraints import constraint_of
-from ddscope.server.requests import child_params, engine_params
+from ddscope.server.requests import engine_request
 from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_request_metrics, prompt_logprobs, sse
 from ddscope.server.schemas import APIError, ChatCompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
@@ -97,13 +97,13 @@ async def generate(request: Request, state: ServerState, req: SamplingRequest, p
     constraint, reply.tool = await _constrain(state, req)
     reply.shared = req.n
     reply.parallel = not (isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False)
-    params = [engine_params(state, req, len(ids), constraint) for ids in prompts]  # all checked before any runs
+    requests = [engine_request(state, req, len(ids), constraint) for ids in prompts]  # all checked before any runs
     k = req.choices  # sequences per prompt: choice p * k + c is prompt p's c-th
     many = len(prompts) * k > 1
-    jobs = [Job(f"{reply.id}-{p * k + c}" if many else reply.id, ids, child_params(ps, c),
+    jobs = [Job(f"{reply.id}-{p * k + c}" if many else reply.id, ids, r.child(c),
                 deadline=arrival + state.config.request_timeout, return_rounds=req.return_rounds,
                 stream=bool(req.stream), arrival=arrival)
-            for p, (ids, ps) in enumerate(zip(prompts, params)) for c in range(k)]
+            for p, (ids, r) in enumerate(zip(prompts, requests)) for c in range(k)]
     submitted: list[Job] = []
     watcher = asyncio.create_task(_watch_disconnect(request, state.worker, submitted))
     try:

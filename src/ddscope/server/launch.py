@@ -8,14 +8,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from ddscope.engine.limits import default_method
 from ddscope.server.app import ServerConfig, attach_engine, create_app, mark_load_failed
-from ddscope.server.state import Surface
 from ddscope.util.process import wait_healthy
 
 if TYPE_CHECKING:
@@ -41,21 +40,23 @@ def _load_engine(target: str | Path | None, drafter: str | Path | None, engine_k
     return Engine.load(target=target, drafter=drafter, **engine_kw)
 
 
-def serve(target: str | Path | None = None, drafter: str | Path | None = None, method: str | None = None,
-          budget: int | str | None = 32, host: str = "127.0.0.1", port: int = 8000, *, max_queue: int = 64,
-          request_timeout: float = 600.0, log_interval: float = 10.0, shutdown_timeout: float = 30.0,
-          spec_decode_metrics: str = "summary", per_request_metrics: bool = False, surface: Surface | None = None,
-          **engine_kw: Any) -> None:
+def _split(options: dict[str, Any]) -> tuple[ServerConfig, dict[str, Any]]:
+    """A server's keyword options: ServerConfig's fields, and the rest Engine.load's."""
+    names = {f.name for f in fields(ServerConfig)}
+    return (ServerConfig(**{k: v for k, v in options.items() if k in names}),
+            {k: v for k, v in options.items() if k not in names})
+
+
+def serve(target: str | Path | None = None, drafter: str | Path | None = None, host: str = "127.0.0.1",
+          port: int = 8000, *, shutdown_timeout: float = 30.0, **options: Any) -> None:
     """Listen at once (/health answers 503 while loading), load the engine in the background, serve.
-    `method` is the requests' default (None: ddtree with a drafter, else ar).
+    `options`: ServerConfig's fields (`method`, None: ddtree with a drafter, else ar), then Engine.load's.
 
     On SIGINT/SIGTERM, in-flight requests get `shutdown_timeout` seconds to finish, then are cancelled;
     then, as uvicorn does, the signal is raised again (KeyboardInterrupt for SIGINT). Raises the load
     error, after stopping the server, if the engine cannot be loaded.
     """
-    config = ServerConfig(method=method, budget=budget, max_queue=max_queue, request_timeout=request_timeout,
-                          log_interval=log_interval, spec_decode_metrics=spec_decode_metrics,
-                          per_request_metrics=per_request_metrics, surface=surface or Surface())
+    config, engine_kw = _split(options)
     app = create_app(config)
     server = Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout))
     failure: list[BaseException] = []
@@ -64,7 +65,6 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
         t0 = time.monotonic()
         try:
             engine = _load_engine(target, drafter, engine_kw)
-            config.method = method or default_method(engine.methods)
             attach_engine(app, engine)
         except Exception as e:  # noqa: BLE001 - whatever the failure, stop the server rather than hang at 503
             failure.append(e)
@@ -75,7 +75,7 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
 
         log.info("model %s ready in %.1f s: methods=%s max_model_len=%d default method=%s budget=%s kernels=%s",
                  engine.model_name, time.monotonic() - t0, ",".join(engine.methods), engine.max_model_len,
-                 config.method, budget, kernels())
+                 config.method, config.budget or engine.config.budget, kernels())
 
     threading.Thread(target=load, name="ddscope-load", daemon=True).start()
     server.run()
@@ -85,23 +85,18 @@ def serve(target: str | Path | None = None, drafter: str | Path | None = None, m
 
 @contextmanager
 def serve_in_background(target: str | Path | None = None, drafter: str | Path | None = None,
-                        method: str | None = None, budget: int | str | None = 32, host: str = "127.0.0.1",
-                        port: int = 0, *, engine: Engine | None = None, max_queue: int = 64,
-                        request_timeout: float = 600.0, log_interval: float = 10.0, shutdown_timeout: float = 5.0,
-                        startup_timeout: float = 60.0, spec_decode_metrics: str = "summary",
-                        per_request_metrics: bool = False, surface: Surface | None = None,
-                        **engine_kw: Any) -> Iterator[str]:
-    """Load the engine (or use `engine`), serve it from a background thread, yield the base URL.
+                        host: str = "127.0.0.1", port: int = 0, *, engine: Engine | None = None,
+                        shutdown_timeout: float = 5.0, startup_timeout: float = 60.0,
+                        **options: Any) -> Iterator[str]:
+    """Load the engine (or use `engine`), serve it from a background thread, yield the base URL. `options`:
+    ServerConfig's fields (`method`, None: ddtree with a drafter, else ar), then Engine.load's.
 
-    port=0 picks a free port; method=None: ddtree with a drafter, else ar. Waits until /health is 200. On exit,
-    in-flight requests get `shutdown_timeout` seconds to finish before they are cancelled, then the worker stops.
+    port=0 picks a free port. Waits until /health is 200. On exit, in-flight requests get `shutdown_timeout`
+    seconds to finish before they are cancelled, then the worker stops.
     """
+    config, engine_kw = _split(options)
     if engine is None:
         engine = _load_engine(target, drafter, engine_kw)
-    config = ServerConfig(method=method or default_method(engine.methods), budget=budget, max_queue=max_queue,
-                          request_timeout=request_timeout, log_interval=log_interval,
-                          spec_decode_metrics=spec_decode_metrics, per_request_metrics=per_request_metrics,
-                          surface=surface or Surface())
     app = create_app(config, engine)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,12 +1,13 @@
-"""A request body as the engine's arguments: prompt and chat token ids (with their length checks),
-truncation, and the sampling and law parameters of each choice."""
+"""A request body as the engine's: prompt and chat token ids (with their length checks), truncation, and the
+engine's Request."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
 from ddscope.engine.grammars import Constraint
+from ddscope.engine.request import Request, RequestError
 from ddscope.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
 
@@ -86,47 +87,40 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, req: ChatComple
     return _encode_text(tokenizer, text, "messages", engine.max_model_len, bool(req.add_special_tokens))
 
 
-def engine_params(state: ServerState, req: SamplingRequest, prompt_len: int,
-                  constraint: Constraint | None = None) -> dict[str, Any]:
+# A Request field's name in the API, where the two differ
+API_NAMES = {"max_new_tokens": "max_tokens", "logprobs": "top_logprobs"}
+
+
+def engine_request(state: ServerState, req: SamplingRequest, prompt_len: int,
+                   constraint: Constraint | None = None) -> Request:
+    """The body as the engine's Request, the server's defaults filled in and checked once (400 naming the field)."""
     engine = state.engine
-    method = req.method or state.config.method
-    budget = req.budget if req.budget is not None else state.config.budget
-    try:
-        engine.check(method, budget)  # pure: the proposer itself is made on the engine thread
-    except ValueError as e:
-        raise APIError(400, str(e), param="method" if method not in engine.methods else "budget",
-                       code="invalid_parameter") from None
     room = engine.max_model_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"prompt ({prompt_len} tokens) leaves no room under max_model_len "
+                            f"({engine.max_model_len})", param="prompt", code="context_length_exceeded")
     max_tokens = req.requested_max_tokens()
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else room
-    if max_tokens > room or room < 1:
-        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                            f"({engine.max_model_len})", param="max_tokens" if room >= 1 else "prompt",
-                       code="context_length_exceeded")
-    if req.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
-                       param="min_tokens", code="invalid_parameter")
-    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-    for name, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", bias),
-                      ("allowed_token_ids", req.allowed_token_ids or [])):
-        if any(not 0 <= t < engine.vocab_size for t in ids):
-            raise APIError(400, f"{name}: token ids must be in [0, {engine.vocab_size})", param=name,
-                           code="invalid_token_id")
     logprobs = req.top_logprobs_wanted()
     if req.best_of is not None and req.best_of > req.n and logprobs is None:
         logprobs = 0  # best_of ranks its choices by their tokens' log-probs
-    return {"max_new_tokens": max_tokens, "method": method, "budget": budget, "temperature": req.temperature,
-            "top_p": req.top_p, "top_k": max(req.top_k, 0), "min_p": req.min_p, "seed": req.seed,
-            "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "stop": req.stop,
-            "stop_token_ids": req.stop_token_ids, "logit_bias": bias or None, "logprobs": logprobs,
-            "prompt_logprobs": _prompt_logprobs_wanted(req), "repetition_penalty": req.repetition_penalty,
-            "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-            "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
-            "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens,
-            "spaces_between_special_tokens": req.spaces_between_special_tokens, "cache_salt": req.cache_salt,
-            "priority": req.priority, "constraint": constraint}
+    request = Request(
+        max_new_tokens=max_tokens, min_tokens=req.min_tokens, method=req.method or state.config.method,
+        budget=req.budget if req.budget is not None else state.config.budget, temperature=req.temperature,
+        top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p, seed=req.seed, ignore_eos=req.ignore_eos,
+        stop_token_ids=req.stop_token_ids, logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, stop=req.stop,
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens, logprobs=logprobs,
+        prompt_logprobs=_prompt_logprobs_wanted(req), cache_salt=req.cache_salt, priority=req.priority,
+        constraint=constraint)
+    try:
+        return request.resolved(engine.bounds, prompt_len)
+    except RequestError as e:
+        raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param=API_NAMES.get(e.field, e.field),
+                       code=e.code) from None
 
 
 def _prompt_logprobs_wanted(req: SamplingRequest) -> int | None:
@@ -134,8 +128,3 @@ def _prompt_logprobs_wanted(req: SamplingRequest) -> int | None:
     if req.prompt_logprobs is not None:
         return req.prompt_logprobs
     return req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
-
-
-def child_params(params: dict[str, Any], index: int) -> dict[str, Any]:
-    """The `index`-th of a request's n choices: seeded at seed + index, as vLLM's parallel sampling."""
-    return params if params["seed"] is None else {**params, "seed": params["seed"] + index}

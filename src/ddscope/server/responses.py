@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ddscope.server.tools import read_calls
-from ddscope.spec.sampling import TokenLogprob
+from ddscope.speculative.sampling import TokenLogprob
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

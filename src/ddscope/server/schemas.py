@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddscope.engine.limits import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS
-from ddscope.spec.sampling import GREEDY_BELOW
+from ddscope.speculative.sampling import GREEDY_BELOW
 
 MAX_SEED = 2**63 - 1
 MAX_PROMPTS = 64  # a batched /v1/completions prompt list

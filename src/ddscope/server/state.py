@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ddscope.engine.limits import default_method
+from ddscope.engine.request import check_method
 from ddscope.server.constraints import StructuredOutputsConfig
 from ddscope.server.metrics import ServerMetrics
 from ddscope.server.schemas import APIError
@@ -38,8 +40,8 @@ class Surface:
 
 @dataclass
 class ServerConfig:
-    method: str = "ddtree"  # default for requests that do not name one
-    budget: int | str | None = None  # None: the engine's default_budget
+    method: str | None = None  # requests' default: None, ddtree with a drafter, else ar (set at load)
+    budget: int | str | None = None  # requests' default: None, the engine's
     max_queue: int = 64
     request_timeout: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
@@ -62,10 +64,11 @@ class ServerState:
         self._tok_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddscope-tokenize")
 
     def attach(self, engine: Engine) -> None:
+        self.config.method = self.config.method or default_method(engine.methods)
         if self.config.method not in engine.methods:
             raise ValueError(f"default method {self.config.method!r} is not available for this checkpoint "
                              f"(available: {', '.join(engine.methods)}); pass a drafter or --method ar")
-        engine.check(self.config.method, self.config.budget)  # fail at startup on a bad default budget
+        check_method(self.config.method, self.config.budget, engine.bounds)  # fail at startup on a bad budget
         engine.calibrate()  # here, on the load thread: never on the event loop, never beside a decode
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.worker = EngineWorker(engine, self.metrics.bind(self.names(engine)[0]), max_queue=self.config.max_queue,
@@ -83,8 +86,11 @@ class ServerState:
             self.worker.close(grace)
 
     def close(self) -> None:
+        """Stop, and let go of the engine: FastAPI's caches keep the app's endpoints, and so this state, alive
+        (fastapi/dependencies/models.py: lru_cache of 4,096 callables in 0.165), and an engine holds its KV pool."""
         self.drain(0.0)
         self._tok_thread.shutdown(wait=False, cancel_futures=True)
+        self.engine = self.worker = self.tokenizer = None
 
     async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tok_thread, fn, *args)

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ddscope.server.metrics import PHASES, ModelMetrics
 from ddscope.server.responses import spec_decode_record, timing_record
-from ddscope.spec.sampling import TokenLogprob
+from ddscope.speculative.sampling import TokenLogprob
 
 if TYPE_CHECKING:
     from ddscope.engine import Engine, Step
+    from ddscope.engine.request import Request
 
 log = logging.getLogger("ddscope.server")
 
@@ -73,7 +74,7 @@ Event = Union["Step", Done, Failed]  # what a job's queue carries: steps, then o
 class Job:
     request_id: str
     prompt: list[int]
-    params: dict[str, Any]  # Engine.stream keyword arguments
+    request: Request  # checked: what Engine.sequence runs
     deadline: float  # time.monotonic() after which the job times out
     return_rounds: bool = False
     stream: bool = False  # per-step events wake the event loop, which costs engine time: only when asked
@@ -244,7 +245,7 @@ class EngineWorker:
             self._finish(job, Failed(job.cancel_reason, self._shutdown_error()))
             return
         try:
-            seq = self.engine.sequence(job.prompt, **job.params)
+            seq = self.engine.sequence(job.prompt, job.request)
         except ValueError as e:  # invalid input the app did not catch: still the client's fault
             self._finish(job, Failed("error", InvalidRequest(str(e))))
             return

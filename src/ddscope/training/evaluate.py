@@ -9,7 +9,7 @@ selection) do not land in whichever method happens to run first.
 With `contexts`, each prompt is also fitted to those token counts the way the bench and
 benchmarks/speed.py build long contexts (earlier prompts of the set prepended, no chat template),
 so tau per context bucket shows how a drafter holds up at long context.
-Every ddtree tree gets a prompt-lookup branch (ddscope.spec.lookup), which on repetitive text commits much of
+Every ddtree tree gets a prompt-lookup branch (ddscope.speculative.lookup), which on repetitive text commits much of
 what ddtree does however weak the drafter: so each ddtree generation is run again without that branch,
 and `tau_drafter` is the drafter's own figure beside the combined `tau`.
 """

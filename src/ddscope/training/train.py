@@ -24,11 +24,11 @@ from ddscope.config import CheckpointError, read_json, text_config
 from ddscope.models.hf_target import load_target
 from ddscope.training.contexts import Bucket, parse_context_lengths, select_mix
 from ddscope.training.distill import read_cache
-from ddscope.training.drafter_ckpt import check_layer_ids, mask_token_id, pick_layer_ids
+from ddscope.models.drafter_ckpt import check_layer_ids, mask_token_id, pick_layer_ids
 from ddscope.training.head import TargetHead
 from ddscope.training.options import TRAIN_DESCRIPTION, add_train_args
 from ddscope.training.served_features import ServedFeatures
-from ddscope.training.train_drafter import TrainSpec, closing_line, train
+from ddscope.training.train_drafter import DrafterPlan, TrainSpec, closing_line, train
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,9 @@ def train_from_args(args: argparse.Namespace, records: list[dict[str, Any]] | No
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"--train-context-lengths: training on {len(records)} of the distilled sequences", file=sys.stderr)
     try:
-        return train(Path(args.target), target, records, spec, p.mask_id, p.layer_ids, args.out, p.work,
-                     resume=args.resume, checkpoint_every_s=args.checkpoint_min * 60,
-                     feature_cache_gb=args.feature_cache_gb, init=args.init_drafter, mask_token=p.mask_token,
+        drafter = DrafterPlan(p.mask_id, p.layer_ids, args.init_drafter, p.mask_token)
+        return train(Path(args.target), target, records, spec, drafter, args.out, p.work, resume=args.resume,
+                     checkpoint_every_s=args.checkpoint_min * 60, feature_cache_gb=args.feature_cache_gb,
                      features=features)
     finally:
         if features is not None:

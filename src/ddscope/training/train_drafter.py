@@ -34,7 +34,7 @@ from ddscope.models.drafter import Drafter, drafter_state
 from ddscope.models.hf_target import CacheLike, TargetLike
 from ddscope.models.weights import load_into
 from ddscope.training.distill import append_whole_lines
-from ddscope.training.drafter_ckpt import MASK_TOKEN, drafter_config, save_drafter
+from ddscope.models.drafter_ckpt import MASK_TOKEN, drafter_config, save_drafter
 from ddscope.training.head import TargetHead
 from ddscope.util.atomic import atomic_write_text, replacing
 
@@ -286,12 +286,20 @@ def _optimizer_step(model: nn.Module, target: Frozen, batch: list[Blocks], weigh
     return loss, anchors / inv_commit, int(tokens)
 
 
-def new_drafter(target_dir: Path, target: Frozen, spec: TrainSpec, mask_token_id: int,
-                layer_ids: list[int], init: Path | None = None,
-                mask_token: str = MASK_TOKEN) -> tuple[Drafter, dict[str, Any]]:
-    """A freshly initialised drafter (seeded), or one starting from the weights of drafter `init`
-    (fine-tuning), and the z-lab config.json it will be saved with. `mask_token` is the text of
-    `mask_token_id`, which `train.plan` reads from the tokenizer."""
+@dataclass(frozen=True)
+class DrafterPlan:
+    """The drafter to train: its mask token (id, and the text `train.plan` reads from the tokenizer), the target
+    layers it reads, and the drafter whose weights it starts from (None: fresh)."""
+    mask_token_id: int
+    layer_ids: list[int]
+    init: Path | None = None
+    mask_token: str = MASK_TOKEN
+
+
+def new_drafter(target_dir: Path, target: Frozen, spec: TrainSpec, plan: DrafterPlan) -> tuple[Drafter, dict[str, Any]]:
+    """A freshly initialised drafter (seeded), or one starting from the weights of drafter `plan.init`
+    (fine-tuning), and the z-lab config.json it will be saved with."""
+    mask_token_id, layer_ids, init, mask_token = plan.mask_token_id, plan.layer_ids, plan.init, plan.mask_token
     config = drafter_config(read_json(target_dir / "config.json"), spec.layers, spec.block_size, mask_token_id,
                             layer_ids, mask_token=mask_token, sliding_window=spec.sliding_window)
     torch.manual_seed(spec.seed)
@@ -342,11 +350,9 @@ def _trim_log(path: Path, step: int) -> None:
         atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
-def train(target_dir: Path, target: Frozen, records: list[dict[str, Any]], spec: TrainSpec, mask_token_id: int,
-          layer_ids: list[int], out_dir: Path, work_dir: Path, resume: bool = False,
-          checkpoint_every_s: float = 300.0, feature_cache_gb: float = 2.0,
-          init: Path | None = None, mask_token: str = MASK_TOKEN,
-          features: FeatureSource | None = None) -> dict[str, float]:
+def train(target_dir: Path, target: Frozen, records: list[dict[str, Any]], spec: TrainSpec, plan: DrafterPlan,
+          out_dir: Path, work_dir: Path, resume: bool = False, checkpoint_every_s: float = 300.0,
+          feature_cache_gb: float = 2.0, features: FeatureSource | None = None) -> dict[str, float]:
     """Train, checkpointing to `work_dir/ckpt.pt` and logging to `work_dir/train_log.jsonl`, then export
     the drafter to `out_dir` (rank 0 writes). Returns the step count and `_closing_stats` of the steps run.
     `features` defaults to the target's own forward (`target` must then be a whole target, not a
@@ -361,7 +367,8 @@ def train(target_dir: Path, target: Frozen, records: list[dict[str, Any]], spec:
         raise ValueError(f"--batch-seqs {spec.batch_seqs} < world size {world} x --grad-accum {spec.grad_accum}: "
                          "every rank needs a sequence per micro-batch")
     target.requires_grad_(False)
-    drafter, config = new_drafter(target_dir, target, spec, mask_token_id, layer_ids, init, mask_token)
+    drafter, config = new_drafter(target_dir, target, spec, plan)
+    layer_ids = plan.layer_ids
     opt = torch.optim.AdamW(drafter.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
     work_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path, log_path, lead = work_dir / "ckpt.pt", work_dir / "train_log.jsonl", rank == 0
@@ -387,7 +394,7 @@ def train(target_dir: Path, target: Frozen, records: list[dict[str, Any]], spec:
                 group["lr"] = lr
             picks = list(enumerate(batch_indices(len(usable), spec.batch_seqs, step, spec.seed)))[rank::world]
             feats = store.get([(i, usable[i]["ids"]) for _, i in picks])
-            batch = [make_blocks(f.to(dev), usable[i], spec, mask_token_id, anchor_generator(spec.seed, step, j))
+            batch = [make_blocks(f.to(dev), usable[i], spec, plan.mask_token_id, anchor_generator(spec.seed, step, j))
                      for f, (j, i) in zip(feats, picks)]
             loss, accept, n_tok = _optimizer_step(model, target, batch, weights, opt, spec)
             # The slowest rank's time, so a time budget ends every rank at the same step.

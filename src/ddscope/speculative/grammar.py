@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ddscope.spec.tree import Children, DraftTree
+from ddscope.speculative.tree import Children, DraftTree
 
 _BITS = torch.arange(32, dtype=torch.int32)
 

@@ -24,19 +24,6 @@ class Law:
     frequency: float = 0.0  # subtracted once per occurrence in the output
     presence: float = 0.0  # subtracted once if the token occurs in the output
 
-    def check(self, vocab: int) -> None:
-        """ValueError on what vLLM refuses (sampling_params.py `_verify_args`), in its words where it has them."""
-        if not self.repetition > 0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition}")
-        for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.allowed is not None:
-            if not self.allowed:
-                raise ValueError("allowed_token_ids must not be empty")
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in self.allowed):
-                raise ValueError(f"allowed_token_ids: token ids must be integers in [0, {vocab})")
-
     @property
     def penalized(self) -> bool:
         return self.repetition != 1.0 or self.frequency != 0.0 or self.presence != 0.0

@@ -11,10 +11,10 @@ from typing import Protocol
 
 import torch
 
-from ddscope.spec.lookup import LOOKUP_MAX, Lookup
-from ddscope.spec.sampling import SamplingParams, first_max
-from ddscope.spec.stats import RoundStats
-from ddscope.spec.tree import DraftTree, Steer, best_first, chain, greedy_chain, root_only
+from ddscope.speculative.lookup import LOOKUP_MAX, Lookup
+from ddscope.speculative.sampling import SamplingParams, first_max
+from ddscope.speculative.stats import RoundStats
+from ddscope.speculative.tree import DraftTree, Steer, best_first, chain, greedy_chain, root_only
 
 MAX_AUTO_BUDGET = 64  # the largest tree an adaptive budget may build
 
@@ -71,7 +71,7 @@ class DFlash(Proposer):
 
 
 class DDTree(Proposer):
-    """The drafter's best-first tree, plus a prompt-lookup branch (ddscope.spec.lookup) when the text has one.
+    """The drafter's best-first tree, plus a prompt-lookup branch (ddscope.speculative.lookup) when the text has one.
 
     The branch is as long as recent rounds earned: `2 x` the decayed mean of lookup's score, plus 1, up to
     LOOKUP_MAX, so a loop gets whole blocks. A round scores lookup's whole proposal, grafted or not,
