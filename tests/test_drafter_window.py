@@ -11,6 +11,7 @@ from ddscope.engine.sequence import Sequence
 from ddscope.models.drafter import Draft, Drafter
 from ddscope.models.kv_pool import BLOCK
 from ddscope.training.contexts import parse_context_lengths, select_mix
+from support.tolerance import assert_same_sums, sums_depth
 from ddscope.training.distill import read_cache
 from ddscope.training.train_drafter import TrainSpec, block_mask
 from support.runs import TINY_PROMPTS, run_cli, write_prompts
@@ -90,7 +91,8 @@ def test_cache_slicing_equals_the_training_mask(target_dir, tmp_path, window, ca
     d = drafter(target_dir, tmp_path, window, causal)
     torch.manual_seed(0)
     ctx, block = torch.randn(30, 64), torch.randn(B, 64)
-    assert torch.allclose(run_cached(d, block, ctx, [11, 7, 12]), run_masked(d, block, ctx), atol=1e-5)
+    assert_same_sums(run_cached(d, block, ctx, [11, 7, 12]), run_masked(d, block, ctx),
+                     sums_depth(d.cfg.geometry, 30))
 
 
 def test_window_hides_exactly_the_positions_out_of_reach(target_dir, tmp_path):
@@ -106,7 +108,8 @@ def test_window_hides_exactly_the_positions_out_of_reach(target_dir, tmp_path):
     assert moved[0] > 1e-3  # query 0 sees it
     # A window wider than the context is full attention.
     wide, full = drafter(target_dir, tmp_path, window=64), drafter(target_dir, tmp_path, window=None)
-    assert torch.allclose(run_cached(wide, block, ctx, [30]), run_cached(full, block, ctx, [30]), atol=1e-6)
+    assert_same_sums(run_cached(wide, block, ctx, [30]), run_cached(full, block, ctx, [30]),
+                     sums_depth(full.cfg.geometry, 30))
 
 
 def test_a_draft_projects_only_the_positions_in_reach(target_dir, tmp_path):
@@ -127,7 +130,8 @@ def test_a_draft_projects_only_the_positions_in_reach(target_dir, tmp_path):
                                       d.context(cache.features[:30]))[0]
     assert cache.length == 30 and not cache.k[:, :, :19].any()  # 0..18 are out of reach: never projected
     assert cache.k[:, :, 19:30].abs().amax() > 0
-    torch.testing.assert_close(got, target.logits(everything[1:]), atol=1e-5, rtol=1e-4)
+    depth = sums_depth(d.cfg.geometry, 30 + B) + target.cfg.geometry.hidden_size  # then the target's head
+    assert_same_sums(got, target.logits(everything[1:]), depth)
 
 
 def test_causal_layers_do_not_look_ahead_in_the_block(target_dir, tmp_path):
@@ -202,6 +206,11 @@ def _full_prefill_draft(engine: Engine, prompt: list[int]) -> tuple[int, torch.T
     return first, engine.drafter.draft(engine.target, first, n, draft_cache)
 
 
+def _draft_depth(engine: Engine, context: int) -> int:
+    """A first draft's logits: the target's prefill, then the drafter's layers and the target's head."""
+    return sums_depth(engine.target.cfg.geometry, context) + sums_depth(engine.drafter.cfg.geometry, context)
+
+
 def _windowed_engine(target_dir, tmp_path) -> Engine:
     return Engine.load(target_dir, make_drafter(tmp_path / "w", target_dir, layers=2, block_size=B,
                                                 sliding_window=B + 2))
@@ -221,7 +230,7 @@ def test_a_prefill_finishes_only_the_rows_the_first_draft_reads(target_dir, tmp_
     torch.testing.assert_close(k, cache.k[:, :, :n])
     want_first, want = _full_prefill_draft(engine, prompt)
     assert decoder.tokens[-1] == want_first
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert_same_sums(got, want, _draft_depth(engine, n))
 
 
 def test_prefix_hits_over_blocks_saved_without_features(target_dir, tmp_path):
@@ -236,6 +245,6 @@ def test_prefix_hits_over_blocks_saved_without_features(target_dir, tmp_path):
         seq, got, _ = _first_draft(engine, prompt)
         want_token, want = _full_prefill_draft(engine, prompt)
         assert seq.decoder.tokens[-1] == want_token
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        assert_same_sums(got, want, _draft_depth(engine, len(prompt)))
         hits.append(seq.stats.cached_tokens)
     assert hits == [0, 3 * BLOCK, 3 * BLOCK]

@@ -34,7 +34,8 @@ def test_a_trace_of_ddscope_equals_its_rounds_and_its_engine_steps(tmp_path, cap
         assert r["tokens_sum"] == r["completion_tokens"] == 256 and r["tokens_counted_by"] == "logprobs"
         assert r["checks"]["rounds_equal"]  # each chunk is one engine round, commit for commit
         assert sum(s["commit"] for s in r["steps"]) == 255  # the first token is the prefill's chunk
-        assert 0.9 <= r["checks"]["gap_over_engine"] <= 1.1
+        # a gap is one engine step and the chunk's trip, whose share grows with the machine's load: never two steps
+        assert 0.9 <= r["checks"]["gap_over_engine"] < 1.5
         positions = [s["position"] for s in r["steps"]]
         assert positions == sorted(positions) and positions[0] == 1
     assert (out / "trace.png").read_bytes()[:4] == b"\x89PNG"
