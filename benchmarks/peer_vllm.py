@@ -82,9 +82,17 @@ class Pass:
 PASSES = (Pass("padding", 0.0, repeats=2), Pass("code", 0.0, repeats=3), Pass("code", 0.7, repeats=5))
 
 
-def sweep(url: str, p: Pass, context: int, first_prompt: int, out: Path, args: argparse.Namespace) -> list[dict]:
+def arm_budget(arm: str) -> str:
+    """What a sweep sends a ddscope arm as its budget: the arm's own (the sweep would send its fixed 32 to every
+    ddscope server); a peer's sweep sends none."""
+    return arm.rsplit(" ", 1)[1] if arm.startswith("ddscope budget ") else "auto"
+
+
+def sweep(url: str, p: Pass, context: int, first_prompt: int, out: Path, args: argparse.Namespace,
+          budget: str) -> list[dict]:
     """One warm-up and `p.repeats` timed requests at one context, from a sweep in its own process: the timed records."""
-    cmd = [sys.executable, "-m", "ddscope.cli", "bench", "sweep", "--url", url, "--workload", p.workload,
+    cmd = [sys.executable, "-m", "ddscope.cli", "bench", "sweep", "--url", url, "--budget", budget,
+           "--workload", p.workload,
            "--contexts", str(context), "--max-tokens", str(args.max_tokens), "--repeats", str(p.repeats), "--warmup", "1",
            "--first-prompt", str(first_prompt), "--temperature", str(p.temperature), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.sweep_timeout)
@@ -231,7 +239,7 @@ def main() -> int:
                 for ci, context in enumerate(contexts):  # every arm at one context before the next: drift
                     for arm in order:                    # over minutes then lands on all arms of a cell alike
                         out = Path(tmp) / "sweeps" / f"{arm}-{x.name}-{r}-{context}".replace(" ", "_")
-                        for rec in sweep(urls[arm], x, context, first + ci * x.repeats, out, args):
+                        for rec in sweep(urls[arm], x, context, first + ci * x.repeats, out, args, arm_budget(arm)):
                             records[arm].setdefault(x.name, {})[(r, rec["repeat"], rec["context"])] = rec
                         print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {context} {arm}",
                               file=sys.stderr, flush=True)
