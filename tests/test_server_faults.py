@@ -203,3 +203,21 @@ def test_a_dead_worker_does_not_hold_shutdown_for_its_grace_period(tiny_engine, 
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code == 500
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 60  # far less than the 120 s grace: nothing is left to wait for
+
+
+def test_a_server_that_stopped_lets_go_of_its_engine(tiny_pair):
+    """Its engine (and the KV pool it holds) is freed once the server stops, though FastAPI's caches keep the
+    app's endpoints alive: engine after engine served in one process once held every pool (CI's OOM kill)."""
+    import gc
+    import weakref
+
+    engines = []
+    for _ in range(2):
+        engine = Engine.load(*tiny_pair, kv_cache_mb=64)
+        with serve_in_background(engine=engine, budget=8) as url:
+            assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                              timeout=60).status_code == 200
+        engines.append(weakref.ref(engine))
+        del engine
+    gc.collect()
+    assert [ref() for ref in engines] == [None, None]
