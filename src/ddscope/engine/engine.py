@@ -15,7 +15,7 @@ from ddscope.config import CheckpointError, eos_ids
 from ddscope.engine.block_manager import sized_pool
 from ddscope.engine.grammars import Grammars
 from ddscope.engine.limits import DEMO_DIR, DTYPES, MAX_BUDGET, METHODS, EngineConfig
-from ddscope.engine.request import Bounds, Request, check_method
+from ddscope.engine.request import Bounds, Request
 from ddscope.engine.runner import Runner, StepReport
 from ddscope.engine.scheduler import Scheduler
 from ddscope.engine.sequence import Sequence, Step
@@ -128,15 +128,14 @@ class Engine:
             self.verify_cost = VerifyCost.cached(self.target, self.max_model_len, self.source)
             self.runner.budget = BatchBudget(self.verify_cost)
 
-    def proposer(self, method: str, budget: int | str | None, sampling: SamplingParams = SamplingParams(),
+    def proposer(self, method: str, budget: int | str, sampling: SamplingParams = SamplingParams(),
                  lookup: bool = True) -> Proposer:
-        """A fresh proposer; `lookup=False` leaves the prompt-lookup branch out of `ddtree` (the drafter alone)."""
-        check_method(method, budget, self.bounds)
+        """A fresh proposer for a checked method and budget (Request.resolved); `lookup=False` leaves the
+        prompt-lookup branch out of `ddtree` (the drafter alone)."""
         if method == "ar":
             return AR()
         if method == "dflash":
             return DFlash()
-        budget = self.config.budget if budget is None else budget
         if budget == "auto":
             self.calibrate()
             return DDTree(AutoBudget(self.verify_cost, self.learned.under(sampling, lookup),

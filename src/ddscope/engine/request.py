@@ -113,7 +113,6 @@ class Request:
             if k is not None and not (_is_int(k) and 0 <= k <= MAX_LOGPROBS):
                 raise RequestError(name, f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
 
-
     def _check_sampling(self) -> None:
         if not (_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise RequestError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")

@@ -88,7 +88,7 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, req: ChatComple
 
 
 # A Request field's name in the API, where the two differ
-API_NAMES = {"max_new_tokens": "max_tokens", "logprobs": "top_logprobs"}
+API_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 def engine_request(state: ServerState, req: SamplingRequest, prompt_len: int,
@@ -119,8 +119,10 @@ def engine_request(state: ServerState, req: SamplingRequest, prompt_len: int,
     try:
         return request.resolved(engine.bounds, prompt_len)
     except RequestError as e:
-        raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param=API_NAMES.get(e.field, e.field),
-                       code=e.code) from None
+        message = str(e)
+        for ours, theirs in API_NAMES.items():
+            message = message.replace(ours, theirs)
+        raise APIError(400, message, param=API_NAMES.get(e.field, e.field), code=e.code) from None
 
 
 def _prompt_logprobs_wanted(req: SamplingRequest) -> int | None:
