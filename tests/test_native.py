@@ -243,7 +243,7 @@ def test_tree_attention_matches_sdpa_and_each_row_is_a_decode_step(dtype, heads,
 
 @pytest.mark.skipif(not hasattr(native.library(), "tree_attend_f32"), reason="needs AVX-512")
 @pytest.mark.parametrize("heads,kv_heads,d,n,keys", [(4, 2, 256, 33, 1057), (8, 1, 128, 65, 300), (2, 2, 64, 9, 40),
-                                                      (4, 2, 64, 128, 130)])
+                                                      (4, 2, 64, 128, 130), (4, 2, 64, 3, 5557)])
 def test_tree_products_match_sdpa_and_give_a_row_its_bits_whatever_rows_are_beside_it(heads, kv_heads, d, n, keys):
     """fp32 trees on `tree_attend`: units of vectors split across lanes, panels and threads, keys past a block
     of either pass, rows hidden from keys past the context; a row alone under its own mask gets the same bits."""
@@ -252,7 +252,7 @@ def test_tree_products_match_sdpa_and_give_a_row_its_bits_whatever_rows_are_besi
     k, v = torch.randn(kv_heads, keys + 7, d)[:, :keys], torch.randn(kv_heads, keys + 7, d)[:, :keys]  # a cache's
     mask = _tree_mask(n, keys, seed=n)
     with torch.inference_mode():
-        assert native.attends(q, k, v, mask) and native.tree_rows(torch.float32, heads, kv_heads, d, keys)
+        assert native.attends(q, k, v, mask) and native.tree_rows(torch.float32, heads, kv_heads, d)
         got = native.tree_attend(q, k, v, mask)
         want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                                 enable_gqa=True)[0]
@@ -260,9 +260,8 @@ def test_tree_products_match_sdpa_and_give_a_row_its_bits_whatever_rows_are_besi
         for r in {0, n // 2, n - 1}:
             alone = native.tree_attend(q[:, r:r + 1].contiguous(), k, v, mask[r:r + 1].contiguous())
             assert torch.equal(got[r:r + 1], alone), f"row {r}"
-    assert not native.tree_rows(torch.bfloat16, heads, kv_heads, d, keys)  # bf16: `attend`, a decode's bits
-    assert not native.tree_rows(torch.float32, 4, 2, 80, keys)
-    assert not native.tree_rows(torch.float32, heads, kv_heads, d, native.TREE_KEYS + 1)
+    assert not native.tree_rows(torch.bfloat16, heads, kv_heads, d)  # bf16: `attend`, a decode's bits
+    assert not native.tree_rows(torch.float32, 4, 2, 80)
 
 
 @pytest.mark.skipif(not hasattr(native.library(), "causal_attend_f32"), reason="needs AVX-512")
@@ -287,10 +286,9 @@ def test_causal_rows_match_sdpa_and_get_a_tree_rows_bits_whatever_the_chunks(hea
         first = native.causal_attend(q[:, :cut].contiguous(), k[:, :prefix + cut], v[:, :prefix + cut])
         second = native.causal_attend(q[:, cut:].contiguous(), k, v)
         assert torch.equal(torch.cat([first, second]), got)
-        if S <= native.TREE_KEYS:
-            rows = slice(n - 5, n)
-            tree = native.tree_attend(q[:, rows].contiguous(), k, v, mask[rows].contiguous())
-            assert torch.equal(tree, got[rows])
+        rows = slice(n - 5, n)
+        tree = native.tree_attend(q[:, rows].contiguous(), k, v, mask[rows].contiguous())
+        assert torch.equal(tree, got[rows])
     assert not native.causal_rows(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert not native.causal_rows(q.requires_grad_(), k, v)
     assert not native.causal_rows(torch.randn(4, n, 80), torch.randn(2, S, 80), torch.randn(2, S, 80))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ddscope.config import CheckpointError, DecoderGeometry, DrafterConfig, LayerAttention
-from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias
+from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias, pack_linears
 from ddscope.models.kv_pool import KVCache
 from ddscope.models.target import Target, joined
 from ddscope.models.weights import load_into, read_state_dict
@@ -52,7 +52,10 @@ class Drafter(nn.Module):
             drafter = cls(cfg)
         drafter.to_empty(device=p.device)
         load_into(drafter, drafter_state(directory), directory)
-        return drafter.to(p.dtype).eval()
+        drafter = drafter.to(p.dtype).eval()
+        if p.device.type == "cpu":  # a block's 16 rows share each read of a panelled weight (inference only)
+            pack_linears(drafter.layers)
+        return drafter
 
     def new_cache(self, capacity: int) -> "DrafterCache":
         """A cache for `capacity` context positions, and room after them for the block being drafted."""

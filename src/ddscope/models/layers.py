@@ -110,7 +110,7 @@ class Attention(nn.Module):
         if causal and native.causal_rows(q, k, v):  # a prefill's fp32 rows as a tree's products
             return native.causal_attend(q, k, v)
         if not causal and native.attends(q, k, v, mask):  # few rows: kernels.c's (a tree's fp32 rows as products)
-            if n > 1 and mask is not None and native.tree_rows(q.dtype, heads, k.shape[0], d, k.shape[1]):
+            if n > 1 and mask is not None and native.tree_rows(q.dtype, heads, k.shape[0], d):
                 return native.tree_attend(q, k, v, mask)
             return native.attend(q, k, v, mask)
         if causal or (mask is not None and mask.dtype == torch.bool):

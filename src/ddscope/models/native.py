@@ -48,7 +48,6 @@ _AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _
                      **{f"rows_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _P, _F, _P, _P,
                                             *[_I] * 6, _F, _T) for s in DTYPES.values()}}
 MAX_HEAD = 256  # kernels.c's attention: the widest head
-TREE_KEYS = 2048  # the most keys `tree_attend` takes (floor_ab.py, tree-attention-fp32: 0.93 at 1057, 1.04 at 4129)
 TREE_VECTORS = 80  # query vectors (heads x rows) a unit of `tree_attend` and `causal_attend`: kernels.c's
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
 # A panelled weight's rows (outputs) and columns come in multiples of these: fp32, 8 panels of 16 (kernels.c's
@@ -226,10 +225,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out
 
 
-def tree_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, keys: int) -> bool:
-    """Whether `tree_attend` serves this geometry, dtype and keys (fp32, head_dim a multiple of 64, keys up to
-    TREE_KEYS: past them a unit's scores leave L2, and MKL's batched products were faster)."""
-    return keys <= TREE_KEYS and _panel_heads(dtype, heads, kv_heads, head_dim) and has("tree_attend_f32")
+def tree_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `tree_attend` serves this geometry and dtype (fp32, head_dim a multiple of 64), at any number of
+    keys: past 2k keys too, a verify's forward in kernels.c beat MKL's batched products (docs/performance.md)."""
+    return _panel_heads(dtype, heads, kv_heads, head_dim) and has("tree_attend_f32")
 
 
 def _panel_heads(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 from ddscope.config import TargetConfig
 from ddscope.models import layers, native
 from ddscope.models.kv_pool import KVCache
-from ddscope.models.layers import DecoderLayer, RMSNorm, RopeTable, grouped_bias, pack_linears
+from ddscope.models.layers import DecoderLayer, PanelLinear, RMSNorm, RopeTable, grouped_bias, pack_linears
 from ddscope.models.weights import load_into, read_state_dict
 
 
@@ -85,6 +85,7 @@ class Target(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTable(g.head_dim, g.rope_theta)
         self._fused = False  # every layer's decode row bound (kernels.c serves it): set once `load` packed them
+        self.head: PanelLinear | None = None  # the vocab head on kernels.c's panels, set by `load` where they serve
 
     @classmethod
     def load(cls, directory: Path, device: torch.device, dtype: torch.dtype) -> "Target":
@@ -102,6 +103,8 @@ class Target(nn.Module):
         if model.lm_head.weight.device.type == "cpu":
             pack_linears(model.model.layers)
             model._fused = all([layer.bind_decode() for layer in model.model.layers])  # binds every layer
+            if native.paneled(model.lm_head.weight):  # a copy of the weight: torch's product was 2-4x slower
+                model.head = PanelLinear(model.lm_head)
         return model
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -112,6 +115,9 @@ class Target(nn.Module):
         return self.model.embed_tokens(tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocab head: on its panels (each row its own bits) unless a gradient must flow (training)."""
+        if self.head is not None and native.serves(hidden):
+            return self.head(hidden)
         return self.lm_head(hidden)
 
     @torch.inference_mode()
@@ -224,7 +230,7 @@ class Target(nn.Module):
         g, dtype = self.cfg.geometry, self.lm_head.weight.dtype
         geometry = (dtype, g.num_heads, g.num_kv_heads, g.head_dim)
         if mask.shape[0] <= native.MAX_ROWS and (native.masks_rows(*geometry) if dtype in layers.EXACT_TREES
-                                                 else native.tree_rows(*geometry, mask.shape[1])):
+                                                 else native.tree_rows(*geometry)):
             return mask.contiguous()
         return grouped_bias(mask, g.num_heads // g.num_kv_heads, dtype)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import ddscope.models
 from ddscope.models.target import Target
 from ddscope.speculative.lookup import LOOKUP_MAX
 from ddscope.speculative.proposers import MAX_AUTO_BUDGET
@@ -119,12 +120,14 @@ class VerifyCost:
 
     @classmethod
     def cached(cls, target: Target, max_ctx: int, key: str) -> "VerifyCost":
-        """Calibrate once per (model, device, dtype, threads); reuse the file afterwards. The file is shared
-        by every process on the machine: one that holds no usable calibration is measured again and
-        overwritten, and one that cannot be written is left alone; neither fails a request."""
+        """Calibrate once per (model, device, dtype, threads, forward's code); reuse the file afterwards. The
+        code is ddscope.models' sources: a change to a kernel or its dispatch changes what a forward costs, so
+        an older calibration is not read. The file is shared by every process on the machine: one that holds
+        no usable calibration is measured again and overwritten, and one that cannot be written is left
+        alone; neither fails a request."""
         root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
         p = target.lm_head.weight
-        ident = f"{key}|{p.device}|{p.dtype}|{torch.get_num_threads()}|{max_ctx}|{NODE_GRID}"
+        ident = f"{key}|{p.device}|{p.dtype}|{torch.get_num_threads()}|{max_ctx}|{NODE_GRID}|{_forward_code()}"
         path = root / f"verify-cost-{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json"
         cost = cls.read(path, max_ctx)
         if cost is None:
@@ -157,3 +160,12 @@ class VerifyCost:
             atomic_write_text(path, json.dumps(self.to_dict()))
         except OSError as e:  # a read-only or full disk: this process keeps its calibration in memory
             log.warning("cannot write the verify-cost cache %s (%s)", path, e)
+
+
+def _forward_code() -> str:
+    """A digest of the sources a target's forward runs (ddscope.models: its Python and kernels.c)."""
+    models = Path(ddscope.models.__file__).parent
+    digest = hashlib.sha1()
+    for path in sorted(models.glob("*.py")) + sorted(models.glob("*.c")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
