@@ -277,6 +277,7 @@ def test_lookup_branches_compete_with_the_trees_for_the_batchs_rows():
     tree = [math.log(max(0.6 - 0.05 * i, 0.01)) for i in range(40)]
     loop = DDTree(8)
     loop.lookup_gain = 6.0  # a loop: about six hits a round
+    loop.lookup_hits, loop.lookup_misses = 6.0, 1.0  # each token right 6 times in 7
     history = [1, 2, 3, 4, 5, 6, 7] * 4
     good = loop.branch_chances(history)
     assert len(good) == 13 and good == sorted(good, reverse=True)  # what it earned: 2 x 6 + 1
@@ -320,3 +321,34 @@ def test_the_batch_stops_drafting_where_plain_steps_commit_faster_and_probes_now
     rates, run = dict(other.rates), dict(other.run)
     other.observe(4, False, committed=4, step_ms=200.0, verify_ms=40.0, predicted_ms=10.0, chosen=False)
     assert other.rates == rates and other.run == run and other.ratio > 1.0
+
+
+def test_a_plain_round_verifies_only_the_lookup_branch_its_chances_pay_for():
+    """Where a verified token costs 0.7 of a plain forward (a long context), a branch that lookup seldom gets
+    right is not verified at all, one it nearly always gets right is verified whole, and a middling one in
+    part; where tokens are nearly free, even that one is verified whole."""
+    costly, cheap = AutoBudget(_linear_cost(1.0, 0.7)), AutoBudget(_linear_cost(4.0, 0.01))
+    chances = {p: [k * math.log(p) for k in range(1, 13)] for p in (0.2, 0.7, 0.995)}
+    assert costly.branch(chances[0.2], 100) == 0
+    assert 0 < costly.branch(chances[0.7], 100) < 12
+    assert costly.branch(chances[0.995], 100) == 12
+    assert cheap.branch(chances[0.2], 100) > 0 and cheap.branch(chances[0.7], 100) == 12
+    assert cheap.branch([], 100) == 0
+
+
+def test_lookups_chance_counts_no_miss_where_the_committed_tokens_ran_out():
+    """A plain round commits one token: lookup's proposal right on it is a hit and no miss (what followed was
+    never tested), so a loop's chance climbs while its branch goes unverified; a wrong first token is a miss."""
+    from ddscope.speculative.stats import RoundStats
+
+    proposer = DDTree(budget=4)
+    history = [1, 2, 3, 4, 1, 2, 3]
+    for token in (4, 1, 2, 3, 4, 1):  # the loop goes on, one committed token a round
+        proposer.tree(history[-1], None, SamplingParams(), 0, history)
+        proposer.observe(RoundStats(0, 0, 1), [0], [token])
+        history.append(token)
+    right = proposer.lookup_hits / (proposer.lookup_hits + proposer.lookup_misses)
+    assert right > 0.9
+    proposer.tree(history[-1], None, SamplingParams(), 0, history)
+    proposer.observe(RoundStats(0, 0, 1), [0], [9])  # it proposed 2
+    assert proposer.lookup_hits / (proposer.lookup_hits + proposer.lookup_misses) < right

@@ -78,10 +78,11 @@ class VerifyCost:
         row = self._rows[j]
         return row[n - 1] if n <= len(row) else row[-1] + self._slope[j] * (n - len(row))
 
-    def curve(self, ctx: int) -> list[float]:
-        """Cost of every n in 1..max(nodes) at this context (called every round: one blend of two rows)."""
+    def curve(self, ctx: int, upto: int | None = None) -> list[float]:
+        """Cost of every n in 1..max(nodes) (or 1..`upto`) at this context (called every round: one blend of
+        two rows)."""
         j, f = self._bracket(ctx)
-        return [a + f * (b - a) for a, b in zip(self._rows[j], self._rows[j + 1])]
+        return [a + f * (b - a) for a, b in zip(self._rows[j][:upto], self._rows[j + 1][:upto])]
 
     def _bracket(self, ctx: int) -> tuple[int, float]:
         """(j, f): this context lies `f` of the way from grid row j to row j + 1, clamped to the grid."""

@@ -26,6 +26,8 @@ class BudgetPolicy(Protocol):
 
     def tree(self, root: int, logprobs: torch.Tensor, ctx: int, steer: Steer | None = None) -> DraftTree: ...
 
+    def branch(self, log_chances: list[float], ctx: int) -> int: ...
+
     def observe(self, rnd: RoundStats, path: list[int]) -> None: ...
 
 
@@ -78,9 +80,9 @@ class DDTree(Proposer):
     against the tokens it committed (the target's own, whatever the tree): the tokens it got right before
     its first miss. So lookup is measured at no verify cost where it has stopped paying (sampling, text
     that does not repeat), and a loop the drafter already commits is seen within a round, not over the
-    rounds a branch takes to grow. (A verified 1-token probe doubles what a plain round of `auto`
-    verifies, which costs at long context: docs/performance.md measures it.) `auto` weighs the branch as what a round without the drafter would commit, once
-    `TRUSTED_AFTER` rounds have measured it. In a batch, the branch competes with every tree's nodes for
+    rounds a branch takes to grow. `auto` weighs the branch as what a round without the drafter would
+    commit, once `TRUSTED_AFTER` rounds have measured it, and in a round without the drafter verifies only
+    as much of it as its chances pay for (a verified token doubles what a plain round verifies). In a batch, the branch competes with every tree's nodes for
     the step's rows (BatchBudget), and gets the length it wins there, at most what it earned.
     """
 
@@ -91,6 +93,10 @@ class DDTree(Proposer):
         self.budget = "auto" if self.policy else budget
         self.lookup = Lookup() if lookup else None
         self.lookup_gain = 1.0  # decayed mean of lookup's score a round
+        # Decayed counts of the tokens lookup got right and of its misses: a token's chance, hits / (hits + misses).
+        # A round that ran out of committed tokens before a miss counts no miss, so a branch verified short (or
+        # not at all) does not read as a branch that misses.
+        self.lookup_hits, self.lookup_misses = 1.0, 1.0
         self.rounds = 0
         self._proposal: list[int] = []  # lookup's continuation this round, grafted or not
         self._proposed_at = -1  # the history length `_proposal` continues
@@ -109,6 +115,8 @@ class DDTree(Proposer):
         if self.lookup is not None and history:
             earned = self._propose(history)
             length = earned if self.branch is None else min(self.branch, earned)
+            if length and self.branch is None and draft_logits is None and self.policy is not None:
+                length = self.policy.branch(self.branch_chances(history), ctx_len)  # what its rows pay for
             if length:
                 tree.graft(self._proposal[:length])
         self.branch = None
@@ -116,12 +124,12 @@ class DDTree(Proposer):
 
     def branch_chances(self, history: list[int]) -> list[float]:
         """Log-chances of the branch's tokens (as long as recent rounds earned), for a batch's budget to size
-        against the trees' nodes (`branch` then set). Lookup's decayed score g is read as a chance
-        p = g / (1 + g) per token in a row, so that the expected run of hits, p / (1 - p), is g."""
+        against the trees' nodes (`branch` then set), and for `auto` to size a plain round's: each token in a
+        row right with lookup's chance p (`lookup_hits`), so the k-th has p^k."""
         length = self._propose(history) if self.lookup is not None and history else 0
         if not length:
             return []
-        log_p = math.log(self.lookup_gain / (1 + self.lookup_gain))
+        log_p = math.log(max(self.lookup_hits, 1e-9) / (self.lookup_hits + self.lookup_misses))
         return [k * log_p for k in range(1, length + 1)]
 
     def _propose(self, history: list[int]) -> int:
@@ -149,6 +157,8 @@ class DDTree(Proposer):
             hits = next((i for i, (a, b) in enumerate(zip(self._proposal, committed)) if a != b),
                         min(len(self._proposal), len(committed)))
             self.lookup_gain = 0.7 * self.lookup_gain + 0.3 * hits
+            missed = hits < min(len(self._proposal), len(committed))
+            self.lookup_hits, self.lookup_misses = 0.7 * self.lookup_hits + hits, 0.7 * self.lookup_misses + missed
             self._proposal, self._proposed_at = [], -1
         if self.policy is not None:
             self.policy.observe(rnd, path)
