@@ -217,8 +217,9 @@ def _windowed_engine(target_dir, tmp_path) -> Engine:
 
 
 def test_a_prefill_finishes_only_the_rows_the_first_draft_reads(target_dir, tmp_path):
-    """With every drafter layer sliding, the prefill's last layer runs past its K/V only from the block
-    holding the first draft's reach: the K/V, first token and first draft are those of a full prefill."""
+    """With every drafter layer sliding, the prefill keeps features only from the block holding the first
+    draft's reach (its last layer runs past its K/V for them only where the drafter reads that layer, else for
+    the last row alone): the K/V, first token and first draft are those of a full prefill."""
     engine = _windowed_engine(target_dir, tmp_path)
     n = 3 * BLOCK + 8
     prompt = [int(t) for t in torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(5))]

@@ -6,11 +6,12 @@ from ddscope.engine.block_manager import BlockManager, block_key
 from ddscope.models.kv_pool import BLOCK, Pages
 
 
-def _held(manager: BlockManager, tokens: list[int], length: int, features_from: int | None = 0) -> Pages:
+def _held(manager: BlockManager, tokens: list[int], length: int, features_from: int | None = 0,
+          features_to: int | None = None) -> Pages:
     """Pages that computed `length` positions of `tokens` and registered them."""
     pages = Pages()
     manager.grow(pages, len(tokens) + 1)
-    manager.register(pages, tokens, length, features_from)
+    manager.register(pages, tokens, length, None if features_from is None else (features_from, features_to))
     return pages
 
 
@@ -42,6 +43,16 @@ def test_target_only_blocks_serve_ar_not_a_drafter():
     m.release(plain)
     drafted = _held(m, tokens, 2 * BLOCK)  # now with the drafter's
     assert m.match(Pages(), tokens, 0) == 2 * BLOCK and m.index[block_key(b"", tokens[:BLOCK])] == drafted.table[0]
+
+
+def test_blocks_past_a_pause_of_the_features_serve_ar_not_a_drafter():
+    """`auto` paused the drafter's features inside the third block: the two before it hold them, the third and
+    fourth (their K/V final) are the target's only, as an `ar` request's."""
+    m = BlockManager(16)
+    tokens = list(range(4 * BLOCK + 1))
+    _held(m, tokens, 4 * BLOCK, 0, 2 * BLOCK + 3)
+    assert m.match(Pages(), tokens, 0) == 2 * BLOCK
+    assert m.match(Pages(), tokens, None) == 4 * BLOCK
 
 
 def test_freed_blocks_stay_cached_until_needed_least_recently_freed_first():

@@ -189,9 +189,10 @@ class BlockManager:
             parent, n = key, n + self.block
         return n
 
-    def register(self, pages: Pages, tokens: list[int], length: int, features_from: int | None) -> None:
-        """Register `pages`' full blocks below `length` (their K/V final) not registered yet; those at or
-        past `features_from` (None: no features) hold the drafter's features too."""
+    def register(self, pages: Pages, tokens: list[int], length: int, features: tuple[int, int | None] | None) -> None:
+        """Register `pages`' full blocks below `length` (their K/V final) not registered yet; those within
+        `features`, (from, to) positions (to None: on to the end; None: no features), hold the drafter's
+        features too."""
         if not self.prefix_cache:
             return
         for i in range(len(pages.keys), length // self.block):
@@ -199,7 +200,8 @@ class BlockManager:
             key = block_key(pages.keys[-1] if pages.keys else pages.salt, tokens[start:start + self.block])
             pages.keys.append(key)
             b = pages.table[i]
-            featured = features_from is not None and start >= features_from
+            featured = features is not None and start >= features[0] and (
+                features[1] is None or start + self.block <= features[1])
             old = self.index.get(key)
             if old is not None and old != b and (old in self.featured or not featured):
                 continue  # an equal block is registered already

@@ -139,7 +139,7 @@ class Engine:
         if budget == "auto":
             self.calibrate()
             return DDTree(AutoBudget(self.verify_cost, self.learned.under(sampling, lookup),
-                                     block=self.drafter.block_size), lookup)
+                                     block=self.drafter.block_size, reach=self.drafter.horizon), lookup)
         return DDTree(budget, lookup)
 
     def stream(self, prompt: str | list[int], request: Request | None = None, **fields: Any) -> Iterator[Step]:

@@ -115,7 +115,8 @@ class Runner:
 
     def _forward(self, batch: Batch, plan: _Plan) -> _Ran:
         """One target forward over every tree and prefill chunk."""
-        capture = self.drafter.cfg.target_layer_ids if any(s.decoder.capture for s in self._all(batch)) else ()
+        keeps = any(s.decoder.capturing for s in batch.decodes) or any(s.decoder.capture for s, _ in batch.prefills)
+        capture = self.drafter.cfg.target_layer_ids if keeps else ()
         shape = [(len(seg.tokens), seg.cache.length) for seg in plan.segments]
         outs = self.target.forward_many(plan.segments, capture) if plan.segments else []
         return _Ran(plan, outs, shape, sum(rows for rows, _ in shape), self.clock())
@@ -185,6 +186,7 @@ class Runner:
         if seq.decoder.grammar is not None:
             cost = seq.decoder.grammar.take_cost()
             rnd.grammar_masks, rnd.grammar_ms = cost.masks, cost.ms
+        rnd.law_top, seq.decoder.law_top = seq.decoder.law_top, None
         seq.proposer.observe(rnd, path, new)
         seq.deliver(new, rnd)
 

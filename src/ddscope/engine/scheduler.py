@@ -137,7 +137,8 @@ class Scheduler:
         """Offer `seq`'s full blocks of committed tokens to the prefix cache."""
         d = seq.decoder
         if self.blocks is not None and seq.pages.table:
-            self.blocks.register(seq.pages, d.tokens, d.cache.length, d.features_from if d.capture else None)
+            self.blocks.register(seq.pages, d.tokens, d.cache.length,
+                                 (d.features_from, d.features_to) if d.capture else None)
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:

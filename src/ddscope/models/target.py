@@ -51,9 +51,11 @@ class Segment:
     """One sequence's rows in a batched forward, written at slots `[cache.length, +n)` of its cache.
 
     `mask` is a boolean [n, cache.length + n] (True = may attend); None means causal. `tail` (causal only):
-    the last layer runs past its K/V for the last `tail` rows alone (0: none), and logits and features are
-    theirs; nothing later reads the other rows' outputs (a prefill: the drafter's window). `logits`: "all"
-    rows', the "last" row's alone (a prefill: the head is vocab-wide), or "none" (a prefill's early chunk).
+    the last layer runs past its K/V for the last `tail` rows alone (0: none), and logits are theirs; nothing
+    later reads the other rows' outputs. `features`: the last rows whose captured layers' outputs come back
+    (a prefill: the drafter's window; None: the last layer's rows; a captured last layer needs them as many).
+    `logits`: "all" rows', the "last" row's alone (a prefill: the head is vocab-wide), or "none" (a prefill's
+    early chunk).
     """
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -61,6 +63,7 @@ class Segment:
     mask: torch.Tensor | None = None
     tail: int | None = None
     logits: str = "all"
+    features: int | None = None
 
     @property
     def rows(self) -> int:
@@ -238,7 +241,8 @@ class Target(nn.Module):
                  capture: tuple[int, ...]) -> list[ForwardOut]:
         """Split the last layer's rows (and the captured layers' matching rows) back into segments."""
         rows = [seg.rows for seg in segments]
-        picks = [(a + n - r, a + n) for a, n, r in zip(_starts(sizes), sizes, rows)]  # in the full rows
+        featured = [seg.rows if seg.features is None else min(seg.features, n) for seg, n in zip(segments, sizes)]
+        picks = [(a + n - r, a + n) for a, n, r in zip(_starts(sizes), sizes, featured)]  # in the full rows
         kept = [(b - r, b) for b, r in zip(_ends(rows), rows)]  # in the last layer's rows
         wanted = {"all": lambda a, b: (a, b), "last": lambda a, b: (b - 1, b), "none": lambda a, b: (b, b)}
         heads = [wanted[seg.logits](*ab) for seg, ab in zip(segments, kept)]

@@ -16,6 +16,10 @@ from ddscope.speculative.tree import DraftTree, Steer, grow, per_depth
 # Decayed count of plain rounds (0.95 a round) below which `auto` runs one plain round: about every 60
 # rounds, so that what a plain round costs and commits is measured, not assumed.
 PLAIN_EVIDENCE = 0.05
+# The share of a probe gap, its last rounds, whose plain roots sample the target's own law (a softmax and a top-4).
+LAW_SHARE = 8
+# The farthest a drafter may reach back for `auto` to pause its features: a probe then waits this many rounds.
+PAUSE_REACH = 1024
 
 
 class AutoBudget:
@@ -25,7 +29,8 @@ class AutoBudget:
     `skip_below` of their rate: a drafter out of its distribution, or a loop that prompt lookup alone
     drafts whole, so the drafter adds nothing but its cost), it stops drafting and probes
     with a draft after 1, 2, 4 ... `probe_every` plain rounds; a probe that pays resumes drafting. None is
-    sent while plain rounds commit nearly a block (a loop lookup drafts whole), more than a draft can add;
+    sent while plain rounds commit nearly a block (a loop lookup drafts whole), more than a draft can add,
+    nor while the target's own law at plain roots says no drafter could pay (`_perfect_drafter_pays`);
     the rule does not use step times, so a stall cannot shut a good drafter out. The gap
     carries over to the next request: a probe costs a draft and a tree (a few plain rounds' time), so
     restarting at 1 cost each short sampled request about a tenth.
@@ -34,11 +39,16 @@ class AutoBudget:
     """
 
     def __init__(self, cost: VerifyCost, learned: Learned | None = None, probe_every: int = 128,
-                 warmup: int = 4, skip_below: float = 0.9, block: int = LOOKUP_MAX + 1):
+                 warmup: int = 4, skip_below: float = 0.9, block: int = LOOKUP_MAX + 1, reach: int | None = None):
         self.cost, self.probe_every, self.warmup, self.skip_below = cost, probe_every, warmup, skip_below
         self.block = block  # the most a drafted round commits: the drafter's block
         self.learned = learned or Learned()
         self.since_draft = 0
+        # The drafter's reach back from a block (None: all context). Within it, features can be paused while the
+        # target's law rules drafting out, and a probe waits until the reach holds fresh ones again.
+        self.reach = reach if reach is not None and reach <= PAUSE_REACH else None
+        self.paused = self.reach is not None and self.learned.ruled_out
+        self.resume_at: int | None = None  # the context from which a probe, let through, has features to draft on
         self.last_choice = MAX_AUTO_BUDGET
         self._chosen: list[tuple[int, float, bool]] = []  # per chosen node: parent, drafter log-p, top-1
         self._prepared: DraftTree | None = None
@@ -50,6 +60,24 @@ class AutoBudget:
 
     def drafts(self, ctx: int, lookup: tuple[float, int] = (0.0, 0)) -> bool:
         """`lookup`: what a plain round's prompt-lookup branch would add, (expected accepted tokens, length)."""
+        if self.resume_at is not None:  # a draft let through waits for the drafter's reach to hold features
+            if ctx < self.resume_at:
+                return False
+            self.resume_at = None
+            return True
+        if not self._wants_draft(ctx, lookup):
+            return False
+        if self.paused:  # features resume now: from this round on
+            self.paused, self.resume_at = False, ctx + self.reach
+            return False
+        return True
+
+    @property
+    def captures(self) -> bool:
+        """Whether this round's target features are kept for the drafter."""
+        return not self.paused
+
+    def _wants_draft(self, ctx: int, lookup: tuple[float, int]) -> bool:
         if self.learned.drafted_rounds >= self.warmup and self.learned.plain_evidence < PLAIN_EVIDENCE:
             return False  # a plain round now and then, so that what one costs is measured, not assumed
         if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx, *lookup):
@@ -57,8 +85,32 @@ class AutoBudget:
             return True
         if self.since_draft >= self.learned.probe_gap and 1 + lookup[0] < self.skip_below * self.block:
             self.learned.probe_gap = min(2 * self.learned.probe_gap, self.probe_every)
-            return True
+            self.learned.ruled_out = not self._perfect_drafter_pays(ctx)
+            if not self.learned.ruled_out:
+                return True
+            self.since_draft = 0  # the target alone rules drafting out, as a probe that did not pay would
+            self.paused = self.reach is not None  # and no draft needs this round's features
         return False
+
+    @property
+    def wants_law_top(self) -> bool:
+        """Sample the target's law at plain roots in the last eighth of a probe gap, before the probe is due."""
+        gap = self.learned.probe_gap
+        return self.resume_at is None and self.since_draft >= gap - max(1, gap // LAW_SHARE)
+
+    def _perfect_drafter_pays(self, ctx: int) -> bool:
+        """Whether even a drafter that knew the target's law could beat plain rounds here: a node is accepted
+        with the target's probability of its token, so such a drafter's best tree is best-first over the
+        target's top probabilities (those sampled at plain roots, taken as every depth's). Where the target
+        itself is this unsure (sampling a flat distribution), no probe is sent."""
+        top, m = self.learned.law_top, self.learned
+        if top is None:
+            return True
+        logps = [math.log(max(p, 1e-9)) for p in top]
+        ranks = list(range(len(logps)))
+        perfect = grow(0, MAX_AUTO_BUDGET, self.block - 1, lambda tree, node: (logps, ranks), lambda d, v, r: v[r])
+        _, rate = self._best_prefix(perfect.scores[1:], ctx, m.draft_ms or self.cost.at(ctx, 1))
+        return rate > self.skip_below / (self.cost.at(ctx, 1) * (m.plain_ratio or m.cost.at(1)))
 
     def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
         m = self.learned
@@ -92,17 +144,19 @@ class AutoBudget:
     def _size(self, log_chances: list[float], ctx: int) -> int:
         """argmax over B of (1 + expected accepted tokens) / expected step ms."""
         draft = self.learned.draft_ms or self.cost.at(ctx, 1)  # before any draft: a forward's worth
-        self.last_choice = self._best_prefix(log_chances, ctx, draft)
+        self.last_choice, _ = self._best_prefix(log_chances, ctx, draft)
         return self.last_choice
 
     def branch(self, log_chances: list[float], ctx: int) -> int:
         """A plain round's prompt-lookup branch: the prefix of its tokens (log-chances) with the best expected
         tok/s, none where its chances do not pay for the rows (a 2-token forward ran 1.7x a 1-token one at 5k
         tokens: sampled text that lookup seldom hits)."""
-        return self._best_prefix(log_chances, ctx, 0.0, none=True)
+        return self._best_prefix(log_chances, ctx, 0.0, none=True)[0]
 
-    def _best_prefix(self, log_chances: list[float], ctx: int, draft_ms: float, none: bool = False) -> int:
-        """argmax over n of (1 + the first n chances) / (draft + verify of n + 1 tokens); n >= 1 unless `none`."""
+    def _best_prefix(self, log_chances: list[float], ctx: int, draft_ms: float,
+                     none: bool = False) -> tuple[int, float]:
+        """(argmax over n, max) of (1 + the first n chances) / (draft + verify of n + 1 tokens): expected tokens
+        a ms; n >= 1 unless `none`."""
         verify, ratio = self.cost.curve(ctx, len(log_chances) + 1), self.learned.cost.at
         best, best_rate = (0, 1.0 / (draft_ms + verify[0] * ratio(1))) if none else (1, 0.0)
         accepted = 1.0
@@ -111,7 +165,7 @@ class AutoBudget:
             rate = accepted / (draft_ms + verify[n] * ratio(n + 1))
             if rate > best_rate:
                 best, best_rate = n, rate
-        return best
+        return best, best_rate
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
         if rnd.batch > 1:  # its times are a batch's (BatchBudget's to learn): only the acceptance is news
@@ -120,6 +174,8 @@ class AutoBudget:
             return
         m = self.learned
         m.plain_evidence = 0.95 * m.plain_evidence + (not rnd.drafted)
+        if rnd.law_top is not None:  # one root's law is noisy: a slow average
+            m.law_top = rnd.law_top if m.law_top is None else [0.9 * a + 0.1 * b for a, b in zip(m.law_top, rnd.law_top)]
         if not rnd.drafted:  # its cost is news (a prompt-lookup branch may have been verified)
             ratio = rnd.step_ms / self.cost.at(rnd.ctx_len, rnd.nodes + 1)
             m.plain_ratio = average(m.plain_ratio, clipped(ratio, m.plain_ratio))

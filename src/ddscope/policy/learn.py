@@ -124,6 +124,8 @@ class Learned:
     plain_ratio: float | None = None
     plain_evidence: float = 0.0  # plain rounds, decayed 0.95 a round
     probe_gap: int = 1  # plain rounds before the next probe, doubled per probe that did not pay
+    law_top: list[float] | None = None  # the target's top-4 probabilities at a plain round's root, averaged
+    ruled_out: bool = False  # the last probe due found that not even a drafter that knew the target would pay
 
 
 

@@ -57,6 +57,8 @@ class Decoder:
         self.prefill_end = 0  # a prefill caches positions up to here
         self.resumed = False  # a resumed prefill chooses no token: its root is known
         self.features_from = 0  # the drafter's cache holds features from here on (a prefill skips older ones)
+        self.features_to: int | None = None  # ... up to here, where `auto` first paused them (None: no pause)
+        self.law_top: list[float] | None = None  # this plain round's root: its law's top-4 probabilities, if asked
 
     def attach(self, cache: Any, draft_cache: Any) -> None:
         self.cache, self.draft_cache = cache, draft_cache
@@ -74,6 +76,13 @@ class Decoder:
         # The last layer finishes only the rows read later: the first draft's reach from a block's start, so
         # whole blocks of features can be shared, and the last row (the first token's logits).
         self.features_from = self.first_draft_reach(self.prefill_end) // BLOCK * BLOCK if self.capture else 0
+        self.features_to = None
+
+    @property
+    def capturing(self) -> bool:
+        """Whether this round keeps the target's features for the drafter (`auto` pauses them where no drafter
+        could pay, the drafter's reach permitting)."""
+        return bool(self.capture) and self.proposer.captures
 
     @property
     def prefilling(self) -> bool:
@@ -85,13 +94,14 @@ class Decoder:
         a = self.cache.length
         b = min(self.prefill_end, a + limit)
         final = b == self.prefill_end and not self.resumed
+        features = max(0, b - max(a, self.features_from)) if self.capture else None
         if scored:
             tail, logits = None, "all"
-        else:
-            needed = max(0, b - max(a, self.features_from)) if self.capture else int(final)
-            tail, logits = needed, "last" if final else "none"
+        else:  # the last layer runs for the features only where the drafter reads its output
+            last_read = self.capture and self.target.cfg.geometry.num_layers - 1 in self.capture
+            tail, logits = features if last_read else int(final), "last" if final else "none"
         ids = torch.tensor(self.tokens[a:b], dtype=torch.long, device=self.device)
-        return Segment(ids, torch.arange(a, b, device=self.device), self.cache, None, tail, logits)
+        return Segment(ids, torch.arange(a, b, device=self.device), self.cache, None, tail, logits, features)
 
     def prefilled(self, seg: Segment, out: ForwardOut, top: int | None = None) -> int | None:
         """Take in a prefill chunk's output; return the first token once the last chunk of a fresh prefill
@@ -153,8 +163,10 @@ class Decoder:
         path, choices = self.accept(tree, out.logits)
         slots = torch.tensor(path, device=self.device)
         self.cache.keep(start, slots)
-        if self.capture:
+        if self.capture and out.features is not None:
             self.draft_cache.features[start:start + len(path)] = out.features.index_select(0, slots)
+        elif self.capture and self.features_to is None:
+            self.features_to = start
         new = [tree.tokens[i] for i in path[1:]] + [choices[path[-1]]]
         self._record_logprobs(out.logits.index_select(0, slots), new)  # node path[k] chose new[k]
         self.tokens += new
@@ -177,4 +189,6 @@ class Decoder:
             paths = tree.paths() if self.law.law.reads_history else [[]] * len(index)
             logits = self.law.apply(logits, index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:], paths)
         noise = None if self.sampling.greedy else self.noise.at(index, logits.shape[-1], logits.device)
+        if tree.size == 0 and noise is not None and self.proposer.wants_law_top:
+            self.law_top = self.sampling.log_probs(logits[:1]).exp().topk(4).values[0].tolist()
         return self.sampling.choose(logits, noise)

@@ -28,6 +28,12 @@ class BudgetPolicy(Protocol):
 
     def branch(self, log_chances: list[float], ctx: int) -> int: ...
 
+    @property
+    def wants_law_top(self) -> bool: ...
+
+    @property
+    def captures(self) -> bool: ...
+
     def observe(self, rnd: RoundStats, path: list[int]) -> None: ...
 
 
@@ -47,6 +53,16 @@ class Proposer(ABC):
     def max_nodes(self, block: int) -> int:
         """The most draft nodes a round verifies (what a sequence reserves cache slots for)."""
         return block - 1
+
+    @property
+    def wants_law_top(self) -> bool:
+        """Whether this round's root, when verified alone, should report its law's top probabilities."""
+        return False
+
+    @property
+    def captures(self) -> bool:
+        """Whether this round's target features are kept for the drafter (`uses_drafter`'s, unless paused)."""
+        return self.uses_drafter
 
     def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
         """Feedback after each round: its stats, accepted node indices and the tokens it committed (the
@@ -140,6 +156,14 @@ class DDTree(Proposer):
 
     def max_nodes(self, block: int) -> int:
         return (MAX_AUTO_BUDGET if self.policy else self.budget) + LOOKUP_MAX
+
+    @property
+    def wants_law_top(self) -> bool:
+        return self.policy is not None and self.policy.wants_law_top
+
+    @property
+    def captures(self) -> bool:
+        return self.policy is None or self.policy.captures
 
     def _branch_length(self) -> int:
         """What recent rounds earned; 0 once lookup stopped paying (it is still scored, unverified)."""

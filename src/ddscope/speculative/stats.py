@@ -26,6 +26,9 @@ class RoundStats:
     batch: int = 1  # sequences in the step (its times are the whole batch's)
     grammar_masks: int = 0  # structured outputs: token masks the grammar filled for this round (tree and verify)
     grammar_ms: float = 0.0  # and the time in the matcher and masking, within tree_ms and commit_ms
+    # A plain round's root under the sampler's law: its 4 likeliest tokens' probabilities, when `auto` asked for
+    # them (what a drafter that knew the target could have had accepted at each depth).
+    law_top: list[float] | None = None
 
     @property
     def step_ms(self) -> float:
