@@ -2,13 +2,14 @@
 with the arms taking turns (the machine drifts by a fifth within minutes):
 
 1. `trees`: a target forward of n tree rows over `--contexts` cached tokens, on kernels.c's tree products (now at
-   any number of keys) against MKL's batched products on a grouped bias (what ran past 2,048 keys);
+   any number of keys) against MKL's batched products on a grouped bias (what ran past 2,048 keys; up to 2,048,
+   the tree products ran before too);
 2. `head`: the vocab head of 1 and 16 rows on kernels.c's panels against torch's product;
 3. `drafter`: a DFlash draft (one block) with the drafter's projections on panels against torch's products.
 
 Medians of `--repeats` calls each, A (before) and B (now) alternating call by call.
 
-    python benchmarks/long_context_ab.py [--contexts 1663,3333,5553] [--rows 1,2,4,8,16,32] [--threads 1]
+    python benchmarks/long_context_ab.py [--contexts 2500,3333,5553] [--rows 1,2,4,8,16,32] [--threads 1]
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def trees(engine: Engine, contexts: list[int], rows: list[int], repeats: int) ->
         return run
 
     print("\n## trees: target forward ms, MKL before / kernels.c now\n")
-    print("| context | " + " | ".join(f"{n} rows" for n in rows) + " |\n|---" * (len(rows) + 1) + "|")
+    print("| context | " + " | ".join(f"{n} rows" for n in rows) + " |\n" + "|---" * (len(rows) + 1) + "|")
     for context in contexts:
         cells = [turns(mkl_trees(forward(context, n)), forward(context, n), repeats) for n in rows]
         print(f"| {context} | " + " | ".join(f"{a:.2f} / {b:.2f} ({a / b:.2f}x)" for a, b in cells) + " |")
@@ -79,7 +80,7 @@ def head(engine: Engine, repeats: int) -> None:
     target = engine.target
     print("\n## head: vocab head ms, torch before / panels now\n\n| rows | ms | speed-up |\n|---|---|---|")
     for n in (1, 16):
-        h = torch.randn(n, target.cfg.hidden_size)
+        h = torch.randn(n, target.cfg.geometry.hidden_size)
         with torch.inference_mode():
             a, b = turns(lambda: target.lm_head(h), lambda: target.logits(h), repeats)
         print(f"| {n} | {a:.3f} / {b:.3f} | {a / b:.2f}x |")
@@ -103,9 +104,9 @@ def drafter(engine: Engine, before: Engine, context: int, repeats: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
-    p.add_argument("--contexts", default="1663,3333,5553")
-    p.add_argument("--rows", default="1,2,4,8,16,32")
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--contexts", default="2500,3333,5553", help="cached tokens (default: %(default)s)")
+    p.add_argument("--rows", default="1,2,4,8,16,32", help="tree rows (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=30, help="calls an arm and cell (default: %(default)s)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = Engine.load(args.target, args.drafter)
