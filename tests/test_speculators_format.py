@@ -42,8 +42,8 @@ def test_the_speculators_fixture_loads_and_decodes_losslessly():
         for temperature, seed in ((0.0, None), (0.8, 7)):
             kw = dict(max_new_tokens=48, ignore_eos=True, temperature=temperature, seed=seed)
             ar = engine.generate(prompt, method="ar", **kw)
-            for method in ("dflash", "ddtree"):
-                out = engine.generate(prompt, method=method, **kw)
+            for method in ("dflash", "ddtree"):  # a fixed tree: `auto` leaves out a drafter the law rules out
+                out = engine.generate(prompt, method=method, **kw, **({"budget": 16} if method == "ddtree" else {}))
                 assert out.token_ids == ar.token_ids, (prompt, temperature, method)
                 assert out.stats.to_dict()["nodes_verified"] > 0  # the drafter's trees were verified
                 if method == "ddtree" and temperature == 0:  # trees accepted (the 5-step fixture barely drafts:
