@@ -1,5 +1,5 @@
-"""Helper module shared by concurrency.py, engine_ab.py, serve_ab.py and peer_vllm.py (not a benchmark itself): A/B
-plumbing."""
+"""Helper module shared by concurrency.py, engine_ab.py, serve_ab.py, serve_arms_ab.py, peer_vllm.py, kernels_ab.py
+and long_context_ab.py (not a benchmark itself): A/B plumbing."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +13,7 @@ from pathlib import Path
 from statistics import median
 
 import httpx
+import torch
 
 from ddscope.bench.workloads import load_workload
 from ddscope.engine import Engine
@@ -123,3 +124,23 @@ def abba(i: int, arms: tuple[str, str]) -> tuple[str, str]:
     """The order of the two arms in pair `i` (ABBA BAAB ...): each runs first as often as second, and the
     machine's drift over a pair falls on both alike."""
     return arms if i % 4 in (0, 3) else arms[::-1]
+
+
+def alternate(run, repeats: int, what: str, reorders: bool = False) -> tuple[float, float]:
+    """Median seconds of `run(arm)` for arms A and B, taking turns; B's output checked bitwise against A's
+    (`reorders`: a change to the order of a sum, checked close to A's and its largest difference printed)."""
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for rep in range(repeats):
+        outs = {}
+        for name in ("AB" if rep % 2 == 0 else "BA"):
+            seconds, outs[name] = run(name)
+            times[name].append(seconds)
+        if not reorders and not torch.equal(outs["A"], outs["B"]):
+            raise SystemExit(f"{what}: B's outputs differ from A's")
+    if reorders:
+        a, b = (outs[name].float() for name in "AB")
+        print(f"{what}: B's largest difference from A's, {(a - b).abs().max().item():.3g} (A's largest value "
+              f"{a.abs().max().item():.3g})")
+        torch.testing.assert_close(b, a, rtol=2e-2 if outs["A"].dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    a, b = (median(times[name]) for name in "AB")
+    return a, b

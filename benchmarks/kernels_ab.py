@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from ab_harness import alternate
 
 import ddscope.models.kv_pool as kv_pool
 import ddscope.models.native as native
@@ -76,26 +76,6 @@ def tree_mask(nodes: int, keys: int) -> torch.Tensor:
             mask[i] = mask[int(torch.randint(0, i, ()))]
         mask[i, keys - nodes + i] = True
     return mask
-
-
-def alternate(run, repeats: int, what: str, reorders: bool = False) -> tuple[float, float]:
-    """Median seconds of `run(arm)` for arms A and B, taking turns; B's output checked bitwise against A's
-    (`reorders`: a change to the order of a sum, checked close to A's and its largest difference printed)."""
-    times: dict[str, list[float]] = {"A": [], "B": []}
-    for rep in range(repeats):
-        outs = {}
-        for name in ("AB" if rep % 2 == 0 else "BA"):
-            seconds, outs[name] = run(name)
-            times[name].append(seconds)
-        if not reorders and not torch.equal(outs["A"], outs["B"]):
-            raise SystemExit(f"{what}: B's outputs differ from A's")
-    if reorders:
-        a, b = (outs[name].float() for name in "AB")
-        print(f"{what}: B's largest difference from A's, {(a - b).abs().max().item():.3g} (A's largest value "
-              f"{a.abs().max().item():.3g})")
-        torch.testing.assert_close(b, a, rtol=2e-2 if outs["A"].dtype == torch.bfloat16 else 1e-5, atol=1e-5)
-    a, b = (statistics.median(times[name]) for name in "AB")
-    return a, b
 
 
 def products(libs: dict, dtype: torch.dtype, rows: list[int], repeats: int) -> None:

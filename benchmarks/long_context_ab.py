@@ -7,18 +7,18 @@ with the arms taking turns (the machine drifts by a fifth within minutes):
 2. `head`: the vocab head of 1 and 16 rows on kernels.c's panels against torch's product;
 3. `drafter`: a DFlash draft (one block) with the drafter's projections on panels against torch's products.
 
-Medians of `--repeats` calls each, A (before) and B (now) alternating call by call.
+Medians of `--repeats` calls each, A (before) and B (now) alternating call by call, B's outputs checked close to A's.
 
     python benchmarks/long_context_ab.py [--contexts 2500,3333,5553] [--rows 1,2,4,8,16,32] [--threads 1]
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+from ab_harness import alternate
 from engine_args import parser
 
 import ddscope.models.drafter as drafter_module
@@ -28,24 +28,18 @@ from ddscope.models import native
 from ddscope.models.drafter import Draft
 
 
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1000
+def arms(a: Callable[[], torch.Tensor], b: Callable[[], torch.Tensor], repeats: int, what: str) -> tuple[float, float]:
+    """Median ms of `a` (arm A, before) and `b` (B, now), taking turns; B's output checked close to A's."""
+    def run(name: str) -> tuple[float, torch.Tensor]:
+        t0 = time.perf_counter()
+        out = (a if name == "A" else b)()
+        return (time.perf_counter() - t0) * 1000, out
+    return alternate(run, repeats, what, reorders=True)
 
 
-def turns(a: Callable[[], object], b: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """Median ms of `a` and of `b`, called in turns (the first two of each dropped as warm-up)."""
-    ms: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats + 2):
-        ms[0].append(timed(a))
-        ms[1].append(timed(b))
-    return statistics.median(ms[0][2:]), statistics.median(ms[1][2:])
-
-
-def mkl_trees(fn: Callable[[], object]) -> Callable[[], object]:
+def mkl_trees(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """`fn` with fp32 trees on MKL's batched products (tree_rows refused), as past 2,048 keys before."""
-    def run() -> object:
+    def run() -> torch.Tensor:
         keep, native.tree_rows = native.tree_rows, lambda *geometry: False
         try:
             return fn()
@@ -60,44 +54,48 @@ def trees(engine: Engine, contexts: list[int], rows: list[int], repeats: int) ->
     ids = torch.randint(10, target.cfg.vocab_size, (max(contexts),))
     target(ids, torch.arange(len(ids)), cache)  # K/V of a real forward
 
-    def forward(context: int, n: int) -> Callable[[], object]:
+    def forward(context: int, n: int) -> Callable[[], torch.Tensor]:
         mask = torch.ones(n, context + n, dtype=torch.bool).tril(context) if n > 1 else None
         tokens, positions = torch.zeros(n, dtype=torch.long), torch.arange(context, context + n)
 
-        def run() -> object:
+        def run() -> torch.Tensor:
             cache.length = context
-            return target(tokens, positions, cache, mask)
+            return target(tokens, positions, cache, mask).logits
         return run
 
+    cells = {c: [arms(mkl_trees(forward(c, n)), forward(c, n), repeats, f"{n} rows at {c}") for n in rows]
+             for c in contexts}
     print("\n## trees: target forward ms, MKL before / kernels.c now\n")
     print("| context | " + " | ".join(f"{n} rows" for n in rows) + " |\n" + "|---" * (len(rows) + 1) + "|")
-    for context in contexts:
-        cells = [turns(mkl_trees(forward(context, n)), forward(context, n), repeats) for n in rows]
-        print(f"| {context} | " + " | ".join(f"{a:.2f} / {b:.2f} ({a / b:.2f}x)" for a, b in cells) + " |")
+    for context, row in cells.items():
+        print(f"| {context} | " + " | ".join(f"{a:.2f} / {b:.2f} ({a / b:.2f}x)" for a, b in row) + " |")
 
 
 def head(engine: Engine, repeats: int) -> None:
-    target = engine.target
-    print("\n## head: vocab head ms, torch before / panels now\n\n| rows | ms | speed-up |\n|---|---|---|")
+    target, cells = engine.target, {}
     for n in (1, 16):
         h = torch.randn(n, target.cfg.geometry.hidden_size)
         with torch.inference_mode():
-            a, b = turns(lambda: target.lm_head(h), lambda: target.logits(h), repeats)
+            cells[n] = arms(lambda: target.lm_head(h), lambda: target.logits(h), repeats, f"head of {n} rows")
+    print("\n## head: vocab head ms, torch before / panels now\n\n| rows | ms | speed-up |\n|---|---|---|")
+    for n, (a, b) in cells.items():
         print(f"| {n} | {a:.3f} / {b:.3f} | {a / b:.2f}x |")
 
 
 def drafter(engine: Engine, before: Engine, context: int, repeats: int) -> None:
     """One block drafted at `context` by each engine's drafter, over the same features."""
-    def draft(e: Engine) -> Callable[[], object]:
-        cache = e.drafter.new_cache(context)
-        cache.features[:context] = torch.randn(context, cache.features.shape[1])
+    features = torch.randn(context, engine.drafter.fc.in_features)
 
-        def run() -> object:
+    def draft(e: Engine) -> Callable[[], torch.Tensor]:
+        cache = e.drafter.new_cache(context)
+        cache.features[:context] = features
+
+        def run() -> torch.Tensor:
             cache.length = 0
-            return e.drafter.draft_many(e.target, [Draft(5, context, cache)])
+            return e.drafter.draft_many(e.target, [Draft(5, context, cache)])[0]
         return run
 
-    a, b = turns(draft(before), draft(engine), repeats)
+    a, b = arms(draft(before), draft(engine), repeats, "a draft")
     print(f"\n## drafter: one block at {context}, torch's products before / panels now\n\n"
           f"| ms | speed-up |\n|---|---|\n| {a:.2f} / {b:.2f} | {a / b:.2f}x |")
 

@@ -354,20 +354,22 @@ def test_lookups_chance_counts_no_miss_where_the_committed_tokens_ran_out():
     assert proposer.lookup_hits / (proposer.lookup_hits + proposer.lookup_misses) < right
 
 
-def plain_rounds_with_law(policy: AutoBudget, rounds: int, law_top: list[float]) -> tuple[list[bool], int]:
-    """Rounds whose plain roots report the target's top-4 probabilities whenever the policy asks for them:
-    (drafted or not, each round; how many were asked)."""
-    decisions, asked = [], 0
-    for _ in range(rounds):
-        decisions.append(policy.drafts(0))
+def rounds_with_law(policy: AutoBudget, rounds: int, law_top: list[float],
+                    ctx: int = 0) -> tuple[list[bool], int, list[bool]]:
+    """Rounds from context `ctx` on, one token each, whose plain roots report the target's top-4 probabilities
+    whenever the policy asks: (drafted or not, each round; how many were asked; features kept, each round)."""
+    decisions, asked, kept = [], 0, []
+    for i in range(rounds):
+        decisions.append(policy.drafts(ctx + i))
+        kept.append(policy.captures)
         if decisions[-1]:
             drafted(policy, 1)
         else:
-            rnd = RoundStats(0, 0, committed=1, verify_ms=4.0)
+            rnd = RoundStats(ctx + i, 0, committed=1, verify_ms=4.0)
             asked += policy.wants_law_top
             rnd.law_top = list(law_top) if policy.wants_law_top else None
             policy.observe(rnd, path=[0])
-    return decisions, asked
+    return decisions, asked, kept
 
 
 def test_no_probe_where_the_targets_own_law_rules_out_any_drafter():
@@ -377,11 +379,11 @@ def test_no_probe_where_the_targets_own_law_rules_out_any_drafter():
     token (0.97), probes go on with their back-off."""
     flat, sure = AutoBudget(cost(0.02), probe_every=16), AutoBudget(cost(0.02), probe_every=16)
     for policy, law in ((flat, [0.3, 0.1, 0.05, 0.05]), (sure, [0.97, 0.01, 0.01, 0.005])):
-        assert plain_rounds_with_law(policy, 4, law)[0] == [True] * 4  # warm-up
-    decisions, asked = plain_rounds_with_law(flat, 96, [0.3, 0.1, 0.05, 0.05])
+        assert rounds_with_law(policy, 4, law)[0] == [True] * 4  # warm-up
+    decisions, asked, _ = rounds_with_law(flat, 96, [0.3, 0.1, 0.05, 0.05])
     assert not any(decisions[4:]) and flat.learned.probe_gap == 16
     assert asked < 96 // 4  # the law is read only near each gap's end
-    assert sum(plain_rounds_with_law(sure, 96, [0.97, 0.01, 0.01, 0.005])[0]) >= 5
+    assert sum(rounds_with_law(sure, 96, [0.97, 0.01, 0.01, 0.005])[0]) >= 5
 
 
 def test_features_pause_where_drafting_is_ruled_out_and_a_probe_waits_for_the_drafters_reach():
@@ -390,30 +392,14 @@ def test_features_pause_where_drafting_is_ruled_out_and_a_probe_waits_for_the_dr
     holds fresh ones (20 rounds of one token), then drafts. A drafter that sees all context never pauses."""
     flat, sure = [0.3, 0.1, 0.05, 0.05], [0.97, 0.01, 0.01, 0.005]
     policy, whole = AutoBudget(cost(0.02), probe_every=16, reach=20), AutoBudget(cost(0.02), probe_every=16)
-    ctx = 100
-
-    def round_of(p: AutoBudget, law: list[float]) -> bool:
-        nonlocal ctx
-        drafted_now = p.drafts(ctx)
-        if drafted_now:
-            drafted(p, 1)
-        else:
-            rnd = RoundStats(ctx, 0, committed=1, verify_ms=4.0)
-            rnd.law_top = list(law) if p.wants_law_top else None
-            p.observe(rnd, path=[0])
-        ctx += 1
-        return drafted_now
-
-    assert [round_of(policy, flat) for _ in range(4)] == [True] * 4 and policy.captures  # warm-up
-    assert not any(round_of(policy, flat) for _ in range(40)) and not policy.captures
+    decisions, _, kept = rounds_with_law(policy, 4, flat, ctx=100)
+    assert decisions == [True] * 4 and all(kept)  # warm-up
+    decisions, _, _ = rounds_with_law(policy, 40, flat, ctx=104)
+    assert not any(decisions) and not policy.captures
     assert AutoBudget(cost(0.02), policy.learned, reach=20).captures is False  # the next request starts paused
-    decisions, kept = [], []
-    for _ in range(60):
-        decisions.append(round_of(policy, sure))
-        kept.append(policy.captures)
+    decisions, _, kept = rounds_with_law(policy, 60, sure, ctx=144)
     first = decisions.index(True)
     resumed = kept.index(True)
     assert first - resumed >= 20 and all(kept[resumed:first + 1])
-    for _ in range(44):
-        round_of(whole, flat)
+    rounds_with_law(whole, 44, flat)
     assert whole.captures and whole.learned.ruled_out

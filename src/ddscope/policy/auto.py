@@ -175,7 +175,8 @@ class AutoBudget:
         m = self.learned
         m.plain_evidence = 0.95 * m.plain_evidence + (not rnd.drafted)
         if rnd.law_top is not None:  # one root's law is noisy: a slow average
-            m.law_top = rnd.law_top if m.law_top is None else [0.9 * a + 0.1 * b for a, b in zip(m.law_top, rnd.law_top)]
+            old = m.law_top or rnd.law_top
+            m.law_top = [0.9 * a + 0.1 * b for a, b in zip(old, rnd.law_top)]
         if not rnd.drafted:  # its cost is news (a prompt-lookup branch may have been verified)
             ratio = rnd.step_ms / self.cost.at(rnd.ctx_len, rnd.nodes + 1)
             m.plain_ratio = average(m.plain_ratio, clipped(ratio, m.plain_ratio))
