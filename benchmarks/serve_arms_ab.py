@@ -1,8 +1,10 @@
 """Two `ddscope serve` arms side by side, request by request: `auto` against `ar` (by default) on sampled code.
 
 peer_vllm.py runs each arm's requests of a cell back to back, so a cell's ratio carries the VM's minute with it.
-Here both servers are up at once, each in its own process, and the arms take turns on each prompt (ABBA order,
-the same seed for both); each server's own telemetry (the response's `ddscope` extension) gives its mean step
+Here the servers are up at once, each in its own process, and the arms take turns on each prompt (ABBA order,
+the same seed for both). Each arm runs on two processes, started first and last (A B B A), its prompts alternating
+between them: two identical `ar` servers on this machine ran 4-10 % apart, the first started the slower. Each
+server's own telemetry (the response's `ddscope` extension) gives its mean step
 and its phases a step. The statistic is the median of the per-prompt ratios of mean step; end-to-end latency is
 reported beside it.
 
@@ -29,11 +31,11 @@ from ddscope.util.process import free_port, server_process
 ARMS = {"ar": ["--method", "ar"], "auto": ["--budget", "auto"]}
 
 
-def start(stack: ExitStack, arm: str, log_dir: Path) -> str:
+def start(stack: ExitStack, arm: str, log: Path) -> str:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "ddscope.cli", "serve", "--port", str(port), *ARMS[arm]]
-    stack.enter_context(server_process(cmd, url, log_dir / f"{arm}.log"))
+    stack.enter_context(server_process(cmd, url, log))
     return url
 
 
@@ -64,13 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     print("| context | `auto` / `ar` mean step (median of pairs) | `auto` / `ar` latency | step ms, ar | step ms, auto "
           "| drafted steps, auto |\n|---|---|---|---|---|---|")
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp, httpx.Client(timeout=600) as client:
-        urls = {arm: start(stack, arm, Path(tmp)) for arm in ARMS}
+        urls: dict[str, list[str]] = {arm: [] for arm in ARMS}
+        for arm in (*ARMS, *reversed(ARMS)):  # A B B A: each arm started once early and once late
+            urls[arm].append(start(stack, arm, Path(tmp) / f"{arm}-{len(urls[arm])}.log"))
         for context in (int(c) for c in args.contexts.split(",")):
             got: dict[str, list[dict]] = {arm: [] for arm in ARMS}
             for i in range(args.prompts + 2):
                 prompt = tokenizer.decode(fit_ids(code, 300 + i, context, tokenizer))
                 for arm in abba(i, ("ar", "auto")):
-                    out = ask(client, urls[arm], prompt, args, seed=i)
+                    out = ask(client, urls[arm][i % 2], prompt, args, seed=i)
                     if i >= 2:
                         got[arm].append(out)
             pairs = list(zip(got["auto"], got["ar"]))

@@ -78,15 +78,17 @@ class AutoBudget:
         return not self.paused
 
     def _wants_draft(self, ctx: int, lookup: tuple[float, int]) -> bool:
-        if self.learned.drafted_rounds >= self.warmup and self.learned.plain_evidence < PLAIN_EVIDENCE:
+        m = self.learned
+        if m.drafted_rounds >= self.warmup and m.plain_evidence < PLAIN_EVIDENCE:
             return False  # a plain round now and then, so that what one costs is measured, not assumed
-        if self.learned.drafted_rounds < self.warmup or self._drafting_pays(ctx, *lookup):
-            self.learned.probe_gap = 1
+        # A measured drafter cannot pay where the target's own law rules any drafter out (until the next probe due).
+        if m.drafted_rounds < self.warmup or (not m.ruled_out and self._drafting_pays(ctx, *lookup)):
+            m.probe_gap = 1
             return True
-        if self.since_draft >= self.learned.probe_gap and 1 + lookup[0] < self.skip_below * self.block:
-            self.learned.probe_gap = min(2 * self.learned.probe_gap, self.probe_every)
-            self.learned.ruled_out = not self._perfect_drafter_pays(ctx)
-            if not self.learned.ruled_out:
+        if self.since_draft >= m.probe_gap and 1 + lookup[0] < self.skip_below * self.block:
+            m.probe_gap = min(2 * m.probe_gap, self.probe_every)
+            m.ruled_out = not self._perfect_drafter_pays(ctx)
+            if not m.ruled_out:
                 return True
             self.since_draft = 0  # the target alone rules drafting out, as a probe that did not pay would
             self.paused = self.reach is not None  # and no draft needs this round's features

@@ -188,7 +188,10 @@ class Decoder:
         if self.law.active:
             paths = tree.paths() if self.law.law.reads_history else [[]] * len(index)
             logits = self.law.apply(logits, index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:], paths)
-        noise = None if self.sampling.greedy else self.noise.at(index, logits.shape[-1], logits.device)
-        if tree.size == 0 and noise is not None and self.proposer.wants_law_top:
-            self.law_top = self.sampling.log_probs(logits[:1]).exp().topk(4).values[0].tolist()
-        return self.sampling.choose(logits, noise)
+        if self.sampling.greedy:
+            return self.sampling.choose(logits, None)
+        noise = self.noise.at(index, logits.shape[-1], logits.device)
+        log_probs = self.sampling.log_probs(logits)
+        if tree.size == 0 and self.proposer.wants_law_top:
+            self.law_top = log_probs[0].topk(4).values.exp().tolist()
+        return self.sampling.draw(log_probs, noise)

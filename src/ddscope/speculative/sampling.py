@@ -46,8 +46,12 @@ class SamplingParams:
     def choose(self, logits: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
         """One token per row: argmax when greedy, else an exponential race over this sampler's distribution,
         argmax(log p - log E) with E ~ Exp(1) given by `noise` (a Gumbel-max draw, as vLLM's random_sample)."""
-        scores = logits if self.greedy else self.log_probs(logits) - noise.log()
-        return first_max(scores).tolist()
+        return first_max(logits).tolist() if self.greedy else self.draw(self.log_probs(logits), noise)
+
+    @staticmethod
+    def draw(log_probs: torch.Tensor, noise: torch.Tensor) -> list[int]:
+        """`choose` on this sampler's log-probabilities, already taken."""
+        return first_max(log_probs - noise.log()).tolist()
 
 
 class TokenLogprob(NamedTuple):
