@@ -43,7 +43,7 @@ from ddscope.peers.sglang import SGLANG, sglang_server
 from ddscope.peers.vllm import VLLM_CPU, all_cores, vllm_server
 
 VLLM_METRICS = ("--enable-per-request-metrics",)
-TWICE = ("ddscope auto", "ddscope ar")  # arms served by two processes (start_order)
+TWICE = ("ddscope auto", "ddscope ar")  # arms served by two processes, new each round (start_order)
 
 
 def arms(budgets: list[int]) -> dict[str, Server]:
@@ -91,13 +91,14 @@ def arm_budget(arm: str) -> str:
     return arm.rsplit(" ", 1)[1] if arm.startswith("ddscope budget ") else "auto"
 
 
-def start_order(chosen: list[str]) -> list[str]:
-    """The order servers start in: every arm, then a second process of each of `TWICE` (the arms the issue's
-    ratios compare) in reverse order. Two `ddscope serve --method ar` processes of this machine ran 4-10 % apart
-    over a run of 24 request pairs, the first started the slower in 5 runs of 5; an arm's requests alternate
-    between its two, started first and last."""
-    twice = [a for a in chosen if a in TWICE]
-    return chosen + twice[::-1]
+def start_order(fresh: list[str], r: int) -> list[str]:
+    """The order round `r`'s fresh processes start in: two of each of `fresh` (the arms the issue's ratios compare:
+    `TWICE`), A B B A, A and B swapped every other round. Two `ddscope serve --method ar` processes of this
+    machine ran 4-10 % apart over a run of 24 request pairs (the first started the slower in 5 runs of 5), and an
+    auto process 12 % apart from its twin at 5,553 tokens: an arm's requests alternate between its two, and each
+    round has new ones."""
+    order = fresh if r % 2 == 0 else fresh[::-1]
+    return order + order[::-1]
 
 
 def sweeps(urls: dict[str, list[str]], passes: list[Pass], contexts: list[int], args: argparse.Namespace,
@@ -132,8 +133,8 @@ def cell(clients: dict[str, list[Sweep]], context: int, ci: int, r: int) -> dict
     for k in range(cfg.repeats):
         turn = (k + r) % len(arms)
         for arm in arms[turn:] + arms[:turn]:
-            sweep = clients[arm][(k + r) % len(clients[arm])]
-            got[arm].append(_checked(sweep, context, k, cfg.timed_prompt(ci, k)))
+            i = (k + r) % len(clients[arm])
+            got[arm].append({**_checked(clients[arm][i], context, k, cfg.timed_prompt(ci, k)), "process": i})
     return got
 
 
@@ -268,25 +269,34 @@ def main() -> int:
     records: dict[str, dict[str, dict[tuple[int, int, int], dict]]] = {a: {} for a in chosen}  # arm, pass, (round, repeat, ctx)
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack, httpx.Client(timeout=args.timeout) as client:
-        urls: dict[str, list[str]] = {arm: [] for arm in chosen}
-        for arm in start_order(chosen):
+        def start(arm: str, within: ExitStack, urls: dict[str, list[str]], r: int) -> None:
             print(f"[{time.time() - started:5.0f} s] starting {arm}", file=sys.stderr, flush=True)
-            urls[arm].append(stack.enter_context(servers[arm](Path(tmp) / f"{arm}-{len(urls[arm])}.log")))
-        clients = sweeps(urls, passes, contexts, args, client)
+            log = Path(tmp) / f"{arm}-{r}-{len(urls.setdefault(arm, []))}.log"
+            urls[arm].append(within.enter_context(servers[arm](log)))
+
+        lasting: dict[str, list[str]] = {}
+        for arm in (a for a in chosen if a not in TWICE):
+            start(arm, stack, lasting, 0)
+        clients = sweeps(lasting, passes, contexts, args, client)
         taken: dict[str, int] = {}  # per workload, timed prompts of earlier (round, pass)es: never sent again
         for r in range(args.rounds):
-            for x in passes:
-                first = taken.get(x.workload, 0)
-                taken[x.workload] = first + x.repeats * len(contexts)
-                running = {a: clients[a, x.name] for a in chosen if (a, x.name) in clients}
-                for sweep in (s for replicas in running.values() for s in replicas):
-                    sweep.cfg.first_prompt = first
-                for ci, context in enumerate(contexts):
-                    for arm, got in cell(running, context, ci, r).items():
-                        for rec in got:
-                            records[arm].setdefault(x.name, {})[(r, rec["repeat"], context)] = rec
-                    print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {context}",
-                          file=sys.stderr, flush=True)
+            with ExitStack() as round_stack:
+                fresh: dict[str, list[str]] = {}
+                for arm in start_order([a for a in chosen if a in TWICE], r):
+                    start(arm, round_stack, fresh, r)
+                clients.update(sweeps(fresh, passes, contexts, args, client))
+                for x in passes:
+                    first = taken.get(x.workload, 0)
+                    taken[x.workload] = first + x.repeats * len(contexts)
+                    running = {a: clients[a, x.name] for a in chosen if (a, x.name) in clients}
+                    for sweep in (s for replicas in running.values() for s in replicas):
+                        sweep.cfg.first_prompt = first
+                    for ci, context in enumerate(contexts):
+                        for arm, got in cell(running, context, ci, r).items():
+                            for rec in got:
+                                records[arm].setdefault(x.name, {})[(r, rec["repeat"], context)] = rec
+                        print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {context}",
+                              file=sys.stderr, flush=True)
     cells = {a: {pn: {c: summarise([rec for (_, _, ctx), rec in per.items() if ctx == c]) for c in contexts}
                  for pn, per in by_pass.items()} for a, by_pass in records.items()}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -300,7 +310,8 @@ def main() -> int:
              f"All servers up at once, each in its own process at its default threads (ddscope: 1 for the decode, "
              f"a prefill of 256+ new tokens on the idle CPUs; vLLM: its worker bound to one core, the other kept "
              f"for its scheduler; `vLLM DFlash all cores`: the worker bound to both; `ddscope auto` and `ar` on two "
-             f"processes each, started first and last, their requests alternating); {args.rounds} rounds, each "
+             f"processes each, new every round, started A B B A (B A A B the next round), their requests "
+             f"alternating); {args.rounds} rounds, each "
              f"per pass and context 1 warm-up per server process, then "
              f"{' / '.join(f'{x.repeats} ({x.name})' for x in passes)} timed requests per arm with the arms taking "
              f"turns request by request (the order rotated), "
