@@ -403,3 +403,36 @@ def test_features_pause_where_drafting_is_ruled_out_and_a_probe_waits_for_the_dr
     assert first - resumed >= 20 and all(kept[resumed:first + 1])
     rounds_with_law(whole, 44, flat)
     assert whole.captures and whole.learned.ruled_out
+
+
+def test_rounds_where_the_law_rules_drafting_out_run_as_ar_until_the_law_is_read_again():
+    """Once the target's law rules every drafter out, the rounds before the next reading of it are quiet: no draft,
+    no lookup proposal grafted or scored, no step time learned, only the count towards the next probe. The
+    rounds that read the law again (the last eighth of the gap) weigh everything as before, lookup included."""
+    flat = [0.3, 0.1, 0.05, 0.05]
+    policy = AutoBudget(cost(0.02), probe_every=16)
+    rounds_with_law(policy, 4 + 40, flat)  # warm-up, then ruled out
+    assert policy.learned.ruled_out and policy.learned.probe_gap == 16
+    proposer = DDTree(policy)
+    proposer.rounds = DDTree.TRUSTED_AFTER
+    proposer.lookup_gain, proposer.lookup_hits, proposer.lookup_misses = 6.0, 6.0, 1.0  # a loop lookup would draft
+    history = [1, 2, 3, 4] * 8
+    quiet = looked = 0
+    for i in range(32):
+        ctx = 200 + i
+        gain, ratio, since = proposer.lookup_gain, policy.learned.plain_ratio, policy.since_draft
+        assert not proposer.drafts(ctx)
+        was_quiet = proposer._quiet
+        tree = proposer.tree(history[-1], None, SamplingParams(temperature=0.7), ctx, history)
+        rnd = RoundStats(ctx, tree.size, committed=1, verify_ms=4.0)
+        rnd.law_top = list(flat) if policy.wants_law_top else None
+        proposer.observe(rnd, [0], [history[len(history) % 4]])
+        history.append(history[len(history) % 4])
+        if was_quiet:
+            quiet += 1
+            assert tree.size == 0 and proposer.lookup_gain == gain and policy.learned.plain_ratio == ratio
+            assert policy.since_draft == since + 1
+        else:
+            looked += 1
+            assert proposer.lookup_gain != gain  # lookup proposed and was scored
+    assert quiet >= 24 and looked >= 2

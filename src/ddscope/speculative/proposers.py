@@ -36,6 +36,11 @@ class BudgetPolicy(Protocol):
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None: ...
 
+    @property
+    def quiet(self) -> bool: ...
+
+    def pass_quietly(self) -> None: ...
+
 
 class Proposer(ABC):
     uses_drafter = True
@@ -98,8 +103,10 @@ class DDTree(Proposer):
     that does not repeat), and a loop the drafter already commits is seen within a round, not over the
     rounds a branch takes to grow. `auto` weighs the branch as what a round without the drafter would
     commit, once `TRUSTED_AFTER` rounds have measured it, and in a round without the drafter verifies only
-    as much of it as its chances pay for (a verified token doubles what a plain round verifies). In a batch, the branch competes with every tree's nodes for
-    the step's rows (BatchBudget), and gets the length it wins there, at most what it earned.
+    as much of it as its chances pay for (a verified token doubles what a plain round verifies). In a batch, the
+    branch competes with every tree's nodes for the step's rows (BatchBudget), and gets the length it wins there,
+    at most what it earned. In `auto`'s quiet rounds (its `quiet`: the target's own law ruled drafting out)
+    lookup neither proposes nor is scored.
     """
 
     TRUSTED_AFTER = 4
@@ -117,6 +124,7 @@ class DDTree(Proposer):
         self._proposal: list[int] = []  # lookup's continuation this round, grafted or not
         self._proposed_at = -1  # the history length `_proposal` continues
         self.branch: int | None = None  # this round's branch length, when a batch's budget chose it
+        self._quiet = False  # this round is one in which the policy weighs nothing (`drafts` asked it)
 
     def tree(self, root: int, draft_logits: torch.Tensor | None, sampling: SamplingParams, ctx_len: int,
              history: list[int] = (), steer: Steer | None = None) -> DraftTree:
@@ -128,7 +136,7 @@ class DDTree(Proposer):
         else:
             tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len, steer)
         self.rounds += 1
-        if self.lookup is not None and history:
+        if self.lookup is not None and history and not self._quiet:
             earned = self._propose(history)
             length = earned if self.branch is None else min(self.branch, earned)
             if length and self.branch is None and draft_logits is None and self.policy is not None:
@@ -172,11 +180,18 @@ class DDTree(Proposer):
     def drafts(self, ctx_len: int) -> bool:
         if self.policy is None:
             return True
+        self._quiet = self.policy.quiet
+        if self._quiet:
+            return False
         if self.lookup is None or self.rounds < self.TRUSTED_AFTER:
             return self.policy.drafts(ctx_len)
         return self.policy.drafts(ctx_len, (self.lookup_gain, self._branch_length()))
 
     def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
+        if self._quiet:
+            self._quiet = False
+            self.policy.pass_quietly()
+            return
         if self.lookup is not None:
             hits = next((i for i, (a, b) in enumerate(zip(self._proposal, committed)) if a != b),
                         min(len(self._proposal), len(committed)))
