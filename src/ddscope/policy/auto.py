@@ -98,8 +98,8 @@ class AutoBudget:
     def quiet(self) -> bool:
         """Whether this round has nothing to weigh: the target's law ruled every drafter out, and the rounds that
         sample it again, before the next probe falls due, are still ahead. `drafts` would say no; the proposer then
-        runs the round as `ar` does (no lookup, `pass_quietly` for `observe`), where bookkeeping cost 2-3 % of a
-        demo step (benchmarks/plain_rounds.py). The law's rounds measure the rest: lookup, and a plain round's cost."""
+        runs the round as `ar` does (no lookup, `pass_quietly` for `observe`): the bookkeeping cost 2-3 % of a demo
+        step (docs/performance.md, bar K). The law's rounds measure the rest: lookup, and a plain round's cost."""
         return self.learned.ruled_out and self.resume_at is None and not self.wants_law_top
 
     def pass_quietly(self) -> None:
