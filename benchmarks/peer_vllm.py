@@ -5,7 +5,7 @@ bound to all cores, vLLM plain, SGLang 0.5.23 DFLASH and plain (ddscope.peers.sg
 attention), and `ddscope serve` with `ar`, `dflash`, ddtree `auto` and fixed ddtree budgets, each in its own
 process, idle but for its own requests: `auto` and `ar` on two new processes each round (`start_order`), the
 others for the whole benchmark. Passes: padding and code at T=0 for every arm, and code
-at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one warm-up per arm and then
+at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, one warm-up per server process and then
 2-12 timed requests (`PASSES`) with the arms taking turns request by request (each arm first as often as
 last): this machine's speed drifts by a tenth to a third over minutes, which a cell's requests run arm
 after arm left in its ratios (T=0.7 at 0.86-1.14x of `ar` from run to run, where `auto` and `ar` run the
@@ -29,6 +29,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,23 @@ def _checked(sweep: Sweep, context: int, repeat: int, index: int) -> dict:
     return record
 
 
+def run_round(r: int, clients: dict[tuple[str, str], list[Sweep]], passes: list[Pass], contexts: list[int],
+              taken: dict[str, int], records: dict, progress: Callable[[str], None]) -> None:
+    """Round `r`: every pass at every context, into `records` {arm: {pass name: {(round, repeat, ctx): record}}},
+    each pass's prompts after those earlier rounds took of its workload (`taken`, updated)."""
+    for x in passes:
+        first = taken.get(x.workload, 0)
+        taken[x.workload] = first + x.repeats * len(contexts)
+        running = {arm: replicas for (arm, name), replicas in clients.items() if name == x.name}
+        for sweep in (s for replicas in running.values() for s in replicas):
+            sweep.cfg.first_prompt = first
+        for ci, context in enumerate(contexts):
+            for arm, got in cell(running, context, ci, r).items():
+                for rec in got:
+                    records[arm].setdefault(x.name, {})[(r, rec["repeat"], context)] = rec
+            progress(f"{x.name} {context}")
+
+
 def summarise(records: list[dict]) -> dict[str, float | None]:
     """Medians over rounds of one (arm, pass, context)."""
     ok = [r for r in records if not r["error"]]
@@ -264,7 +282,7 @@ def main() -> int:
     p.add_argument("--contexts", default="13,1663,3333,5553", help="(default: %(default)s)")
     p.add_argument("--budgets", default="8,16,32,64", help="fixed ddtree budgets to compare (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="sweeps per pass and arm (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every pass and context (default: %(default)s)")
     p.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all)")
     p.add_argument("--passes", default=",".join(x.name for x in PASSES), help="(default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per request (default: %(default)s)")
@@ -297,18 +315,9 @@ def main() -> int:
                 for arm in start_order([a for a in chosen if a in TWICE], r):
                     start(arm, round_stack, fresh, r)
                 clients.update(sweeps(fresh, passes, contexts, args, client))
-                for x in passes:
-                    first = taken.get(x.workload, 0)
-                    taken[x.workload] = first + x.repeats * len(contexts)
-                    running = {a: clients[a, x.name] for a in chosen if (a, x.name) in clients}
-                    for sweep in (s for replicas in running.values() for s in replicas):
-                        sweep.cfg.first_prompt = first
-                    for ci, context in enumerate(contexts):
-                        for arm, got in cell(running, context, ci, r).items():
-                            for rec in got:
-                                records[arm].setdefault(x.name, {})[(r, rec["repeat"], context)] = rec
-                        print(f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {x.name} {context}",
-                              file=sys.stderr, flush=True)
+                run_round(r, clients, passes, contexts, taken, records, lambda note: print(
+                    f"[{time.time() - started:5.0f} s] round {r + 1}/{args.rounds} {note}", file=sys.stderr,
+                    flush=True))
     cells = {a: {pn: {c: summarise([rec for (_, _, ctx), rec in per.items() if ctx == c]) for c in contexts}
                  for pn, per in by_pass.items()} for a, by_pass in records.items()}
     args.out.mkdir(parents=True, exist_ok=True)
