@@ -1,34 +1,22 @@
 /* A step's ops on the CPU (ddscope.models.native builds this file and says why): RMSNorm and the heads' norm
  * + RoPE, one call each instead of torch's five to eight dispatches; projections on weights reordered into
- * panels (fp32 on AVX-512, bf16 on AMX); the attention of a few rows (fp32 trees as two panel products); a decode
- * row or a tree's rows through a layer in one call (a decode row on a scattered cache: two around its write).
+ * panels (fp32; bf16 on AMX, vdpbf16ps, or widened to fp32); the attention of a few rows (fp32 trees as two panel
+ * products); a decode row or a tree's rows through a layer in one call (a decode row on a scattered cache: two
+ * around its write). Written once over vec.h's 16-lane vector and compiled per ISA (AVX-512, AVX2, generic).
  * Each row is computed alone, in the same order whatever the number of rows, so a row's result does not depend
  * on the rows beside it (and in bf16 a tree's verify sees what a decode step sees). bf16 variants round where
  * torch's ops would: after the normalisation, after each product and after the sum. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <omp.h>
 #include <string.h>
 
-#define LANES 16
+#include "vec.h"
+
 #define PARALLEL_ELEMENTS (1 << 16) /* fewer than this run on the calling thread alone */
 
-static inline float bf2f(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f2bf(float f) { /* round to nearest even, as torch does; NaN stays NaN */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
+const char *kernels_isa(void) { return VF_ISA; }
 
 /* 1 / RMS of one row, summed in LANES partial sums (a fixed order the compiler vectorises). */
 static inline float inv_rms(const float *x, int64_t dim, float eps) {
@@ -111,13 +99,13 @@ void norm_rope_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *cos, c
 /* ---- fp32 projections: y [M, N] = x [M, K] @ w^T, w reordered as groups of 4 panels of 16 outputs, their k rows
  * side by side: p[N / 64][K][64] ---------------------------------------------------------------------------------
  * Every output is one chain of FMAs over k in order, from zero, whatever M and the tile: a row's result is the
- * same bits alone or among others. A tile holds TILE_ROWS rows by a group's TILE_PANELS panels in 24 registers;
- * one row (a decode step) runs over a group. Each group is one stream through memory: the hardware prefetcher
- * follows one stream better than 4 panels laid one after another (docs/journal.md has the measurement).
- * N is a multiple of 128 (ddscope.models.native.paneled). */
-#ifdef __AVX512F__
+ * same bits alone or among others, and on every ISA. A tile holds TILE_ROWS rows by VF_WIDTH of a group's panels
+ * in registers (24 of AVX-512's 32, 12 of AVX2's 16); one row (a decode step) runs over a whole group. Each group
+ * is one stream through memory: the hardware prefetcher follows one stream better than 4 panels laid one after
+ * another (docs/journal.md has the measurement). N is a multiple of 128 (ddscope.models.native.paneled). */
 #define TILE_PANELS 4
 #define GROUP (TILE_PANELS * 16) /* floats in a group's k row */
+#define SUB_TILES (TILE_PANELS / VF_WIDTH) /* tiles side by side across a group */
 #define TILE_ROWS 6
 #define ROW_BLOCK 256 /* rows whose activations stay in L2 while every panel passes */
 
@@ -127,24 +115,21 @@ void pack_f32(const float *w, float *p, int64_t N, int64_t K, int threads) {
     for (int64_t k = 0; k < K; k++) p[(n / GROUP * K + k) * GROUP + n % GROUP] = w[n * K + k];
 }
 
-/* A register tile's step: acc[i][j] += (row i's scalar, an expression of i) * wj, for MR rows by 4 vectors. */
+/* A register tile's step: acc[i][j] += (row i's scalar, an expression of i) * w[j], for MR rows by VF_WIDTH. */
 #define FMA_ROWS(MR, SCALAR)                                                                                    \
   for (int i = 0; i < MR; i++) {                                                                                \
-    __m512 b = _mm512_set1_ps(SCALAR);                                                                          \
-    acc[i][0] = _mm512_fmadd_ps(b, w0, acc[i][0]);                                                              \
-    acc[i][1] = _mm512_fmadd_ps(b, w1, acc[i][1]);                                                              \
-    acc[i][2] = _mm512_fmadd_ps(b, w2, acc[i][2]);                                                              \
-    acc[i][3] = _mm512_fmadd_ps(b, w3, acc[i][3]);                                                              \
+    vf b = vf_set1(SCALAR);                                                                                     \
+    for (int j = 0; j < VF_WIDTH; j++) acc[i][j] = vf_fma(b, w[j], acc[i][j]);                                  \
   }
 /* One beat's share of a stream's `lines` prefetched into L2 over `beats` beats: `due` carries the remainder,
  * so the lines go evenly and all of them by the last beat (in one burst, they stall the FMAs they hide behind). */
 static inline const char *spread(const char *next, int64_t *due, int64_t lines, int64_t beats) {
-  for (*due += lines; *due >= beats; *due -= beats, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  for (*due += lines; *due >= beats; *due -= beats, next += 64) PREFETCH_L2(next);
   return next;
 }
-/* A tile over k in [k0, k1), its sums carried in y from the step before; with `next`, it also prefetches lines
- * [l, l1) of the weights further on in the thread's stream into L2, evenly over its k loop's beats: the later
- * tiles run from L2 (or L1, in steps of k) while the memory streams the rest in. */
+/* A tile over k in [k0, k1) and panels [q0, q0 + VF_WIDTH), its sums carried in y from the step before; with
+ * `next`, it also prefetches lines [l, l1) of the weights further on in the thread's stream into L2, evenly over
+ * its k loop's beats: the later tiles run from L2 (or L1, in steps of k) while the memory streams the rest in. */
 #define TILE(MR)                                                                                                \
   static void tile_##MR(const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t m0, int64_t q0, \
                         int64_t k0, int64_t k1) {                                                               \
@@ -159,17 +144,17 @@ static inline const char *spread(const char *next, int64_t *due, int64_t lines, 
 #define TILE_K(MR, kk)                                                                                          \
   {                                                                                                             \
     const float *pq = pk + ((kk) - k) * GROUP;                                                                  \
-    __m512 w0 = _mm512_loadu_ps(pq), w1 = _mm512_loadu_ps(pq + 16);                                             \
-    __m512 w2 = _mm512_loadu_ps(pq + 32), w3 = _mm512_loadu_ps(pq + 48);                                        \
+    vf w[VF_WIDTH];                                                                                             \
+    for (int j = 0; j < VF_WIDTH; j++) w[j] = vf_load(pq + j * 16);                                             \
     FMA_ROWS(MR, xr[i * K + (kk)])                                                                              \
   }
 #define BEAT 4 /* k rows a beat of the loop: its prefetch bookkeeping once a beat, not once a k */
 #define TILE_BODY(MR, FETCH)                                                                                    \
-    __m512 acc[MR][TILE_PANELS];                                                                                \
+    vf acc[MR][VF_WIDTH];                                                                                       \
     for (int i = 0; i < MR; i++)                                                                                \
-      for (int j = 0; j < TILE_PANELS; j++)                                                                     \
-        acc[i][j] = k0 ? _mm512_loadu_ps(y + (m0 + i) * N + (q0 + j) * 16) : _mm512_setzero_ps();               \
-    const float *pk = p + (q0 / TILE_PANELS * K + k0) * GROUP, *xr = x + m0 * K;                                \
+      for (int j = 0; j < VF_WIDTH; j++)                                                                        \
+        acc[i][j] = k0 ? vf_load(y + (m0 + i) * N + (q0 + j) * 16) : vf_zero();                                \
+    const float *pk = p + (q0 / TILE_PANELS * K + k0) * GROUP + q0 % TILE_PANELS * 16, *xr = x + m0 * K;        \
     int64_t k = k0;                                                                                             \
     for (; k + BEAT <= k1; k += BEAT, pk += BEAT * GROUP) {                                                     \
       FETCH                                                                                                     \
@@ -177,7 +162,7 @@ static inline const char *spread(const char *next, int64_t *due, int64_t lines, 
     }                                                                                                           \
     for (; k < k1; k++, pk += GROUP) TILE_K(MR, k)                                                              \
     for (int i = 0; i < MR; i++)                                                                                \
-      for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (m0 + i) * N + (q0 + j) * 16, acc[i][j]);
+      for (int j = 0; j < VF_WIDTH; j++) vf_store(y + (m0 + i) * N + (q0 + j) * 16, acc[i][j]);
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 typedef void (*tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 typedef void (*fetching_tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -191,14 +176,14 @@ static const fetching_tile_fn FETCHING_TILES[TILE_ROWS + 1] = {0, fetching_tile_
 #define FETCH_STEPS 4 /* in steps of k, a step's tiles ask for the weights 4 steps on (64 KB); else the next group's */
 
 static void one_row(const float *x, const float *p, float *y, int64_t K, int64_t q0) {
-  __m512 acc[TILE_PANELS];
-  for (int j = 0; j < TILE_PANELS; j++) acc[j] = _mm512_setzero_ps();
+  vf acc[TILE_PANELS];
+  for (int j = 0; j < TILE_PANELS; j++) acc[j] = vf_zero();
   const float *pk = p + q0 / TILE_PANELS * K * GROUP;
   for (int64_t k = 0; k < K; k++, pk += GROUP) {
-    __m512 xb = _mm512_set1_ps(x[k]);
-    for (int j = 0; j < TILE_PANELS; j++) acc[j] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(pk + j * 16), acc[j]);
+    vf xb = vf_set1(x[k]);
+    for (int j = 0; j < TILE_PANELS; j++) acc[j] = vf_fma(xb, vf_load(pk + j * 16), acc[j]);
   }
-  for (int j = 0; j < TILE_PANELS; j++) _mm512_storeu_ps(y + (q0 + j) * 16, acc[j]);
+  for (int j = 0; j < TILE_PANELS; j++) vf_store(y + (q0 + j) * 16, acc[j]);
 }
 
 void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N, int threads) {
@@ -215,42 +200,43 @@ void linear_f32(const float *x, const float *p, float *y, int64_t M, int64_t K, 
         int64_t rows = M - mc < ROW_BLOCK ? M - mc : ROW_BLOCK, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
         int64_t step = tiles >= STEP_TILES && tiles <= FETCH_TILES ? K_STEP : K;
         int64_t lead = step < K ? FETCH_STEPS * step : K; /* k rows of the thread's stream its tiles fetch ahead */
+        int64_t calls = tiles * SUB_TILES, lines = step * GROUP / 16;
         const float *end = p + g1 * GROUP * K;
         for (int64_t g = g0; g < g1; g++) /* tiles of even height: 33 rows as 6, 6, 6, 5, 5, 5 */
           for (int64_t k0 = 0; k0 < K; k0 += step) {
             const float *next = p + (g * K + k0 + lead) * GROUP;
-            int64_t lines = step * GROUP / 16;
             if (tiles > FETCH_TILES || next >= end) next = 0;
-            for (int64_t i = 0; i < tiles; i++) {
-              int64_t a = rows * i / tiles, b = rows * (i + 1) / tiles, k1 = k0 + step < K ? k0 + step : K;
-              if (next)
-                FETCHING_TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, k0, k1, next, lines * i / tiles,
-                                      lines * (i + 1) / tiles);
-              else
-                TILES[b - a](x, p, y, K, N, mc + a, g * TILE_PANELS, k0, k1);
-            }
+            for (int64_t i = 0, c = 0; i < tiles; i++)
+              for (int64_t s = 0; s < SUB_TILES; s++, c++) {
+                int64_t a = rows * i / tiles, b = rows * (i + 1) / tiles, k1 = k0 + step < K ? k0 + step : K;
+                int64_t q0 = g * TILE_PANELS + s * VF_WIDTH;
+                if (next)
+                  FETCHING_TILES[b - a](x, p, y, K, N, mc + a, q0, k0, k1, next, lines * c / calls,
+                                        lines * (c + 1) / calls);
+                else
+                  TILES[b - a](x, p, y, K, N, mc + a, q0, k0, k1);
+              }
           }
       }
     }
   }
 }
 
-/* ---- bf16 projections on AMX: y [M, N] = x [M, K] @ w^T, w reordered as panels p[N / 16][K / 2][16][2] -----
- * (the tile unit's pair-interleaved layout, a panel's k blocks of 32 one after the other). A tile of up to 16
- * rows by 2 panels sums its k blocks in order from zero, each output by its own row and column alone, so a row's
- * result is the same bits whatever M: a decode step reads the weight at near the memory's rate and a prefill
- * runs at the tile unit's rate. K and N are multiples of 32 (ddscope.models.native.paneled). */
-#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__)
-#define BF16_PRODUCTS 1
-/* Panels of 16 outputs, k-major in pairs: a k pair's 16 outputs are one 64-byte line, the layout both the tile
- * unit's B operand and vdpbf16ps's second operand read. */
+/* ---- bf16 projections: y [M, N] = x [M, K] @ w^T, w reordered as panels p[N / 16][K / 2][16][2] -------------
+ * (pair-interleaved: a k pair's 16 outputs are one 64-byte line, the layout the tile unit's B operand and
+ * vdpbf16ps's second operand read, and two shifts widen). Each output sums its k pairs in order from zero in
+ * fp32 and is rounded once to bf16, so a row's result is the same bits whatever M. K and N are multiples of 32
+ * (ddscope.models.native.paneled). The products: AMX's tiles where Linux lends them, else vdpbf16ps (AVX512-BF16,
+ * e.g. AMD Zen 4), else each pair's two products widened to fp32 (a 16-bit shift) as two FMAs (AVX2, any CPU
+ * without bf16 instructions: torch emulates its bf16 products there, far off the memory's rate). */
 void pack_bf16(const uint16_t *w, uint16_t *p, int64_t N, int64_t K, int threads) {
 #pragma omp parallel for num_threads(threads)
   for (int64_t n = 0; n < N; n++)
     for (int64_t k = 0; k < K; k++) p[((n / 16) * (K / 2) + k / 2) * 32 + (n % 16) * 2 + k % 2] = w[n * K + k];
 }
-#endif
 
+/* AMX: a tile of up to 16 rows by 2 panels sums its k blocks in order; a decode step reads the weight at near the
+ * memory's rate and a prefill runs at the tile unit's rate. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -348,39 +334,50 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
     _tile_release();
   }
 }
-#elif defined(__AVX512BF16__)
-/* ---- bf16 products without the tile unit: vdpbf16ps (AVX512-BF16, e.g. AMD Zen 4) ---------------------------
- * y [M, N] = x [M, K] @ W^T, W in pack_bf16's panels. Each output sums its k pairs in order from zero in fp32, one
- * vdpbf16ps a pair, then is rounded once to bf16: a row's result is the same bits whatever M, and whatever the
- * block of rows it falls in. A decode row streams each panel once (one line a vdpbf16ps); up to DP_ROWS rows share
- * each line, and a row block of DP_ROW_BLOCK stays in L2 while a thread's panels pass. */
-#define DP_ROWS 8 /* not 16: a block of 16 rows reads 16 streams of x at once, more than the prefetcher follows */
+#else
+/* ---- bf16 products without the tile unit, a pair of k at a time ----------------------------------------------
+ * A decode row streams each panel once (one line a pair); up to DP_ROWS rows share each line, and a row block of
+ * DP_ROW_BLOCK stays in L2 while a thread's panels pass. */
 #define DP_ROW_BLOCK 64
-
+#ifdef __AVX512BF16__
+#define DP_ROWS 8 /* not 16: a block of 16 rows reads 16 streams of x at once, more than the prefetcher follows */
 int bf16_products(void) { return 2; } /* 2: vdpbf16ps */
-
-static inline __m512 dp_pair(__m512 acc, const uint16_t *x, __m512bh w) {
+typedef __m512bh wpair;
+static inline wpair pair_load(const uint16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
+static inline vf pair_step(vf acc, const uint16_t *x, wpair w) { /* acc + x0 w_even + x1 w_odd, one vdpbf16ps */
   uint32_t pair;
   memcpy(&pair, x, 4);
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), w);
 }
+#else
+#define DP_ROWS (VF_WIDTH == 1 ? 4 : 8) /* AVX2's 16 registers: 4 rows' sums of 2 each, and the pair's 4 */
+int bf16_products(void) { return 3; } /* 3: widened to fp32 */
+typedef struct { vf even, odd; } wpair;
+static inline wpair pair_load(const uint16_t *w) { return (wpair){vf_even(w), vf_odd(w)}; }
+static inline vf pair_step(vf acc, const uint16_t *x, wpair w) { /* (acc + x0 w_even) + x1 w_odd, two FMAs */
+  return vf_fma(vf_set1(bf2f(x[1])), w.odd, vf_fma(vf_set1(bf2f(x[0])), w.even, acc));
+}
+#endif
 
 /* `r` rows by one panel, each line of it read once for all of them (r a constant where it is called). */
 static inline __attribute__((always_inline)) void dp_rows(const uint16_t *x, const uint16_t *panel, uint16_t *y,
                                                           int64_t K, int64_t N, const int r) {
-  __m512 acc[DP_ROWS];
-  for (int i = 0; i < r; i++) acc[i] = _mm512_setzero_ps();
+  vf acc[DP_ROWS];
+  for (int i = 0; i < r; i++) acc[i] = vf_zero();
   for (int64_t kp = 0; kp < K / 2; kp++) {
-    __m512bh w = (__m512bh)_mm512_loadu_si512(panel + kp * 32);
-    for (int i = 0; i < r; i++) acc[i] = dp_pair(acc[i], x + i * K + 2 * kp, w);
+    wpair w = pair_load(panel + kp * 32);
+    for (int i = 0; i < r; i++) acc[i] = pair_step(acc[i], x + i * K + 2 * kp, w);
   }
-  for (int i = 0; i < r; i++) _mm256_storeu_si256((__m256i *)(y + i * N), (__m256i)_mm512_cvtneps_pbh(acc[i]));
+  for (int i = 0; i < r; i++) vf_store_bf16(y + i * N, acc[i]);
 }
 
 #define DP_CASE(r) case r: dp_rows(x, panel, y, K, N, r); break;
 static void dp_block(const uint16_t *x, const uint16_t *panel, uint16_t *y, int64_t K, int64_t N, int r) {
   switch (r) {
-    DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
+    DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4)
+#if DP_ROWS > 4
+    DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
+#endif
   }
 }
 
@@ -406,70 +403,56 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
  * of TILE_VECTORS, each tile reading the keys and values once: two passes, the scores and their max, then the
  * softmax weights summed key by key. A vector's arithmetic depends on nothing but its own visible keys, in
  * order: a tree's row gets the bits a decode step of the same token gets over the same keys. */
-static inline __m512 exp16(__m512 x) { /* e^x to about 1 ulp: 2^i * e^r, |r| <= ln2 / 2 */
-  const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693145752f),
-               ln2_lo = _mm512_set1_ps(1.42860677e-6f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  __m512 i = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(i, ln2_lo, _mm512_fnmadd_ps(i, ln2_hi, x));
-  __m512 y = _mm512_set1_ps(1.0f / 720);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, i);
+static inline vf vf_exp(vf x) { /* e^x to about 1 ulp: 2^i * e^r, |r| <= ln2 / 2 */
+  x = vf_max(x, vf_set1(-104.0f));
+  vf i = vf_round(vf_mul(x, vf_set1(1.44269504f)));
+  vf r = vf_fnma(i, vf_set1(1.42860677e-6f), vf_fnma(i, vf_set1(0.693145752f), x));
+  vf y = vf_set1(1.0f / 720);
+  y = vf_fma(y, r, vf_set1(1.0f / 120));
+  y = vf_fma(y, r, vf_set1(1.0f / 24));
+  y = vf_fma(y, r, vf_set1(1.0f / 6));
+  y = vf_fma(y, r, vf_set1(0.5f));
+  y = vf_fma(y, r, vf_set1(1.0f));
+  y = vf_fma(y, r, vf_set1(1.0f));
+  return vf_scale2(y, i);
 }
 
 /* Chunk c of a row of ch 16-wide chunks, in fp32. In bf16, chunks 2j and 2j + 1 (when both exist) are the even
  * and the odd elements of the row's 32 from 32 j: one shift or one mask each, where widening in order takes a
  * shuffle too. A sum kept by chunk is then by element all the same, its lanes in that order. */
-static inline __m512 chunk_f32(const float *row, int c, int ch) { return _mm512_loadu_ps(row + c * 16); }
-static inline __m512 chunk_bf16(const uint16_t *row, int c, int ch) {
-  if (c % 2) return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(row + (c - 1) * 16),
-                                                         _mm512_set1_epi32((int)0xffff0000)));
-  __m512i x = c + 1 < ch ? _mm512_loadu_si512(row + c * 16)
-                         : _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c * 16)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+static inline vf chunk_f32(const float *row, int c, int ch) { return vf_load(row + c * 16); }
+static inline vf chunk_bf16(const uint16_t *row, int c, int ch) {
+  if (c % 2) return vf_odd(row + (c - 1) * 16);
+  return c + 1 < ch ? vf_even(row + c * 16) : vf_widen(row + c * 16);
 }
 /* out = sums * scale, the sums by chunk as `chunk_` reads them; each output rounded once. */
-static inline void scaled_f32(float *out, const __m512 *sums, int ch, __m512 scale) {
-  for (int c = 0; c < ch; c++) _mm512_storeu_ps(out + c * 16, _mm512_mul_ps(sums[c], scale));
+static inline void scaled_f32(float *out, const vf *sums, int ch, vf scale) {
+  for (int c = 0; c < ch; c++) vf_store(out + c * 16, vf_mul(sums[c], scale));
 }
-static inline void scaled_bf16(uint16_t *out, const __m512 *sums, int ch, __m512 scale) {
+static inline void scaled_bf16(uint16_t *out, const vf *sums, int ch, vf scale) {
   int c = 0;
-  for (; c + 1 < ch; c += 2) { /* the even elements' bf16 in each lane's low half, the odd ones' in its high */
-    __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[c], scale)));
-    __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[c + 1], scale)));
-    _mm512_storeu_si512(out + c * 16, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
-  }
-  if (c < ch) /* an odd row's last 16 */
-    _mm256_storeu_si256((__m256i *)(out + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[c], scale)));
+  for (; c + 1 < ch; c += 2) vf_store_bf16_pairs(out + c * 16, vf_mul(sums[c], scale), vf_mul(sums[c + 1], scale));
+  if (c < ch) vf_store_bf16(out + c * 16, vf_mul(sums[c], scale)); /* an odd row's last 16 */
 }
-/* A dot product's step s over rows of ch 16-wide chunks: fp32, an FMA of chunk s; bf16, a `vdpbf16ps` of the 32
- * elements from 32 s (an odd row's last 16 alone), each lane adding its pair's products, exact in fp32, one at
- * a time: an FMA chain's arithmetic in half the instructions, with no widening. */
+/* A dot product's step s over rows of ch 16-wide chunks: fp32, an FMA of chunk s; bf16 with AVX512-BF16, a
+ * `vdpbf16ps` of the 32 elements from 32 s (an odd row's last 16 alone), each lane adding its pair's products,
+ * exact in fp32, one at a time: an FMA chain's arithmetic in half the instructions, with no widening; bf16
+ * elsewhere, an FMA of the widened chunk s. */
 #define STEPS_f32(ch) (ch)
-#define STEPS_bf16(ch) (((ch) + 1) / 2)
 #define step_f32 chunk_f32
-static inline __m512 step_bf16(const uint16_t *row, int s, int ch) {
+static inline vf mac_f32(vf acc, vf a, vf b) { return vf_fma(a, b, acc); }
+#ifdef __AVX512BF16__
+#define STEPS_bf16(ch) (((ch) + 1) / 2)
+static inline vf step_bf16(const uint16_t *row, int s, int ch) {
   return _mm512_castsi512_ps(2 * s + 1 < ch ? _mm512_loadu_si512(row + s * 32)
                                             : _mm512_maskz_loadu_epi16(0xffff, row + s * 32));
 }
-static inline __m512 mac_f32(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
-static inline __m512 mac_bf16(__m512 acc, __m512 a, __m512 b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-/* Four keys' dot products, each summed across its lanes by one tree whichever slot it holds (halves, quarters,
- * then within a quarter): key j's sum in lane 4 j. */
-static inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
-  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
-  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4e));
-  return _mm512_add_ps(x, _mm512_permute_ps(x, 0xb1));
-}
+static inline vf mac_bf16(vf acc, vf a, vf b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+#else
+#define STEPS_bf16(ch) (ch)
+#define step_bf16 chunk_bf16
+#define mac_bf16 mac_f32
+#endif
 
 /* A thread's scratch of at least `bytes` in one of its slots (0: the attention's, 1: a layer's rows), kept for
  * its next call: a fresh malloc of this size is fresh pages, whose first touch costs a fault each (an
@@ -489,54 +472,54 @@ static float *scratch(int64_t n) { return scratch_in(0, n * (int64_t)sizeof(floa
 /* A pass over keys or values asks for its lines ahead of their use: a stream the prefetchers alone keep too
  * short. fp32, 8 KB ahead into L1; bf16, whose keys take half the time, 16 KB ahead into L2. */
 static inline void ahead_f32(const void *at, int64_t bytes) {
-  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)at + 8192 + l, _MM_HINT_T0);
+  for (int64_t l = 0; l < bytes; l += 64) PREFETCH_L1((const char *)at + 8192 + l);
 }
 static inline void ahead_bf16(const void *at, int64_t bytes) {
-  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)at + 16384 + l, _MM_HINT_T1);
+  for (int64_t l = 0; l < bytes; l += 64) PREFETCH_L2((const char *)at + 16384 + l);
 }
 
 #define MAX_HEAD 256      /* head_dim */
 #define TILE_VECTORS 64   /* query vectors a tile: each tile reads its K/V head once */
 #define BLOCK_BYTES 24576 /* a block of keys (or values) that stays in L1 while a tile's vectors pass */
-#define VB 4 /* query vectors a register block (the last of a tile: 2 or 1) */
-#define KB 4 /* keys a register block of the scores (sum4's) */
+#define VB (VF_WIDTH == 1 ? 1 : 4) /* query vectors a register block (the last of a tile: 2 or 1) */
+#define KB 4 /* keys a register block of the scores (vf_sum4's) */
 /* One tile of m query vectors over one K/V head of head_dim 16 * CH, in blocks of keys that stay in L1 while
- * every vector passes. A score is a chain of steps in each lane, then sum4's tree across them; a value sum, a
+ * every vector passes. A score is a chain of steps in each lane, then vf_sum4's tree across them; a value sum, a
  * chain of FMAs over the keys in order (an unseen one's weight 0); the register blocks only decide which chains
  * run side by side. */
 #define SCORES(SUFFIX, CH, N) /* vectors u0 .. u0 + N over keys [b, end) */                                     \
   for (int64_t s = b; s < end; s += KB) { /* past `end`, a repeated key, never stored */                        \
     if (u0 == 0) ahead_##SUFFIX(kh + s * d, KB * d * sizeof(*kh));                                              \
-    __m512 dot[N][KB];                                                                                          \
+    vf dot[N][KB];                                                                                              \
     for (int i = 0; i < N; i++)                                                                                 \
-      for (int j = 0; j < KB; j++) dot[i][j] = _mm512_setzero_ps();                                             \
+      for (int j = 0; j < KB; j++) dot[i][j] = vf_zero();                                                       \
     for (int c = 0; c < STEPS_##SUFFIX(CH); c++) {                                                              \
-      __m512 kc[KB];                                                                                            \
+      vf kc[KB];                                                                                                \
       for (int j = 0; j < KB; j++) kc[j] = step_##SUFFIX(kh + (s + j < end ? s + j : end - 1) * d, c, CH);      \
       for (int i = 0; i < N; i++) {                                                                             \
-        __m512 qc = step_##SUFFIX(qs[u0 + i], c, CH);                                                           \
+        vf qc = step_##SUFFIX(qs[u0 + i], c, CH);                                                               \
         for (int j = 0; j < KB; j++) dot[i][j] = mac_##SUFFIX(dot[i][j], qc, kc[j]);                            \
       }                                                                                                         \
     }                                                                                                           \
     for (int i = 0; i < N; i++) {                                                                               \
-      float sums[16];                                                                                           \
-      __m512 four = sum4(dot[i][0], dot[i][1], dot[i][2], dot[i][3]);                                           \
-      _mm512_storeu_ps(sums, _mm512_mul_ps(four, _mm512_set1_ps(scale)));                                       \
+      float sums[KB];                                                                                           \
+      vf_sum4(dot[i][0], dot[i][1], dot[i][2], dot[i][3], sums);                                                \
       for (int j = 0; j < KB && s + j < end; j++) {                                                             \
         const uint8_t *sn = seen[u0 + i];                                                                       \
         float x = -INFINITY;                                                                                    \
         if (!sn || sn[s + j]) {                                                                                 \
-          x = sums[4 * j];                                                                                      \
+          x = sums[j] * scale;                                                                                  \
           top[u0 + i] = x > top[u0 + i] ? x : top[u0 + i];                                                      \
         }                                                                                                       \
         scores[(u0 + i) * (S + 16) + s + j] = x;                                                                \
       }                                                                                                         \
     }                                                                                                           \
   }
-#define VC(N) ((N) >= 4 ? 4 : (N) == 2 ? 8 : 16) /* 16-wide chunks of a register block of N vectors' sums */
+/* 16-wide chunks of a register block of N vectors' sums: AVX-512's 32 registers hold 16 of them, AVX2's 4 */
+#define VC(N) (VF_WIDTH == 1 ? 4 : (N) >= 4 ? 4 : (N) == 2 ? 8 : 16)
 #define VALUES(SUFFIX, CH, N) /* vectors u0 .. u0 + N over keys [b, end), each weight 0 where it is unseen */   \
   for (int c0 = 0; c0 < CH; c0 += VC(N)) {                                                                      \
-    __m512 a[N][VC(N)];                                                                                         \
+    vf a[N][VC(N)];                                                                                             \
     float sum[N];                                                                                               \
     for (int i = 0; i < N; i++) {                                                                               \
       sum[i] = total[u0 + i];                                                                                   \
@@ -544,13 +527,13 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
     }                                                                                                           \
     for (int64_t s = b; s < end; s++) {                                                                         \
       if (u0 == 0 && c0 == 0) ahead_##SUFFIX(vh + s * d, d * sizeof(*vh));                                      \
-      __m512 vc[VC(N)];                                                                                         \
+      vf vc[VC(N)];                                                                                             \
       for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) vc[cc] = chunk_##SUFFIX(vh + s * d, c0 + cc, CH);      \
       for (int i = 0; i < N; i++) { /* + 0 * v: a vector's sums stay as they are, bit for bit */                \
         float e = scores[(u0 + i) * (S + 16) + s];                                                              \
-        __m512 w = _mm512_set1_ps(e);                                                                           \
+        vf w = vf_set1(e);                                                                                      \
         if (c0 == 0) sum[i] += e;                                                                               \
-        for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = _mm512_fmadd_ps(w, vc[cc], a[i][cc]);     \
+        for (int cc = 0; cc < VC(N) && c0 + cc < CH; cc++) a[i][cc] = vf_fma(w, vc[cc], a[i][cc]);               \
       }                                                                                                         \
     }                                                                                                           \
     for (int i = 0; i < N; i++) {                                                                               \
@@ -570,24 +553,23 @@ static inline void ahead_bf16(const void *at, int64_t bytes) {
                                    const T *kh, const T *vh, int64_t S, float scale, float *scores) {           \
     const int64_t d = 16 * CH, block = BLOCK_BYTES / (d * (int64_t)sizeof(T)) / KB * KB;                        \
     float top[TILE_VECTORS], total[TILE_VECTORS];                                                               \
-    __m512 acc[TILE_VECTORS][CH];                                                                               \
+    vf acc[TILE_VECTORS][CH];                                                                                   \
     for (int64_t u = 0; u < m; u++) {                                                                           \
       top[u] = -INFINITY, total[u] = 0.0f;                                                                      \
-      for (int c = 0; c < CH; c++) acc[u][c] = _mm512_setzero_ps();                                             \
+      for (int c = 0; c < CH; c++) acc[u][c] = vf_zero();                                                       \
     }                                                                                                           \
     BLOCKS(SCORES, SUFFIX, CH)                                                                                  \
     for (int64_t u = 0; u < m; u++) { /* the 16 past S are padding, never read back; an unseen key weighs 0 */  \
       float *row = scores + u * (S + 16);                                                                       \
       for (int64_t s = S; s < S + 16; s++) row[s] = -INFINITY;                                                  \
       for (int64_t s = 0; s < S; s += 16) {                                                                     \
-        __m512 x = _mm512_loadu_ps(row + s);                                                                    \
-        __mmask16 shown = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);                        \
-        _mm512_storeu_ps(row + s, _mm512_maskz_mov_ps(shown, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top[u]))))); \
+        vf x = vf_load(row + s);                                                                                \
+        vf_store(row + s, vf_unless_neg_inf(x, vf_exp(vf_sub(x, vf_set1(top[u])))));                            \
       }                                                                                                         \
     }                                                                                                           \
     BLOCKS(VALUES, SUFFIX, CH)                                                                                  \
     for (int64_t u = 0; u < m; u++)                                                                             \
-      scaled_##SUFFIX(outs[u], acc[u], CH, _mm512_set1_ps(1.0f / total[u]));                                    \
+      scaled_##SUFFIX(outs[u], acc[u], CH, vf_set1(1.0f / total[u]));                                          \
   }
 #define ATTEND(SUFFIX, T)                                                                                       \
   ATTEND_TILE(SUFFIX, T, 1) ATTEND_TILE(SUFFIX, T, 2)                                                           \
@@ -643,32 +625,33 @@ static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d)
 #define TREE_VECTORS 80 /* query vectors a unit: 5 panels of 16 */
 #define D_STEP 64       /* head dims a pass over a block of keys: the unit's query panels for them (20 KB) in L1 */
 #define SCORE_BLOCK 32  /* keys a block of the scores: their rows stay in L1 while each pass over them runs */
-#define SCORE_KEYS 4    /* keys a register block of the scores (by up to 5 panels) */
+#define SCORE_KEYS (VF_WIDTH == 1 ? 1 : 4) /* keys a register block of the scores (by up to 5 panels) */
 #define MIX_BLOCK 128   /* keys a block of the values' sums, its weights in L1 while every vector passes */
-#define MIX_VECTORS 6   /* vectors a register block of the sums (by 64 head dims) */
+#define MIX_VECTORS 6   /* vectors a register block of the sums (by MIX_DIMS head dims) */
+#define MIX_DIMS (16 * VF_WIDTH)
 #define SCORES_TILE(P)                                                                                          \
   static void scores_##P(const float *qp, const float *kh, float *t, int64_t S, int64_t d, int64_t c0,        \
                          int64_t s, const char *next, int64_t lines) {                                         \
-    __m512 acc[SCORE_KEYS][P];                                                                                  \
+    vf acc[SCORE_KEYS][P];                                                                                      \
     const float *kr[SCORE_KEYS]; /* past S, the last key again, never stored */                                 \
     for (int i = 0; i < SCORE_KEYS; i++) {                                                                      \
       kr[i] = kh + (s + i < S ? s + i : S - 1) * d;                                                             \
       for (int j = 0; j < P; j++)                                                                               \
-        acc[i][j] = c0 ? _mm512_loadu_ps(t + (s + i) * TREE_VECTORS + j * 16) : _mm512_setzero_ps();           \
+        acc[i][j] = c0 ? vf_load(t + (s + i) * TREE_VECTORS + j * 16) : vf_zero();                             \
     }                                                                                                           \
     for (int64_t c = c0, due = 0; c < c0 + D_STEP; c += BEAT) { /* its lines of the stream, evenly */         \
       next = spread(next, &due, lines, D_STEP / BEAT);                                                          \
       for (int64_t e = c; e < c + BEAT; e++) {                                                                  \
-        __m512 qv[P];                                                                                           \
-        for (int j = 0; j < P; j++) qv[j] = _mm512_loadu_ps(qp + (j * d + e) * 16);                             \
+        vf qv[P];                                                                                               \
+        for (int j = 0; j < P; j++) qv[j] = vf_load(qp + (j * d + e) * 16);                                     \
         for (int i = 0; i < SCORE_KEYS; i++) {                                                                  \
-          __m512 kb = _mm512_set1_ps(kr[i][e]);                                                                 \
-          for (int j = 0; j < P; j++) acc[i][j] = _mm512_fmadd_ps(kb, qv[j], acc[i][j]);                        \
+          vf kb = vf_set1(kr[i][e]);                                                                            \
+          for (int j = 0; j < P; j++) acc[i][j] = vf_fma(kb, qv[j], acc[i][j]);                                 \
         }                                                                                                       \
       }                                                                                                         \
     }                                                                                                           \
     for (int i = 0; i < SCORE_KEYS && s + i < S; i++)                                                           \
-      for (int j = 0; j < P; j++) _mm512_storeu_ps(t + (s + i) * TREE_VECTORS + j * 16, acc[i][j]);             \
+      for (int j = 0; j < P; j++) vf_store(t + (s + i) * TREE_VECTORS + j * 16, acc[i][j]);                     \
   }
 SCORES_TILE(1) SCORES_TILE(2) SCORES_TILE(3) SCORES_TILE(4) SCORES_TILE(5)
 typedef void (*scores_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, const char *,
@@ -679,18 +662,18 @@ static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, score
 #define MIX_KEY(MR, e)                                                                                          \
   {                                                                                                             \
     const float *vr = vh + (e) * d + c0, *ts = t + (e) * TREE_VECTORS + u;                                      \
-    __m512 w0 = _mm512_loadu_ps(vr), w1 = _mm512_loadu_ps(vr + 16);                                             \
-    __m512 w2 = _mm512_loadu_ps(vr + 32), w3 = _mm512_loadu_ps(vr + 48);                                        \
+    vf w[VF_WIDTH];                                                                                             \
+    for (int j = 0; j < VF_WIDTH; j++) w[j] = vf_load(vr + j * 16);                                             \
     FMA_ROWS(MR, ts[i])                                                                                         \
   }
-/* Vectors [u, u + MR) of the weights t over keys [s0, s1), values' head dims [c0, c0 + 64): added to their
+/* Vectors [u, u + MR) of the weights t over keys [s0, s1), values' head dims [c0, c0 + MIX_DIMS): added to their
  * sums in o [m][d]. */
 #define MIX_TILE(MR)                                                                                            \
   static void mix_##MR(const float *t, const float *vh, int64_t s0, int64_t s1, int64_t d, int64_t c0,          \
                        int64_t u, float *o, const char *next, int64_t lines) {                                  \
-    __m512 acc[MR][4];                                                                                          \
+    vf acc[MR][VF_WIDTH];                                                                                       \
     for (int i = 0; i < MR; i++)                                                                                \
-      for (int j = 0; j < 4; j++) acc[i][j] = _mm512_loadu_ps(o + (u + i) * d + c0 + j * 16);                   \
+      for (int j = 0; j < VF_WIDTH; j++) acc[i][j] = vf_load(o + (u + i) * d + c0 + j * 16);                    \
     int64_t s = s0, due = 0, beats = (s1 - s0) / BEAT;                                                         \
     for (; s + BEAT <= s1; s += BEAT) { /* its lines of the stream, evenly */                                   \
       next = spread(next, &due, lines, beats);                                                                  \
@@ -698,7 +681,7 @@ static const scores_fn SCORES_TILES[TREE_VECTORS / 16 + 1] = {0, scores_1, score
     }                                                                                                           \
     for (; s < s1; s++) MIX_KEY(MR, s)                                                                          \
     for (int i = 0; i < MR; i++)                                                                                \
-      for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + (u + i) * d + c0 + j * 16, acc[i][j]);                   \
+      for (int j = 0; j < VF_WIDTH; j++) vf_store(o + (u + i) * d + c0 + j * 16, acc[i][j]);                    \
   }
 MIX_TILE(1) MIX_TILE(2) MIX_TILE(3) MIX_TILE(4) MIX_TILE(5) MIX_TILE(6)
 typedef void (*mix_fn)(const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, float *,
@@ -715,17 +698,15 @@ static void softmax_keys(float *t, int64_t S, int64_t m, int64_t open, const uin
       if (seen ? !seen[u][s] : s >= upto[u]) t[s * TREE_VECTORS + u] = -INFINITY;
   int P = (int)((m + 15) / 16);
   for (int j = 0; j < P; j++) {
-    __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps(), sc = _mm512_set1_ps(scale);
-    for (int64_t s = 0; s < S; s++) top = _mm512_max_ps(top, _mm512_loadu_ps(t + s * TREE_VECTORS + j * 16));
+    vf top = vf_set1(-INFINITY), total = vf_zero(), sc = vf_set1(scale);
+    for (int64_t s = 0; s < S; s++) top = vf_max(top, vf_load(t + s * TREE_VECTORS + j * 16));
     for (int64_t s = 0; s < S; s++) {
       float *at = t + s * TREE_VECTORS + j * 16;
-      __m512 x = _mm512_loadu_ps(at);
-      __mmask16 on = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-      __m512 e = _mm512_maskz_mov_ps(on, exp16(_mm512_mul_ps(_mm512_sub_ps(x, top), sc)));
-      _mm512_storeu_ps(at, e);
-      total = _mm512_add_ps(total, e);
+      vf x = vf_load(at), e = vf_unless_neg_inf(x, vf_exp(vf_mul(vf_sub(x, top), sc)));
+      vf_store(at, e);
+      total = vf_add(total, e);
     }
-    _mm512_storeu_ps(sum + j * 16, total);
+    vf_store(sum + j * 16, total);
   }
 }
 
@@ -740,7 +721,7 @@ static void tree_unit(const float *const *qs, float *const *outs, const uint8_t 
   memset(o, 0, sizeof(float) * m * d);
   for (int64_t u = 0; u < m; u++) /* vector u in lane u % 16 of panel u / 16 */
     for (int64_t c = 0; c < d; c++) qp[((u / 16) * d + c) * 16 + u % 16] = qs[u][c];
-  for (int64_t l = 0; l < lines_of(S, 0, SCORE_BLOCK, d); l++) _mm_prefetch((const char *)kh + l * 64, _MM_HINT_T1);
+  for (int64_t l = 0; l < lines_of(S, 0, SCORE_BLOCK, d); l++) PREFETCH_L2((const char *)kh + l * 64);
   /* Each block's calls fetch the next (the last: v's first), each call its share of the lines evenly over its
    * loop: in one burst a call's prefetches stall its FMAs. */
   for (int64_t b = 0; b < S; b += SCORE_BLOCK) {
@@ -757,8 +738,8 @@ static void tree_unit(const float *const *qs, float *const *outs, const uint8_t 
   softmax_keys(t, S, m, open, seen, upto, scale, sum);
   for (int64_t b = 0; b < S; b += MIX_BLOCK) {
     int64_t end = S < b + MIX_BLOCK ? S : b + MIX_BLOCK, c = 0, lines = lines_of(S, end, MIX_BLOCK, d);
-    int64_t calls = d / 64 * ((m + MIX_VECTORS - 1) / MIX_VECTORS);
-    for (int64_t c0 = 0; c0 < d; c0 += 64)
+    int64_t calls = d / MIX_DIMS * ((m + MIX_VECTORS - 1) / MIX_VECTORS);
+    for (int64_t c0 = 0; c0 < d; c0 += MIX_DIMS)
       for (int64_t u = 0; u < m; u += MIX_VECTORS, c++) {
         int64_t l0 = lines * c / calls; /* this call's share of the lines, over its keys */
         MIX_TILES[m - u < MIX_VECTORS ? m - u : MIX_VECTORS](t, vh, b, end, d, c0, u, o,
@@ -767,9 +748,8 @@ static void tree_unit(const float *const *qs, float *const *outs, const uint8_t 
       }
   }
   for (int64_t u = 0; u < m; u++) {
-    __m512 inv = _mm512_set1_ps(1.0f / sum[u]);
-    for (int64_t c = 0; c < d; c += 16)
-      _mm512_storeu_ps(outs[u] + c, _mm512_mul_ps(_mm512_loadu_ps(o + u * d + c), inv));
+    vf inv = vf_set1(1.0f / sum[u]);
+    for (int64_t c = 0; c < d; c += 16) vf_store(outs[u] + c, vf_mul(vf_load(o + u * d + c), inv));
   }
 }
 static float *unit_scratch(int64_t S, int64_t d) {
@@ -831,27 +811,23 @@ void causal_attend_f32(const float *q, const float *k, const float *v, float *ou
 }
 
 /* ---- the MLP's gate: silu(gate) * up, elementwise ------------------------------------------------------- */
-static inline __m512 silu16(__m512 g) { /* g / (1 + e^-g) */
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
+static inline vf silu16(vf g) { return vf_div(g, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), g)))); }
 
 void silu_mul_f32(const float *g, const float *u, float *y, int64_t n, int threads) {
 #pragma omp parallel for if (n >= PARALLEL_ELEMENTS) num_threads(threads)
   for (int64_t i = 0; i < n; i += 16) {
-    __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-    __m512 s = silu16(_mm512_maskz_loadu_ps(m, g + i));
-    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    if (n - i >= 16) vf_store(y + i, vf_mul(silu16(vf_load(g + i)), vf_load(u + i)));
+    else vf_store_n(y + i, vf_mul(silu16(vf_load_n(g + i, n - i)), vf_load_n(u + i, n - i)), n - i);
   }
 }
 
 void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n, int threads) {
 #pragma omp parallel for if (n >= PARALLEL_ELEMENTS) num_threads(threads)
   for (int64_t i = 0; i < n; i += 16) { /* rounded where torch's silu, then its product, round */
-    __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-    __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + i)), 16));
-    __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, u + i)), 16));
-    __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu16(gv))), 16));
-    _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, uv)));
+    if (n - i >= 16)
+      vf_store_bf16(y + i, vf_mul(vf_bf16_round(silu16(vf_widen(g + i))), vf_widen(u + i)));
+    else
+      vf_store_bf16_n(y + i, vf_mul(vf_bf16_round(silu16(vf_widen_n(g + i, n - i))), vf_widen_n(u + i, n - i)), n - i);
   }
 }
 
@@ -926,28 +902,34 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n,
 #define ADD_F32(a, b) ((a) + (b))
 #define ADD_BF16(a, b) f2bf(bf2f(a) + bf2f(b)) /* rounded once, as torch's bf16 add */
 DECODE(f32, float, ADD_F32, tree_attend_f32)
-#ifdef BF16_PRODUCTS
 DECODE(bf16, uint16_t, ADD_BF16, attend_bf16)
-#endif
 
 /* ---- the units' peak and the memory's (ddscope.bench.limit.hardware: the host's floor) ----------------------
  * Independent chains in registers, nothing read from memory: the most FLOPs the FMA units (the tile unit)
  * retire here, which a library's matmul only bounds from below. And a read alone, at least as fast as any
  * product's: each thread sums its share in one stream, 8 sums side by side. */
+#if VF_WIDTH == 1 /* each vf two registers: 12 of AVX2's 16 */
+#define PEAK_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define PEAK_CHAIN_COUNT 6
+#else
 #define PEAK_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define PEAK_START(i) __m512 a##i = _mm512_set1_ps((float)i);
-#define PEAK_FMA(i) a##i = _mm512_fmadd_ps(a##i, m, c);
-#define PEAK_SUM(i) s = _mm512_add_ps(s, a##i);
+#define PEAK_CHAIN_COUNT 12
+#endif
+#define PEAK_START(i) vf a##i = vf_set1((float)i);
+#define PEAK_FMA(i) a##i = vf_fma(a##i, m, c);
+#define PEAK_SUM(i) s = vf_add(s, a##i);
 
-void fma_peak_f32(int64_t steps, float *sink, int threads) { /* a step: 12 FMAs of 16 lanes a thread */
+int64_t fma_peak_flops(void) { return PEAK_CHAIN_COUNT * LANES * 2; } /* a thread's FLOPs a step of fma_peak_f32 */
+
+void fma_peak_f32(int64_t steps, float *sink, int threads) { /* a step: PEAK_CHAIN_COUNT FMAs of 16 lanes a thread */
 #pragma omp parallel num_threads(threads)
   {
-    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f); /* each chain tends to 1: no denormals */
+    const vf m = vf_set1(0.999f), c = vf_set1(1e-3f); /* each chain tends to 1: no denormals */
     PEAK_CHAINS(PEAK_START)
     for (int64_t i = 0; i < steps; i++) { PEAK_CHAINS(PEAK_FMA) }
-    __m512 s = _mm512_setzero_ps();
+    vf s = vf_zero();
     PEAK_CHAINS(PEAK_SUM)
-    sink[omp_get_thread_num()] = _mm512_reduce_add_ps(s);
+    sink[omp_get_thread_num()] = vf_sum(s);
   }
 }
 
@@ -955,12 +937,12 @@ void read_peak_f32(const float *a, int64_t n, float *sink, int threads) { /* n a
 #pragma omp parallel num_threads(threads)
   {
     int64_t t = omp_get_thread_num(), share = n / omp_get_num_threads();
-    __m512 s[8];
-    for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
+    vf s[8];
+    for (int j = 0; j < 8; j++) s[j] = vf_zero();
     for (const float *at = a + t * share; at < a + (t + 1) * share; at += 128)
-      for (int j = 0; j < 8; j++) s[j] = _mm512_add_ps(s[j], _mm512_loadu_ps(at + j * 16));
-    for (int j = 1; j < 8; j++) s[0] = _mm512_add_ps(s[0], s[j]);
-    sink[t] = _mm512_reduce_add_ps(s[0]);
+      for (int j = 0; j < 8; j++) s[j] = vf_add(s[j], vf_load(at + j * 16));
+    for (int j = 1; j < 8; j++) s[0] = vf_add(s[0], s[j]);
+    sink[t] = vf_sum(s[0]);
   }
 }
 
@@ -972,9 +954,9 @@ void dp_peak_bf16(int64_t steps, float *sink, int threads) { /* a step: 12 vdpbf
     const __m512bh x = (__m512bh)_mm512_set1_epi16(0x2000), y = x; /* 2^-63 squared: the sums stay tiny, finite */
     PEAK_CHAINS(PEAK_START)
     for (int64_t i = 0; i < steps; i++) { PEAK_CHAINS(DP_PEAK) }
-    __m512 s = _mm512_setzero_ps();
+    vf s = vf_zero();
     PEAK_CHAINS(PEAK_SUM)
-    sink[omp_get_thread_num()] = _mm512_reduce_add_ps(s);
+    sink[omp_get_thread_num()] = vf_sum(s);
   }
 }
 #endif
@@ -1007,4 +989,3 @@ void amx_peak_bf16(int64_t steps, float *sink, int threads) { /* a step: 4 produ
   }
 }
 #endif
-#endif /* __AVX512F__ */

@@ -1,21 +1,26 @@
-"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, projections on panelled weights (fp32; bf16
-on AMX), the attention of a few rows (a decode step's, a tree's under its mask; fp32 trees as two panel
-products, and a prefill's causal rows as the same products), and the MLP's silu(gate) * up. A decode row or a
-tree's rows through a whole layer in one call: ddscope.models.layer_call.
+"""kernels.c: RMSNorm and the heads' norm + RoPE as one C call each, projections on panelled weights (fp32 and
+bf16), the attention of a few rows (a decode step's, a tree's under its mask; fp32 trees as two panel products,
+and a prefill's causal rows as the same products), and the MLP's silu(gate) * up. A decode row or a tree's rows
+through a whole layer in one call: ddscope.models.layer_call.
 
 torch spends five to eight dispatches on each RMSNorm and RoPE of a decode step; its products of one or a few
 rows (a decode, a tree's verify) read the weights slower than the memory allows, and give a row other bits
-among others than alone (oneDNN's bf16 too, at 512 rows and more); its attention of one row reads a long
-context's K/V slower than the memory allows (docs/performance.md, The engine at its floor). The file is
-compiled with the system C compiler on first use and cached under DDSCOPE_CACHE by its source, compiler and
-CPU; with no compiler, or with DDSCOPE_NATIVE=0, torch's ops run instead; all but the norms need AVX-512, and
-the bf16 products AMX.
+among others than alone (oneDNN's bf16 too, at 512 rows and more; without bf16 instructions, at any count); its
+attention of one row reads a long context's K/V slower than the memory allows (docs/performance.md, The engine
+at its floor).
+
+The file is written once over vec.h's 16-lane vector and compiled per ISA (`ISAS`): AVX-512 (with AMX or
+AVX512-BF16 for bf16 where the CPU has them), AVX2 with FMA, or generic C the compiler vectorises (NEON on
+aarch64). The best the CPU runs is chosen here, from /proc/cpuinfo, never inside ISA-flagged code;
+DDSCOPE_ISA names another the CPU can run (a lower one, to test its path). Each build is cached under
+DDSCOPE_CACHE by its source, compiler, flags and CPU. With no compiler, or DDSCOPE_NATIVE=0, torch's ops run.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -28,25 +33,29 @@ import torch
 from ddscope.models import pages
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+HEADERS = (Path(__file__).with_name("vec.h"),)
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# Each ISA's build: the compiler's target flags, and the /proc/cpuinfo flags a CPU needs to run it, best first.
+ISAS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx512": (("-march=native",), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
+    "avx2": (("-march=x86-64-v3", "-mtune=native"), frozenset({"avx2", "fma", "f16c", "bmi2"})),
+    "generic": (("-mcpu=native",) if platform.machine() in ("aarch64", "arm64") else (), frozenset()),
+}
 MAX_DIM = 16384  # kernels.c's widest row
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _T: the threads to run on
-_SIGNATURES = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T)}
-_AVX512_SIGNATURES = {"pack_f32": (_P, _P, _I, _I, _T), "linear_f32": (_P, _P, _P, _I, _I, _I, _T),
-                     "pack_bf16": (_P, _P, _I, _I, _T), "linear_bf16": (_P, _P, _P, _I, _I, _I, _T), "amx_ready": (), "bf16_products": (),
-                     "fma_peak_f32": (_I, _P, _T), "amx_peak_bf16": (_I, _P, _T), "dp_peak_bf16": (_I, _P, _T), "read_peak_f32": (_P, _I, _P, _T),
-                     "attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
-                     "attend_bf16": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
-                     "tree_attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
-                     "causal_attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
-                     "silu_mul_f32": (_P, _P, _P, _I, _T), "silu_mul_bf16": (_P, _P, _P, _I, _T),
-                     **{f"decode_qkv_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 6, *[_I] * 4, _T)
-                        for s in DTYPES.values()},
-                     **{f"decode_rest_{s}": (*[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 6, *[_I] * 5, _F, _T)
-                        for s in DTYPES.values()},
-                     **{f"rows_layer_{s}": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _P, _F, _P, _P,
-                                            *[_I] * 6, _F, _T) for s in DTYPES.values()}}
+_ROW = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _F, _T),
+        "pack": (_P, _P, _I, _I, _T), "linear": (_P, _P, _P, _I, _I, _I, _T), "silu_mul": (_P, _P, _P, _I, _T),
+        "attend": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
+        "decode_qkv": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 6, *[_I] * 4, _T),
+        "decode_rest": (*[_P] * 4, _I, _I, _P, _P, _F, *[_P] * 6, *[_I] * 5, _F, _T),
+        "rows_layer": (_P, _P, _F, _P, _P, _P, _F, *[_P] * 4, _I, _I, _P, _P, _P, _F, _P, _P, *[_I] * 6, _F, _T)}
+_SIGNATURES = {**{f"{name}_{s}": args for name, args in _ROW.items() for s in DTYPES.values()},
+               "tree_attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
+               "causal_attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
+               "fma_peak_f32": (_I, _P, _T), "read_peak_f32": (_P, _I, _P, _T)}
+_RETURNS = {"kernels_isa": ctypes.c_char_p, "fma_peak_flops": ctypes.c_int64, "bf16_products": ctypes.c_int}
+_OPTIONAL = {"amx_peak_bf16": (_I, _P, _T), "dp_peak_bf16": (_I, _P, _T), "amx_ready": ()}  # AMX, AVX512-BF16 builds
 MAX_HEAD = 256  # kernels.c's attention: the widest head
 TREE_VECTORS = 80  # query vectors (heads x rows) a unit of `tree_attend` and `causal_attend`: kernels.c's
 MAX_ROWS = 128  # the most query rows `attend` takes (a tree's verify; a prefill's are many: SDPA blocks them)
@@ -56,50 +65,76 @@ PANEL_OUTPUTS = {torch.float32: 128, torch.bfloat16: 32}
 PANEL_INPUTS = {torch.float32: 1, torch.bfloat16: 32}
 
 
-def _cpu_key() -> str:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags, as Linux lists them (empty where it does not)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return "unknown"
-    return next((line for line in info.splitlines() if line.startswith("flags")), "unknown")
+        return frozenset()
+    line = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
 
 
-def _build(compiler: str, out: Path) -> None:
+def runnable_isas() -> list[str]:
+    """The builds this CPU can run, best first (generic always)."""
+    flags = cpu_flags()
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return [isa for isa, (_, needs) in ISAS.items() if (needs <= flags and x86) or not needs]
+
+
+def isa() -> str:
+    """The build this process loads: DDSCOPE_ISA where set (an ISA this CPU runs), else the best it runs."""
+    runnable, wanted = runnable_isas(), os.environ.get("DDSCOPE_ISA", "").strip().lower()
+    if not wanted:
+        return runnable[0]
+    if wanted not in ISAS:
+        raise ValueError(f"DDSCOPE_ISA={wanted!r}: not a build of kernels.c (one of {', '.join(ISAS)})")
+    if wanted not in runnable:
+        raise ValueError(f"DDSCOPE_ISA={wanted}: this CPU lacks {', '.join(sorted(ISAS[wanted][1] - cpu_flags()))} "
+                         f"(it runs {', '.join(runnable)})")
+    return wanted
+
+
+def _build(compiler: str, flags: tuple[str, ...], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
                        text=True, timeout=300)
         os.replace(built, out)  # atomic: a concurrent loader sees the old file or the whole new one
 
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """kernels.c as loaded (built if its cache entry is missing); None where it can't be (with a warning
-    saying why) or DDSCOPE_NATIVE=0."""
+    """kernels.c's build for `isa()`, as loaded (built if its cache entry is missing); None where it can't be
+    (with a warning saying why) or DDSCOPE_NATIVE=0."""
     if os.environ.get("DDSCOPE_NATIVE", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         warnings.warn("no C compiler: ddscope runs kernels.c's ops as torch ops (slower on CPU)", stacklevel=2)
         return None
-    key = hashlib.sha256("|".join((SOURCE.read_text(), compiler, *FLAGS, _cpu_key())).encode()).hexdigest()[:16]
+    build = isa()
+    flags = (*FLAGS, *ISAS[build][0])
+    sources = "|".join(f.read_text() for f in (SOURCE, *HEADERS))
+    key = hashlib.sha256("|".join((sources, compiler, *flags, " ".join(sorted(cpu_flags())))).encode()).hexdigest()
     root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
-    path = root / "kernels" / f"kernels-{key}.so"
+    path = root / "kernels" / f"kernels-{build}-{key[:16]}.so"
     try:
         if not path.is_file():
-            _build(compiler, path)
+            _build(compiler, flags, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        warnings.warn(f"kernels.c did not build or load ({detail.strip()[:500]}): torch ops run instead",
+        warnings.warn(f"kernels.c ({build}) did not build or load ({detail.strip()[:500]}): torch ops run instead",
                       stacklevel=2)
         return None
     for name, args in _SIGNATURES.items():
-        for suffix in DTYPES.values():
-            getattr(lib, f"{name}_{suffix}").argtypes = args
-    for name, args in _AVX512_SIGNATURES.items():
-        if hasattr(lib, name):  # built where the compiler targets AVX-512
+        getattr(lib, name).argtypes = args
+    for name, restype in _RETURNS.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, ()
+    for name, args in _OPTIONAL.items():
+        if hasattr(lib, name):
             getattr(lib, name).argtypes = args
     return lib
 
@@ -119,7 +154,7 @@ def serves(*tensors: torch.Tensor) -> bool:
 
 
 def has(name: str) -> bool:
-    """Whether the library was built with `name` (the AVX-512 ones need a compiler targeting it)."""
+    """Whether the library was built with `name` (the AMX and AVX512-BF16 peak loops need those ISAs)."""
     return library() is not None and hasattr(library(), name)
 
 
@@ -148,26 +183,27 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     return y
 
 
-BF16_PRODUCTS = {0: "none", 1: "amx", 2: "avx512-bf16"}
+BF16_PRODUCTS = {0: "none", 1: "amx", 2: "avx512-bf16", 3: "widened"}
 
 
 def bf16_products() -> str:
-    """Which of kernels.c's bf16 products this CPU runs, chosen when the library is built for it: the tile unit's
-    (AMX, where Linux lends it), vdpbf16ps (AVX512-BF16 without AMX, e.g. AMD Zen 4), or none (torch's)."""
-    return BF16_PRODUCTS[library().bf16_products()] if has("bf16_products") else "none"
+    """Which of kernels.c's bf16 products this build runs: the tile unit's (AMX, where Linux lends it), vdpbf16ps
+    (AVX512-BF16 without AMX, e.g. AMD Zen 4), bf16 widened to fp32 by a shift into FMAs (every other CPU), or
+    none (an AMX build where Linux lends no tiles: torch's)."""
+    return BF16_PRODUCTS[library().bf16_products()] if library() is not None else "none"
 
 
 def kernels() -> str:
-    """What kernels.c runs on this CPU, as chosen when it loaded: e.g. "fp32 avx512, bf16 avx512-bf16", or torch's
-    ops where it did not build (no compiler, DDSCOPE_NATIVE=0)."""
+    """The build kernels.c runs here, as chosen when it loaded: e.g. "avx2 (bf16 widened)", "avx512 (bf16
+    avx512-bf16)", or torch's ops where it did not load (no compiler, DDSCOPE_NATIVE=0)."""
     if library() is None:
         return "torch (kernels.c not loaded)"
-    return f"fp32 {'avx512' if has('linear_f32') else 'torch'}, bf16 {bf16_products()}"
+    return f"{library().kernels_isa().decode()} (bf16 {bf16_products()})"
 
 
 def paneled(weight: torch.Tensor) -> bool:
-    """Whether `linear` serves this weight: on a CPU with AVX-512, fp32, or bf16 where `bf16_products` has a
-    kernel; its shape whole panels."""
+    """Whether `linear` serves this weight: fp32, or bf16 where `bf16_products` has a kernel; its shape whole
+    panels."""
     dtype = weight.dtype
     return (dtype in PANEL_OUTPUTS and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % PANEL_OUTPUTS[dtype] == 0 and weight.shape[1] % PANEL_INPUTS[dtype] == 0
@@ -266,7 +302,7 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 
 
 def gates(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether `silu_mul` computes silu(gate) * up: `serves` and AVX-512."""
+    """Whether `silu_mul` computes silu(gate) * up."""
     return serves(gate, up) and gate.shape == up.shape and has("silu_mul_f32")
 
 
