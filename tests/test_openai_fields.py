@@ -178,3 +178,84 @@ def test_batched_prompts_answer_one_choice_each_as_alone(server):
 def test_max_completion_tokens_is_honoured_on_completions_too(server):
     body = {"prompt": PROMPT, "max_completion_tokens": 3, "temperature": 0, "ignore_eos": True}
     assert post(server, "/v1/completions", body)["usage"]["completion_tokens"] == 3
+
+
+# --- what real clients send: nulls for defaults, replies echoed back into the history ------------------------
+
+def _nulls(model, *keep: str) -> dict:
+    """Every optional field of the request model, and every refused or ignored one, as an explicit null."""
+    from ddscope.server.schemas import IGNORED, REFUSED
+
+    optional = [name for name, f in model.model_fields.items() if not f.is_required()]
+    return {name: None for name in [*optional, *REFUSED, *IGNORED] if name not in keep}
+
+
+def test_an_explicit_null_is_the_default_for_every_optional_field(server):
+    from ddscope.server.schemas import ChatCompletionRequest, CompletionRequest
+
+    for path, model, body in (("/v1/completions", CompletionRequest, {"prompt": PROMPT}),
+                              ("/v1/chat/completions", ChatCompletionRequest,
+                               {"messages": [{"role": "user", "content": "hi", "name": None, "tool_calls": None,
+                                              "tool_call_id": None}]})):
+        plain = post(server, path, {**body, "max_tokens": 6, "temperature": 0})
+        nulls = post(server, path, {**_nulls(model, "max_tokens", "temperature"), **body, "max_tokens": 6,
+                                    "temperature": 0})
+        assert nulls["choices"] == plain["choices"], path
+        post(server, path, {**_nulls(model, "max_tokens"), **body, "max_tokens": 2})  # sampled at the defaults
+    nested = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": None},
+              "structured_outputs": {"choice": ["yes", "no"], "json": None, "regex": None,
+                                     "disable_any_whitespace": None, "whitespace_pattern": None}}
+    with httpx.stream("POST", f"{server}/v1/completions", json=nested, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) in ("yes", "no")
+    assert all(c.get("usage") is None for c in chunks)  # include_usage: null is false
+
+
+def echoed_reply(**fields) -> dict:
+    """An assistant message as agents append it: `resp.choices[0].message.model_dump()` (openai SDK 2.x), with
+    vLLM's reasoning fields and litellm's provider_specific_fields."""
+    from openai.types.chat import ChatCompletionMessage
+
+    message = ChatCompletionMessage(role="assistant", content="It is 4.", refusal=None, annotations=[], audio=None,
+                                    function_call=None, tool_calls=[], **fields).model_dump()
+    return {**message, "reasoning": None, "reasoning_content": None, "provider_specific_fields": {"cached": False}}
+
+
+def test_a_reply_echoed_back_into_the_history_is_accepted_as_it_was_said(server):
+    history = [{"role": "user", "content": "2 + 2?"}, echoed_reply(), {"role": "user", "content": "And 3 + 3?"}]
+    said = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "It is 4."},
+            {"role": "user", "content": "And 3 + 3?"}]
+    body = {"max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    echoed = post(server, "/v1/chat/completions", {**body, "messages": history})
+    assert echoed["prompt_token_ids"] == post(server, "/v1/chat/completions", {**body, "messages": said})[
+        "prompt_token_ids"]
+    refused = {**echoed_reply(), "content": None, "refusal": "I cannot help with that."}
+    said_refusal = post(server, "/v1/chat/completions", {**body, "messages": [said[0], refused, said[2]]})
+    assert said_refusal["prompt_token_ids"] == post(server, "/v1/chat/completions", {**body, "messages": [
+        said[0], {"role": "assistant", "content": "I cannot help with that."}, said[2]]})["prompt_token_ids"]
+
+
+def test_reasoning_in_the_history_is_rendered_where_the_template_has_a_place(server, oracle):
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                "</think>{% endif %}{{ m.content }}\n{% endfor %}")
+    for name in ("reasoning_content", "reasoning"):
+        history = [{"role": "user", "content": "2 + 2?"}, {**echoed_reply(), name: "add them"},
+                   {"role": "user", "content": "ok"}]
+        r = post(server, "/v1/chat/completions", {"messages": history, "max_tokens": 2, "temperature": 0,
+                                                  "chat_template": template, "return_token_ids": True})
+        want = "user:2 + 2?\nassistant:<think>add them</think>It is 4.\nuser:ok\n"
+        assert r["prompt_token_ids"] == oracle.tokenizer.encode(want, add_special_tokens=False), name
+
+
+def test_audio_output_is_refused_by_name_and_text_modalities_are_served(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    r = httpx.post(f"{server}/v1/chat/completions", json={**chat, "modalities": ["text", "audio"],
+                                                          "audio": {"voice": "alloy", "format": "wav"}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "audio", r.text
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+    r = httpx.post(f"{server}/v1/chat/completions", json={**chat, "modalities": ["audio"]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "modalities", r.text
+    text_only = post(server, "/v1/chat/completions", {**chat, "modalities": ["text"], "audio": None})
+    assert text_only["choices"] == post(server, "/v1/chat/completions", chat)["choices"]

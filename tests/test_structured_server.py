@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from ddscope.engine import Engine
 from ddscope.engine.grammars import Constraint
+from ddscope.engine.limits import MAX_WHITESPACE
 from ddscope.server.constraints import StructuredOutputsConfig
 from ddscope.server.launch import serve_in_background
 from ddscope.server.state import Surface
@@ -240,3 +241,66 @@ def test_structural_tags_in_both_formats_and_n_choices_under_one_constraint(clie
     many = client.completions.create(model="demo", prompt="Pick:", max_tokens=8, temperature=1.0, seed=3, n=4,
                                      extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
     assert len(many.choices) == 4 and all(c.text in ("red", "green", "blue") for c in many.choices)
+
+
+class Weather(BaseModel):
+    """WEATHER's parameters, held as the grammar holds them (no properties beyond those named)."""
+    model_config = {"extra": "forbid"}
+    city: str = Field(pattern="^[A-Z][a-z]{1,11}$")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_response_format_beside_a_forced_tool_is_a_call_under_the_tools_parameters(client, tool_choice):
+    """openai-agents sends both for an agent with an output_type: the forced call is this turn, as vLLM answers."""
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                       tools=[WEATHER], tool_choice=tool_choice, temperature=0, max_tokens=60,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "person", "strict": True, "schema": Person.model_json_schema()}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    Weather.model_validate_json(call.function.arguments)
+
+
+@pytest.fixture(scope="module")
+def default_client(demo):
+    """A server at its defaults: no structured-outputs config, so JSON's free whitespace is only bounded."""
+    with serve_in_background(engine=demo, budget=32, surface=Surface(served_model_names=("demo",))) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def test_json_finishes_at_the_servers_defaults(default_client):
+    """The demo target fills free whitespace with newlines: without the default bound this runs to max_tokens (the
+    SDK's LengthFinishReasonError)."""
+    r = default_client.chat.completions.parse(model="demo", messages=[{"role": "user", "content": "A person?"}],
+                                              response_format=Person, temperature=0, max_tokens=400)
+    assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Person)
+    stretches = re.findall(r"\s+", r.choices[0].message.content)
+    assert stretches and max(map(len, stretches)) <= MAX_WHITESPACE
+    named = default_client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER], temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=400)
+    assert named.choices[0].finish_reason == "tool_calls"
+    Weather.model_validate_json(named.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_the_default_bound_admits_pretty_printed_json(demo):
+    """A newline and 20 spaces: json.dumps(indent=2) to depth 10 fits, one more character of whitespace does not."""
+    import xgrammar as xgr
+
+    deep: object = 1
+    for level in range(10):  # objects and arrays, ten deep
+        deep = {"a": deep, "b": "c d"} if level % 2 else [deep, 2]
+    text = json.dumps(deep, indent=2)
+    assert max(map(len, re.findall(r"\s+", text))) == MAX_WHITESPACE
+    assert StructuredOutputsConfig().max_whitespace == MAX_WHITESPACE
+    for kind, spec in (("json_object", ""), ("json", json.dumps({"type": "object"}))):
+        grammar = demo.grammars.compile(Constraint(kind, spec, max_whitespace=MAX_WHITESPACE))
+        assert xgr.GrammarMatcher(grammar).accept_string(text), kind
+        assert not xgr.GrammarMatcher(grammar).accept_string("{" + " " * (MAX_WHITESPACE + 1) + "}"), kind
+    assert StructuredOutputsConfig.parse('{"max_whitespace_cnt": null}').max_whitespace is None
+    assert StructuredOutputsConfig.parse('{"max_whitespace_cnt": 4}').max_whitespace == 4
+    with pytest.raises(ValueError, match="max_whitespace_cnt"):
+        StructuredOutputsConfig.parse('{"max_whitespace_cnt": 0}')

@@ -29,11 +29,14 @@ class ConstraintError(ValueError):
 class Constraint:
     """What the output must match. `spec`: the JSON schema or structural tag as JSON text, the regex, the
     EBNF/Lark grammar, or the choices as a JSON list; `any_whitespace`: JSON's free whitespace allowed;
-    `whitespace`: a regex for JSON's whitespace instead (outlines' and vLLM's whitespace_pattern)."""
+    `whitespace`: a regex for JSON's whitespace instead (outlines' and vLLM's whitespace_pattern);
+    `max_whitespace`: at most this many characters in each stretch of free whitespace (xgrammar's
+    max_whitespace_cnt; None: unbounded)."""
     kind: str
     spec: str = ""
     any_whitespace: bool = True
     whitespace: str | None = None
+    max_whitespace: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -104,7 +107,8 @@ class Grammars:
             if c.whitespace is not None:
                 return comp.compile_grammar(json_with_whitespace(schema, c.whitespace))
             separators = None if c.any_whitespace else (",", ":")
-            return comp.compile_json_schema(schema, any_whitespace=c.any_whitespace, separators=separators)
+            return comp.compile_json_schema(schema, any_whitespace=c.any_whitespace, separators=separators,
+                                            max_whitespace_cnt=c.max_whitespace)
         if c.kind == "regex":
             return comp.compile_regex(c.spec)
         if c.kind == "choice":

@@ -17,6 +17,10 @@ MAX_PREFILL_TOKENS = 1024  # prefill tokens a step, over all sequences (chunked 
 # Bounds on a request's extras: every completed token rescans the held-back text for each stop string.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+# The server's bound on one stretch of JSON's free whitespace, in characters (xgrammar's max_whitespace_cnt): a
+# newline and 20 spaces, so pretty-printed JSON still fits (indent 2 to depth 10, indent 4 to depth 5, tabs to
+# depth 20), while a model that fills free whitespace with newlines (the demo target does) still finishes.
+MAX_WHITESPACE = 21
 
 
 def default_method(methods: tuple[str, ...]) -> str:

@@ -5,7 +5,7 @@ import argparse
 import logging
 from typing import Any
 
-from ddscope.engine.limits import DEFAULT_BUDGET, KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS
+from ddscope.engine.limits import DEFAULT_BUDGET, KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS, MAX_WHITESPACE
 from ddscope.util.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
 PARSERS = ("hermes",)  # --tool-call-parser: the formats ddscope.server.tools reads
@@ -70,7 +70,9 @@ def _add_surface_args(p: argparse.ArgumentParser) -> None:
                         "(default: the target directory's name)")
     g.add_argument("--structured-outputs-config", metavar="JSON",
                    help='defaults of every structured-output request, e.g. \'{"backend": "xgrammar", '
-                        '"disable_any_whitespace": true}\' (backend: auto or xgrammar)')
+                        '"disable_any_whitespace": true}\' (backend: auto or xgrammar). JSON\'s free whitespace is '
+                        f'bounded to {MAX_WHITESPACE} characters a stretch (a newline and 20 spaces of indentation), '
+                        'so that JSON finishes; "max_whitespace_cnt": N sets the bound, null lifts it')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default once tools are sent), with --tool-call-parser')
     g.add_argument("--tool-call-parser", choices=PARSERS, help="how `auto` tool calls are read from the output (default: none: `auto` is refused)")

@@ -6,6 +6,7 @@ names. vLLM 0.33 merges `response_format` into `structured_outputs` (generate/ba
 sources naming different constraints are a 400; it ignores `guided_*` with a warning (serve/engine/protocol.py:
 21-76), ddscope honours them. The whitespace options apply per request here, and `--structured-outputs-config`
 sets their defaults (vLLM reads `disable_any_whitespace` from its server config only: backend_xgrammar.py:40-42).
+JSON's free whitespace is bounded by default (limits.MAX_WHITESPACE), so that no model can fill it until max_tokens.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddscope.engine.grammars import Constraint
+from ddscope.engine.limits import MAX_WHITESPACE
 from ddscope.server.schemas import APIError, ResponseFormat, SamplingRequest, StructuredOutputs
 
 MAX_NESTING = 64  # objects and arrays in a schema, as vLLM's (sampling_params.py:39)
@@ -26,6 +28,7 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    max_whitespace: int | None = MAX_WHITESPACE  # ddscope's `max_whitespace_cnt`; None: unbounded (vLLM's)
 
     @classmethod
     def parse(cls, text: str) -> StructuredOutputsConfig:
@@ -37,7 +40,7 @@ class StructuredOutputsConfig:
         if not isinstance(data, dict):
             raise ValueError("--structured-outputs-config must be a JSON object")
         known = {"backend", "disable_any_whitespace", "disable_additional_properties", "reasoning_parser",
-                 "enable_in_reasoning"}
+                 "enable_in_reasoning", "max_whitespace_cnt"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"--structured-outputs-config: unknown field(s) {', '.join(unknown)}")
@@ -46,8 +49,12 @@ class StructuredOutputsConfig:
                              f"runs xgrammar ({' or '.join(BACKENDS)})")
         if data.get("reasoning_parser"):
             raise ValueError("--structured-outputs-config: reasoning_parser is not supported")
+        bound = data.get("max_whitespace_cnt", MAX_WHITESPACE)
+        if bound is not None and (type(bound) is not int or bound < 1):
+            raise ValueError("--structured-outputs-config: max_whitespace_cnt must be a positive integer or null "
+                             f"(unbounded), not {bound!r}")
         return cls(data.get("backend", "auto"), bool(data.get("disable_any_whitespace", False)),
-                   bool(data.get("disable_additional_properties", False)))
+                   bool(data.get("disable_additional_properties", False)), bound)
 
 
 def constraint_of(req: SamplingRequest, config: StructuredOutputsConfig) -> tuple[str, Constraint] | None:
@@ -66,8 +73,22 @@ def constraint_of(req: SamplingRequest, config: StructuredOutputsConfig) -> tupl
     whitespace = opts.whitespace_pattern if opts.whitespace_pattern is not None else req.guided_whitespace_pattern
     compact = opts.disable_any_whitespace or config.disable_any_whitespace
     closed = opts.disable_additional_properties or config.disable_additional_properties
-    return field, Constraint(kind, _spec_text(field, kind, spec, closed), not compact,
-                             whitespace if kind in ("json", "json_object") else None)
+    return field, _constraint(kind, _spec_text(field, kind, spec, closed), config, compact, whitespace)
+
+
+def tool_constraint(schema: dict[str, Any], config: StructuredOutputsConfig) -> Constraint:
+    """A forced tool choice's constraint: the JSON of its schema, under the server's whitespace defaults."""
+    return _constraint("json", json.dumps(schema), config, config.disable_any_whitespace)
+
+
+def _constraint(kind: str, spec: str, config: StructuredOutputsConfig, compact: bool,
+                whitespace: str | None = None) -> Constraint:
+    """The constraint with JSON's whitespace options; the default bound only where whitespace is free (compact JSON
+    has none, and a whitespace_pattern says its own)."""
+    if kind not in ("json", "json_object"):
+        return Constraint(kind, spec)
+    bound = config.max_whitespace if not compact and whitespace is None else None
+    return Constraint(kind, spec, not compact, whitespace, bound)
 
 
 def _sources(req: SamplingRequest) -> list[tuple[str, str, Any]]:

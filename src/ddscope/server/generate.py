@@ -3,7 +3,6 @@ disconnect, pick `best_of`, and map the worker's failures to API errors."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ddscope.engine.grammars import Constraint, ConstraintError
 from ddscope.models.target import KVCacheFull
-from ddscope.server.constraints import constraint_of
+from ddscope.server.constraints import constraint_of, tool_constraint
 from ddscope.server.requests import engine_request
 from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_request_metrics, prompt_logprobs, sse
 from ddscope.server.schemas import APIError, ChatCompletionRequest, SamplingRequest
@@ -76,14 +75,12 @@ async def _constrain(state: ServerState, req: SamplingRequest) -> tuple[Constrai
     choice; a 400 naming the field where it is malformed or does not compile in time."""
     surface = state.config.surface
     tool = choice_of(req, surface.tool_parser) if isinstance(req, ChatCompletionRequest) else None
-    field, constraint = constraint_of(req, surface.structured_outputs) or (None, None)
+    field, constraint = constraint_of(req, surface.structured_outputs) or (None, None)  # checked either way
     schema = tool_schema(req, tool) if tool is not None else None
     if schema is not None:
-        if constraint is not None:
-            raise APIError(400, f"either structured outputs ({field}) or a forced tool_choice, not both",
-                           param="tool_choice", code="invalid_parameter")
-        field = "tools"
-        constraint = Constraint("json", json.dumps(schema), not surface.structured_outputs.disable_any_whitespace)
+        # The forced call is the turn: it wins over response_format, which shapes content (a call has none), as vLLM
+        # answers the requests openai-agents sends with both.
+        field, constraint = "tools", tool_constraint(schema, surface.structured_outputs)
     if constraint is not None:
         try:
             await asyncio.to_thread(state.engine.grammars.compile, constraint)

@@ -1,7 +1,8 @@
 """Request models for the OpenAI-compatible endpoints, and the OpenAI error shape.
 
 Validation is strict (no "5" -> 5 coercion, no NaN) so that wrong types are a 400, never a
-silently different request. Anything the engine cannot honour is rejected, not ignored.
+silently different request. Anything the engine cannot honour is rejected, not ignored. An explicit null is the
+field's default, as vLLM types its fields `X | None`.
 """
 from __future__ import annotations
 
@@ -72,9 +73,12 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),  # beam search's
     "truncation_side": (None, "left"),
+    "audio": (None,),  # audio output's voice and format (named first: audio output sends both)
+    "modalities": (None, ["text"]),  # text is all ddscope writes
 }
 # Accepted and ignored: bookkeeping that changes no token.
 IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id")
+
 
 def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
     """400 for a refused field set to anything but "off"; the body without the ignored fields."""
@@ -86,7 +90,20 @@ def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in IGNORED and k not in REFUSED}
 
 
-class JsonSchemaFormat(BaseModel):
+class Body(BaseModel):
+    """A request object whose explicit nulls are the fields' defaults: clients send `"temperature": null` for
+    "unset" (vLLM types these `X | None`). A null for an unknown field is still an unknown field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        names = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        return {k: v for k, v in data.items() if v is not None or k not in names}
+
+
+class JsonSchemaFormat(Body):
     """OpenAI's response_format.json_schema; `strict` is accepted, and the schema is always held strictly
     (xgrammar's strict mode: no properties beyond those named, as vLLM runs it)."""
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
@@ -96,7 +113,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
@@ -105,7 +122,7 @@ class ResponseFormat(BaseModel):
     triggers: list[str] | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Body):
     """vLLM's structured_outputs (sampling_params.py:101-168): exactly one kind, and the whitespace options."""
     model_config = ConfigDict(strict=True, extra="forbid")
     json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
@@ -123,12 +140,12 @@ class StructuredOutputs(BaseModel):
         return self.json_
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Body):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -299,26 +316,26 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
-class TextPart(BaseModel):
+class TextPart(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text"]
     text: str
 
 
-class CalledFunction(BaseModel):
+class CalledFunction(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     # Forbid, not ignore: a field dropped in silence would template another conversation.
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -326,21 +343,38 @@ class ChatMessage(BaseModel):
     name: str | None = None  # handed to the chat template, which may use it
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer names the call it answers
+    # A past reply as `message.model_dump()` echoes it (the openai SDK; litellm adds provider_specific_fields).
+    # They describe that reply and instruct nothing for this one: what it said is rendered, the rest dropped.
+    refusal: str | None = None  # said instead of content
+    reasoning_content: str | None = None  # rendered where the chat template has a place for it
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
+    function_call: CalledFunction | None = None  # OpenAI's deprecated single call, rendered as a tool call
+    annotations: list[dict[str, Any]] | None = None  # citations of the reply: no text of their own
+    audio: dict[str, Any] | None = None  # an audio reply's handle (ddscope writes text only)
+    provider_specific_fields: dict[str, Any] | None = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it; a call's arguments as an object, as vLLM hands them over
         (templates write them with `tojson`)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        out: dict[str, Any] = {"role": self.role, "content": content}
+        out: dict[str, Any] = {"role": self.role, "content": content or self.refusal or ""}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:  # both names: templates read one or the other (Qwen3's reads reasoning_content)
+            out["reasoning_content"] = out["reasoning"] = reasoning
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
-                                                                            "arguments": _arguments(c.function)}}
-                                 for c in self.tool_calls]
+            out["tool_calls"] = [_call_dict(c.function, c.id) for c in self.tool_calls]
+        elif self.function_call is not None:
+            out["tool_calls"] = [_call_dict(self.function_call)]  # the deprecated call had no id
         return out
+
+
+def _call_dict(fn: CalledFunction, call_id: str | None = None) -> dict[str, Any]:
+    call = {"type": "function", "function": {"name": fn.name, "arguments": _arguments(fn)}}
+    return call if call_id is None else {"id": call_id, **call}
 
 
 def _arguments(fn: CalledFunction) -> Any:
@@ -350,7 +384,7 @@ def _arguments(fn: CalledFunction) -> Any:
         return fn.arguments
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
@@ -358,18 +392,18 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
+class FunctionName(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Body):
     model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["function"]
     function: FunctionName
