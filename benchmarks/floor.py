@@ -81,12 +81,10 @@ class Floors:
         def lo_hi(values: list[float], scale: float = 1) -> str:
             return f"{scale * min(values):.0f}-{scale * max(values):.0f}"
 
-        loops = [h.measured["loop_tflops"] for h in self.hosts]
-        matmuls = [h.measured["matmul_tflops"] for h in self.hosts]
-        return (f"{lo_hi([h.bandwidth_gbps for h in self.hosts])} GB/s; FLOPs, the higher of the units' own loop "
-                f"(fp32 {lo_hi([x['fp32'] for x in loops], 1e3)}, bf16 {lo_hi([x['bf16'] for x in loops], 1e3)} "
-                f"GFLOPS) and a 2048-cube matmul (fp32 {lo_hi([x['fp32'] for x in matmuls], 1e3)}, bf16 "
-                f"{lo_hi([x['bf16'] for x in matmuls], 1e3)}); {len(self.hosts)} measurements")
+        fp32, bf16 = ([h.tflops[kind] for h in self.hosts] for kind in ("fp32", "bf16"))
+        by = self.hosts[-1].measured["tflops_by"]
+        return (f"{lo_hi([h.bandwidth_gbps for h in self.hosts])} GB/s; fp32 {lo_hi(fp32, 1e3)} GFLOPS "
+                f"({by['fp32']}), bf16 {lo_hi(bf16, 1e3)} GFLOPS ({by['bf16']}); {len(self.hosts)} measurements")
 
 
 def chain_drafter(root: Path, target: Path) -> Path:

@@ -1,4 +1,5 @@
-"""The path a CPU without AVX-512 runs (and `DDSCOPE_NATIVE=0` forces): torch's ops for everything. The lossless
+"""The path a machine without a C compiler runs (and `DDSCOPE_NATIVE=0` forces): torch's ops for everything, in fp32
+(bf16 is refused there: tests/test_isas.py). The lossless
 tests run on it in a process of their own (the kernels are chosen when the library loads), greedy and seeded,
 with and without a grammar."""
 from __future__ import annotations

@@ -192,6 +192,9 @@ def sglang_app(sglext: bool = True, generate: bool = True, metrics: bool = True,
 
 # ---- vLLM ----------------------------------------------------------------------------------------
 
+VLLM_DECODE_S = 0.02  # the fake's decode of a request, by its own clock
+
+
 def vllm_app(per_request: bool = False, timing: bool = False, prefill_s_per_token: float = 0.0,
              log: Callable[[int], None] | None = None) -> FastAPI:
     """vLLM 0.33.0. `per_request`: --per-request-spec-decode-metrics summary; `timing`:
@@ -201,22 +204,21 @@ def vllm_app(per_request: bool = False, timing: bool = False, prefill_s_per_toke
     def complete(body: dict[str, Any]) -> dict[str, Any]:
         # Unknown fields are allowed and ignored (source: vllm/entrypoints/serve/engine/protocol.py:39)
         n_prompt, n = prompt_tokens(body), body["max_tokens"]
-        t0 = time.perf_counter()
-        time.sleep(prefill_s_per_token * n_prompt)
-        first = time.perf_counter()
+        prefill_s = prefill_s_per_token * n_prompt
+        time.sleep(prefill_s)
         if log is not None:
             log(n_prompt)
-        time.sleep(0.02)
-        last = time.perf_counter()
+        time.sleep(VLLM_DECODE_S)
         steps = steps_for(n_prompt)
         accepted = n - steps
         totals.update(drafts=totals["drafts"] + steps, draft_tokens=totals["draft_tokens"] + 3 * steps,
                       accepted=totals["accepted"] + accepted)
         metrics: dict[str, Any] = {}
         if timing:  # source: vllm/entrypoints/generate/base/serving.py:73-84, base/protocol.py:122-127
-            metrics.update(time_to_first_token_ms=(first - t0) * 1000, generation_time_ms=(last - first) * 1000,
-                           queue_time_ms=0.1, mean_itl_ms=(last - first) * 1000 / (n - 1),
-                           tokens_per_second=n / (last - t0))
+            # the fake's own clock, as a server's is: what it says it spent, not what a loaded machine's sleeps took
+            metrics.update(time_to_first_token_ms=prefill_s * 1000, generation_time_ms=VLLM_DECODE_S * 1000,
+                           queue_time_ms=0.1, mean_itl_ms=VLLM_DECODE_S * 1000 / (n - 1),
+                           tokens_per_second=n / (prefill_s + VLLM_DECODE_S))
         if per_request:  # source: vllm/entrypoints/generate/base/protocol.py:100-119
             metrics["speculative_decoding"] = {
                 "mean_acceptance_length": 1 + accepted / steps, "draft_acceptance_rate": accepted / (3 * steps),

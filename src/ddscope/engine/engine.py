@@ -19,6 +19,7 @@ from ddscope.engine.request import Bounds, Request
 from ddscope.engine.runner import Runner, StepReport
 from ddscope.engine.scheduler import Scheduler
 from ddscope.engine.sequence import Sequence, Step
+from ddscope.models import native
 from ddscope.models.drafter import Drafter
 from ddscope.models.hf_target import HFTarget, load_target
 from ddscope.models.kv_pool import Pages
@@ -84,6 +85,8 @@ class Engine:
             target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if torch.device(device).type == "cpu" and (why := native.inexact(getattr(torch, dtype))):
+            raise ValueError(why)
         target_dir = Path(target)
         if not target_dir.is_dir():
             raise CheckpointError(f"target checkpoint directory not found: {target_dir}")

@@ -235,9 +235,9 @@ void pack_bf16(const uint16_t *w, uint16_t *p, int64_t N, int64_t K, int threads
     for (int64_t k = 0; k < K; k++) p[((n / 16) * (K / 2) + k / 2) * 32 + (n % 16) * 2 + k % 2] = w[n * K + k];
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* AMX: a tile of up to 16 rows by 2 panels sums its k blocks in order; a decode step reads the weight at near the
  * memory's rate and a prefill runs at the tile unit's rate. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX_ROW_BLOCK 256 /* rows whose activations stay in L2 while a thread's panels pass */
@@ -249,7 +249,6 @@ int amx_ready(void) { /* Linux lends a process the tile registers on request (ar
   return ready;
 }
 
-int bf16_products(void) { return amx_ready() ? 1 : 0; } /* 1: the tile unit's; 0: none here */
 
 typedef struct {
   uint8_t palette, start_row, reserved[14];
@@ -303,7 +302,8 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, c
   }
 }
 
-void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, int64_t K, int64_t N, int threads) {
+static void amx_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, int64_t K, int64_t N,
+                       int threads) {
   int64_t pairs = N / 32;
 #pragma omp parallel num_threads(threads)
   {
@@ -334,14 +334,15 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
     _tile_release();
   }
 }
-#else
-/* ---- bf16 products without the tile unit, a pair of k at a time ----------------------------------------------
+#endif
+
+/* ---- bf16 products without the tile unit (or where Linux lends it none), a pair of k at a time --------------
  * A decode row streams each panel once (one line a pair); up to DP_ROWS rows share each line, and a row block of
  * DP_ROW_BLOCK stays in L2 while a thread's panels pass. */
 #define DP_ROW_BLOCK 64
 #ifdef __AVX512BF16__
 #define DP_ROWS 8 /* not 16: a block of 16 rows reads 16 streams of x at once, more than the prefetcher follows */
-int bf16_products(void) { return 2; } /* 2: vdpbf16ps */
+#define PAIR_PRODUCTS 2 /* bf16_products: vdpbf16ps */
 typedef __m512bh wpair;
 static inline wpair pair_load(const uint16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
 static inline vf pair_step(vf acc, const uint16_t *x, wpair w) { /* acc + x0 w_even + x1 w_odd, one vdpbf16ps */
@@ -351,7 +352,7 @@ static inline vf pair_step(vf acc, const uint16_t *x, wpair w) { /* acc + x0 w_e
 }
 #else
 #define DP_ROWS (VF_WIDTH == 1 ? 4 : 8) /* AVX2's 16 registers: 4 rows' sums of 2 each, and the pair's 4 */
-int bf16_products(void) { return 3; } /* 3: widened to fp32 */
+#define PAIR_PRODUCTS 3 /* bf16_products: widened to fp32 */
 typedef struct { vf even, odd; } wpair;
 static inline wpair pair_load(const uint16_t *w) { return (wpair){vf_even(w), vf_odd(w)}; }
 static inline vf pair_step(vf acc, const uint16_t *x, wpair w) { /* (acc + x0 w_even) + x1 w_odd, two FMAs */
@@ -381,7 +382,8 @@ static void dp_block(const uint16_t *x, const uint16_t *panel, uint16_t *y, int6
   }
 }
 
-void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, int64_t K, int64_t N, int threads) {
+static void pair_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, int64_t K, int64_t N,
+                        int threads) {
   int64_t panels = N / 16;
 #pragma omp parallel num_threads(threads)
   {
@@ -394,7 +396,23 @@ void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, i
     }
   }
 }
+
+int bf16_products(void) { /* 1: the tile unit's, where Linux lends it; else the pairs' */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_ready()) return 1;
 #endif
+  return PAIR_PRODUCTS;
+}
+
+void linear_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t M, int64_t K, int64_t N, int threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_ready()) {
+    amx_linear(x, p, y, M, K, N, threads);
+    return;
+  }
+#endif
+  pair_linear(x, p, y, M, K, N, threads);
+}
 
 /* ---- attention of a few query rows (a decode step, a tree's verify) over one sequence's keys ----------------
  * q [H, n, d] (heads `q_stride` apart, rows d apart: a batch's decode rows are one row of each sequence's),

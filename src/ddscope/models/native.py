@@ -106,15 +106,21 @@ def _build(compiler: str, flags: tuple[str, ...], out: Path) -> None:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """kernels.c's build for `isa()`, as loaded (built if its cache entry is missing); None where it can't be
-    (with a warning saying why) or DDSCOPE_NATIVE=0."""
+    """kernels.c's build for `isa()`, as loaded; None where it can't be (with a warning saying why) or
+    DDSCOPE_NATIVE=0."""
     if os.environ.get("DDSCOPE_NATIVE", "1") == "0":
         return None
+    return load(isa())
+
+
+@cache
+def load(build: str) -> ctypes.CDLL | None:
+    """kernels.c's `build` (one of ISAS) as loaded, built if its cache entry is missing; None where it can't be,
+    with a warning saying why."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         warnings.warn("no C compiler: ddscope runs kernels.c's ops as torch ops (slower on CPU)", stacklevel=2)
         return None
-    build = isa()
     flags = (*FLAGS, *ISAS[build][0])
     sources = "|".join(f.read_text() for f in (SOURCE, *HEADERS))
     key = hashlib.sha256("|".join((sources, compiler, *flags, " ".join(sorted(cpu_flags())))).encode()).hexdigest()
@@ -137,6 +143,17 @@ def library() -> ctypes.CDLL | None:
         if hasattr(lib, name):
             getattr(lib, name).argtypes = args
     return lib
+
+
+def inexact(dtype: torch.dtype) -> str | None:
+    """Why a CPU forward in `dtype` would not give each row the bits it gets alone (so greedy speculation would
+    not commit `ar`'s tokens), or None where it does: fp32 always; bf16 on kernels.c's products."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and library() is not None):
+        return None
+    why = ("kernels.c is not loaded (DDSCOPE_NATIVE=0, or no C compiler)" if dtype == torch.bfloat16
+           else "kernels.c has no float16 products")
+    return (f"{str(dtype).removeprefix('torch.')} on the CPU needs kernels.c's products and {why}: torch's give a "
+            "row other bits among other rows than alone, so speculation would not be lossless. Use float32.")
 
 
 def _inference(*tensors: torch.Tensor) -> bool:

@@ -11,27 +11,28 @@ import torch
 
 from ddscope.models import native
 
-# FLOPs a step: 12 FMAs of 16 lanes; 4 tile products; 12 vdpbf16ps of 16 lanes, each 2 products summed
-UNITS = {"fp32": ("fma_peak_f32", 12 * 16 * 2), "bf16": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2),
-         "bf16-dp": ("dp_peak_bf16", 12 * 16 * 4)}
+# The loop at the peak of the units each product runs on, and a thread's FLOPs a step of it (None: the build's
+# own count). Widened bf16 products are fp32 FMAs: their peak is the FMA units'.
+LOOPS = {"fp32": ("fma_peak_f32", None), "amx": ("amx_peak_bf16", 4 * 16 * 16 * 32 * 2),
+         "avx512-bf16": ("dp_peak_bf16", 12 * 16 * 4), "widened": ("fma_peak_f32", None)}
 
 
 def units(kind: str) -> tuple[Callable[[int, int], None], int] | None:
-    """The register-only loop at the peak of `kind`'s units (fp32: FMA; bf16: AMX, else vdpbf16ps) as
-    `run(steps, threads)`, and a thread's FLOPs a step; None where kernels.c has no such loop here."""
-    if kind == "bf16" and native.bf16_products() == "avx512-bf16":
-        kind = "bf16-dp"
-    name, flops = UNITS[kind]
-    if not native.has(name) or (kind == "bf16" and native.bf16_products() != "amx"):
+    """The register-only loop at the peak of `kind`'s units (fp32, or bf16 on the units this build's bf16
+    products run on) as `run(steps, threads)`, and a thread's FLOPs a step; None where kernels.c is not loaded."""
+    if native.library() is None:
         return None
+    name, flops = LOOPS["fp32" if kind == "fp32" else native.bf16_products()]
     lib = native.library()
-    return lambda steps, threads: getattr(lib, name)(steps, (ctypes.c_float * threads)(), threads), flops
+    run = getattr(lib, name)
+    return lambda steps, threads: run(steps, (ctypes.c_float * threads)(), threads), flops or lib.fma_peak_flops()
 
 
 def read() -> Callable[[torch.Tensor, int], list[float]] | None:
     """The read of a contiguous fp32 tensor (its size a multiple of 128 * threads), one stream a thread with 8
-    sums side by side, as `run(tensor, threads)` -> each thread's sum of its share; None without AVX-512."""
-    if not native.has("read_peak_f32"):
+    sums side by side, as `run(tensor, threads)` -> each thread's sum of its share; None where kernels.c is not
+    loaded."""
+    if native.library() is None:
         return None
     lib = native.library()
 

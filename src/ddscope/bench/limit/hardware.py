@@ -11,7 +11,9 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -111,7 +113,8 @@ def hardware_named(name: str) -> Hardware:
 # ---- this machine, measured -----------------------------------------------------------------------
 
 LOOP_SECONDS = 0.05  # each timed run of a peak loop
-HOST_METHOD = "units-read-sum-best"  # in the cache's key: a host measured another way is measured again
+PRODUCT_SECONDS = 1.0  # the most a product timed for the host's FLOPs takes, where kernels.c has no loop
+HOST_METHOD = "units-or-sized-product-read-best"  # in the cache's key: a host measured another way is measured again
 
 
 def _best_s(fn, repeats: int) -> float:
@@ -139,39 +142,60 @@ def _loop_tflops(kind: str, threads: int) -> float:
     return threads * steps * flops / _best_s(lambda: run(steps, threads), 5) / 1e12
 
 
-def measure_host(threads: int) -> Hardware:
-    """Memory bandwidth and fp32/bf16 FLOPs on `threads` torch threads, each the higher of a library's rate
-    and kernels.c's own (ddscope.models.peaks), since a library may run below the machine and a floor must
-    stay below every kernel. Bandwidth: the fastest of a batch-1 matrix-vector product (a decode step's weight
-    read), a plain sum and kernels.c's read alone, over 1 GiB, far past any cache (minutes apart on one VM, a
-    matrix-vector product read 19.6 GB/s and a sum 30.4). FLOPs: a 2048-cube matmul or the units' register-only loops
-    (on an Emerald Rapids VM, oneMKL's fp32 measured a median 0.84 of the FMA loop and its bf16 0.40 of
-    AMX's)."""
+def _product_tflops(dtype: Any) -> float:
+    """A library's square matmul in `dtype`, sized from a 256-cube's time to take about PRODUCT_SECONDS (at most
+    2048): torch emulates bf16 products on CPUs without bf16 instructions, where a 2048-cube takes minutes."""
+    import torch
+
+    def rate(n: int, repeats: int) -> tuple[float, float]:
+        a = torch.ones(n, n, dtype=dtype)
+        s = _best_s(lambda: torch.mm(a, a), repeats)
+        return 2 * n ** 3 / s / 1e12, s
+    small, seconds = rate(256, 1)
+    n = min(2048, int(256 * (PRODUCT_SECONDS / seconds) ** (1 / 3)) // 256 * 256)
+    return max(small, rate(n, 3)[0]) if n > 256 else small
+
+
+def _say(message: str) -> None:
+    print(f"measuring the host: {message}", file=sys.stderr, flush=True)
+
+
+def measure_host(threads: int, say: Callable[[str], None] = _say) -> Hardware:
+    """Memory bandwidth and fp32/bf16 FLOPs on `threads` torch threads, each unit measured the fastest way there
+    is here, with `say` told each step. Bandwidth: the fastest of a batch-1 matrix-vector product (a decode step's
+    weight read), a plain sum and kernels.c's read alone, over 1 GiB, far past any cache (minutes apart on one VM,
+    a matrix-vector product read 19.6 GB/s and a sum 30.4). FLOPs: kernels.c's register-only loop on the units
+    each dtype's products run on (ddscope.models.peaks: at least a library's rate, and a floor must stay below
+    every kernel; on an Emerald Rapids VM, oneMKL's fp32 measured a median 0.84 of the FMA loop and its bf16 0.40
+    of AMX's), else a library's matmul sized to take about a second."""
     import torch
 
     from ddscope.bench.sweep import cpu_model
-    from ddscope.models import peaks
+    from ddscope.models import native, peaks
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        say(f"memory bandwidth over 1 GiB, {threads} thread(s)")
         matrix = torch.ones(32768, 8192)  # 1 GiB of fp32, past any cache; written once, so no page fault is timed
         vector, read = torch.ones(8192), peaks.read()
         reads = {"mv": _best_s(lambda: torch.mv(matrix, vector), 5), "sum": _best_s(lambda: matrix.sum(), 5)}
         if read is not None:
             reads["read"] = _best_s(lambda: read(matrix, threads), 5)
-        matmul, loops = {}, {}
+        flops, how = {}, {}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            a = torch.ones(2048, 2048, dtype=dtype)
-            matmul[name] = round(2 * 2048 ** 3 / _best_s(lambda: torch.mm(a, a), 3) / 1e12, 4)
-            loops[name] = round(_loop_tflops(name, threads), 4)
+            if peaks.units(name) is not None:
+                say(f"{name} FLOPs, kernels.c's {native.isa()} loop")
+                flops[name], how[name] = round(_loop_tflops(name, threads), 4), f"kernels.c {native.isa()} loop"
+            else:
+                say(f"{name} FLOPs, torch's matmul sized to about {PRODUCT_SECONDS:g} s")
+                flops[name], how[name] = round(_product_tflops(dtype), 4), "torch matmul"
     finally:
         torch.set_num_threads(before)
     gbps = {name: round(matrix.numel() * 4 / s / 1e9, 2) for name, s in reads.items()}
-    return Hardware("host", max(gbps.values()), {k: max(matmul[k], loops[k]) for k in matmul}, None, "",
-                    f"measured on {cpu_model()}, {threads} thread(s)",
+    return Hardware("host", max(gbps.values()), flops, None, "", f"measured on {cpu_model()}, {threads} thread(s)",
                     {"cpu": cpu_model(), "threads": threads, "torch": torch.__version__, "read_gbps": gbps,
-                     "matmul_tflops": matmul, "loop_tflops": loops, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                     "tflops_by": how, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def faster(a: Hardware, b: Hardware) -> Hardware:
@@ -205,5 +229,8 @@ def _host_cache(threads: int) -> Path:
     from ddscope.bench.sweep import cpu_model
 
     root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
-    key = hashlib.sha1(f"{cpu_model()}|{threads}|{HOST_METHOD}".encode()).hexdigest()[:16]
+    from ddscope.models import native
+
+    build = native.isa() if native.library() is not None else "torch"  # a forced lower ISA has lower peaks
+    key = hashlib.sha1(f"{cpu_model()}|{threads}|{HOST_METHOD}|{build}".encode()).hexdigest()[:16]
     return root / f"host-floor-{key}.json"
