@@ -83,7 +83,7 @@ class Grammars:
                 self.running[c] = worker
             raise ConstraintError(f"compiling the {c.kind} constraint took over {self.timeout_s:g} s")
         if "error" in result:
-            raise ConstraintError(f"the {c.kind} constraint does not compile: {_first_line(result['error'])}")
+            raise ConstraintError(f"the {c.kind} constraint does not compile: {first_line(result['error'])}")
         with self.lock:
             self.cache[c] = result["grammar"]
             while len(self.cache) > CACHE_ENTRIES:
@@ -159,7 +159,7 @@ def _uncommented(text: str) -> str:
     return "\n".join(re.sub(r"(#|//).*$", "", line) for line in text.splitlines())
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     """The error's first line, without the "[time] file.cc:line:" that xgrammar's C++ puts before it."""
     text = (str(e).strip() or type(e).__name__).splitlines()[0]
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)[:300]

@@ -6,9 +6,9 @@ import logging
 from typing import Any
 
 from ddscope.engine.limits import DEFAULT_BUDGET, KV_CACHE_MB, MAX_NUM_SEQS, MAX_PREFILL_TOKENS, MAX_WHITESPACE
+from ddscope.structured.tool_parsers import PARSERS  # --tool-call-parser: vLLM's names
 from ddscope.util.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
-PARSERS = ("hermes",)  # --tool-call-parser: the formats ddscope.server.tools reads
 SPEC_DECODE_LEVELS = ("none", "summary", "detailed")  # vLLM's --per-request-spec-decode-metrics levels
 
 
@@ -75,7 +75,10 @@ def _add_surface_args(p: argparse.ArgumentParser) -> None:
                         'so that JSON finishes; "max_whitespace_cnt": N sets the bound, null lifts it')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default once tools are sent), with --tool-call-parser')
-    g.add_argument("--tool-call-parser", choices=PARSERS, help="how `auto` tool calls are read from the output (default: none: `auto` is refused)")
+    g.add_argument("--tool-call-parser", choices=list(PARSERS), metavar="NAME",
+                   help="the model family's tool-call format, as vLLM names it: "
+                        f"{', '.join(PARSERS)}. It reads `auto` calls and writes forced ones (required, named) "
+                        "under a grammar (default: none: `auto` is refused, forced calls are vLLM's JSON)")
     g.add_argument("--allowed-origins", type=_json_list, default=[], metavar="JSON",
                    help='CORS origins, as a JSON list, e.g. \'["http://localhost:3000"]\' (default: none)')
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help="CORS methods (default: %(default)s)")

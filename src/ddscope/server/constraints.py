@@ -14,9 +14,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ddscope.engine.grammars import Constraint
+from ddscope.engine.grammars import Constraint, ConstraintError, first_line
 from ddscope.engine.limits import MAX_WHITESPACE
 from ddscope.server.schemas import APIError, ResponseFormat, SamplingRequest, StructuredOutputs
+from ddscope.structured.tool_parsers import ToolParser, Whitespace
 
 MAX_NESTING = 64  # objects and arrays in a schema, as vLLM's (sampling_params.py:39)
 BACKENDS = ("auto", "xgrammar")
@@ -76,9 +77,14 @@ def constraint_of(req: SamplingRequest, config: StructuredOutputsConfig) -> tupl
     return field, _constraint(kind, _spec_text(field, kind, spec, closed), config, compact, whitespace)
 
 
-def tool_constraint(schema: dict[str, Any], config: StructuredOutputsConfig) -> Constraint:
-    """A forced tool choice's constraint: the JSON of its schema, under the server's whitespace defaults."""
-    return _constraint("json", json.dumps(schema), config, config.disable_any_whitespace)
+def tool_constraint(parser: ToolParser, config: StructuredOutputsConfig) -> Constraint:
+    """A forced tool choice's constraint: the calls in the parser's format, their JSON arguments under the server's
+    whitespace defaults; ConstraintError where a tool's parameters do not compile."""
+    try:
+        tag = parser.grammar(Whitespace(config.disable_any_whitespace, config.max_whitespace))
+    except (RuntimeError, ValueError) as e:  # xgrammar's schema converter
+        raise ConstraintError(f"a tool's parameters do not compile: {first_line(e)}") from None
+    return Constraint("structural_tag", json.dumps(tag))
 
 
 def _constraint(kind: str, spec: str, config: StructuredOutputsConfig, compact: bool,

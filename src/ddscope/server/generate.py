@@ -17,7 +17,8 @@ from ddscope.server.requests import engine_request
 from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_request_metrics, prompt_logprobs, sse
 from ddscope.server.schemas import APIError, ChatCompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
-from ddscope.server.tools import ToolStream, choice_of, tool_schema
+from ddscope.server.tools import choice_of, parser_of
+from ddscope.structured.tool_parsers import ToolParser
 from ddscope.server.worker import (Done, EngineWorker, Event, Failed, InvalidRequest, Job, QueueFull, ShuttingDown,
                                    WorkerDied)
 
@@ -70,30 +71,35 @@ def _submit(state: ServerState, job: Job) -> None:
         raise APIError(503, str(e), code="worker_died") from None
 
 
-async def _constrain(state: ServerState, req: SamplingRequest) -> tuple[Constraint | None, str | None]:
-    """The request's constraint, compiled now (off the event loop, and not on the engine's thread), and its tool
-    choice; a 400 naming the field where it is malformed or does not compile in time."""
+async def _constrain(state: ServerState, req: SamplingRequest) -> tuple[Constraint | None, ToolParser | None]:
+    """The request's constraint, compiled now (off the event loop, and not on the engine's thread), and the parser
+    of its tool calls; a 400 naming the field where it is malformed or does not compile in time."""
     surface = state.config.surface
-    tool = choice_of(req, surface.tool_parser) if isinstance(req, ChatCompletionRequest) else None
+    chat = isinstance(req, ChatCompletionRequest)
+    parser = parser_of(req, choice_of(req, surface.tool_parser), surface.tool_parser) if chat else None
     field, constraint = constraint_of(req, surface.structured_outputs) or (None, None)  # checked either way
-    schema = tool_schema(req, tool) if tool is not None else None
-    if schema is not None:
-        # The forced call is the turn: it wins over response_format, which shapes content (a call has none), as vLLM
-        # answers the requests openai-agents sends with both.
-        field, constraint = "tools", tool_constraint(schema, surface.structured_outputs)
-    if constraint is not None:
-        try:
-            await asyncio.to_thread(state.engine.grammars.compile, constraint)
-        except ConstraintError as e:
-            raise APIError(400, f"{field}: {e}", param=field, code="invalid_constraint") from None
-    return constraint, tool
+
+    def compile() -> Constraint | None:
+        nonlocal field
+        c = constraint
+        if parser is not None and parser.choice.forced:
+            # The forced call is the turn: it wins over response_format, which shapes content (a call has none), as
+            # vLLM answers the requests openai-agents sends with both.
+            field, c = "tools", tool_constraint(parser, surface.structured_outputs)
+        if c is not None:
+            state.engine.grammars.compile(c)
+        return c
+
+    try:
+        return await asyncio.to_thread(compile), parser
+    except ConstraintError as e:
+        raise APIError(400, f"{field}: {e}", param=field, code="invalid_constraint") from None
 
 
 async def generate(request: Request, state: ServerState, req: SamplingRequest, prompts: list[list[int]],
                     reply: Reply, arrival: float) -> Response:
     constraint, reply.tool = await _constrain(state, req)
     reply.shared = req.n
-    reply.parallel = not (isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False)
     requests = [engine_request(state, req, len(ids), constraint) for ids in prompts]  # all checked before any runs
     k = req.choices  # sequences per prompt: choice p * k + c is prompt p's c-th
     many = len(prompts) * k > 1
@@ -221,7 +227,7 @@ async def _stream(state: ServerState, jobs: list[Job], req: SamplingRequest, rep
     logprobs = [Logprobs(state.tokenizer, reply.chat) if wanted else None for _ in jobs]
     ids = (lambda t: {"token_ids": t}) if req.return_token_ids else (lambda t: {})
     finished: dict[int, Done] = {}
-    tools = [ToolStream(reply.tool, reply.parallel) if reply.tool and reply.chat else None for _ in jobs]
+    tools = [reply.tool.stream() if reply.tool and reply.chat else None for _ in jobs]
     try:
         for i, job in enumerate(jobs):
             async for chunk in _stream_head(state, req, reply, i, job, firsts[i], logprobs[i]):

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ddscope.server.tools import read_calls
+from ddscope.structured.tool_parsers import ToolParser
 from ddscope.speculative.sampling import TokenLogprob
 
 if TYPE_CHECKING:
@@ -123,8 +123,7 @@ class Reply:
     model: str
     include_usage: bool = False  # stream_options.include_usage
     id: str = ""
-    tool: str | None = None  # chat with tools: "auto", "required" or the named tool (ddscope.server.tools)
-    parallel: bool = True  # parallel_tool_calls
+    tool: ToolParser | None = None  # chat whose tools' calls are read (tool_choice other than none)
     shared: int = 1  # choices per prompt (n): usage counts each prompt once
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -142,7 +141,7 @@ class Reply:
                logprobs: dict[str, Any] | None = None, index: int = 0, **extra: Any) -> dict[str, Any]:
         """One final choice; `extra`: vLLM's per-choice fields asked for (token_ids, prompt_token_ids, ...)."""
         if self.chat and self.tool:
-            content, calls = read_calls(self.tool, text, self.parallel)
+            content, calls = self.tool.extract(text)
             body = {"index": index, "message": {"role": "assistant", "content": content,
                                                 "tool_calls": [c.to_dict() for c in calls]}}
             finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
