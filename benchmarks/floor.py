@@ -61,7 +61,7 @@ class Floors:
         self.shapes, self.hosts, self.last = shapes, [], None
 
     def _measure(self) -> Hardware:
-        self.hosts.append(measure_host(len(os.sched_getaffinity(0))))
+        self.hosts.append(measure_host(len(os.sched_getaffinity(0)), say=lambda _: None))
         return self.hosts[-1]
 
     def stale(self) -> None:

@@ -24,19 +24,23 @@ import torch
 from ab_harness import alternate
 
 import ddscope.models.kv_pool as kv_pool
+import ddscope.models.builds as builds
 import ddscope.models.native as native
 from ddscope.bench.sweep import cpu_model
 
 SHAPES = ((2048, 1024), (1024, 1024), (4096, 1024), (1024, 2048))  # qkv, o, gate_up, down of one layer
 LAYERS = 24
+HEADERS = builds.HEADERS  # the working tree's
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 256  # floor.py's attention
 
 
 def library(source: Path):
-    """kernels.c at `source`, built and loaded as ddscope loads its own."""
-    native.SOURCE = source
-    native.library.cache_clear()
-    return native.library()
+    """kernels.c at `source` (its headers beside it), built for this process's ISA and loaded as ddscope loads
+    its own."""
+    beside = (source.parent / h.name for h in HEADERS)
+    builds.SOURCE, builds.HEADERS = source, tuple(h for h in beside if h.exists())
+    builds.load.cache_clear()
+    return builds.load(builds.isa())
 
 
 def arm(lib, weights: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -125,15 +129,14 @@ def main() -> int:
                     "A's, not bitwise")
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    dtype, here = getattr(torch, args.dtype), native.SOURCE
-    old = subprocess.run(["git", "show", f"{args.base}:src/ddscope/models/kernels.c"], cwd=here.parent, check=True,
-                         capture_output=True, text=True).stdout
+    dtype, here = getattr(torch, args.dtype), builds.SOURCE
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "kernels.c"
-        base.write_text(old)
-        libs = {"A": library(base), "B": library(here)}
-    if dtype == torch.bfloat16 and not all(lib.amx_ready() for lib in libs.values()):  # asks Linux for the tiles
-        raise SystemExit("bf16 products need AMX, and this CPU or kernel does not lend it")
+        for name in (here.name, *(h.name for h in HEADERS)):  # the revision's source and the headers it has
+            old = subprocess.run(["git", "show", f"{args.base}:src/ddscope/models/{name}"], cwd=here.parent,
+                                 capture_output=True, text=True)
+            if old.returncode == 0:
+                (Path(tmp) / name).write_text(old.stdout)
+        libs = {"A": library(Path(tmp) / here.name), "B": library(here)}
     print(f"# kernels.c {args.base} (A) against the working tree (B), {args.dtype}, {cpu_model()}, "
           f"{torch.get_num_threads()} threads, {args.repeats} repeats\n")
     if args.contexts:

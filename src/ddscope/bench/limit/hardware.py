@@ -171,7 +171,7 @@ def measure_host(threads: int, say: Callable[[str], None] = _say) -> Hardware:
     import torch
 
     from ddscope.bench.sweep import cpu_model
-    from ddscope.models import native, peaks
+    from ddscope.models import builds, native, peaks
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -185,8 +185,8 @@ def measure_host(threads: int, say: Callable[[str], None] = _say) -> Hardware:
         flops, how = {}, {}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             if peaks.units(name) is not None:
-                say(f"{name} FLOPs, kernels.c's {native.isa()} loop")
-                flops[name], how[name] = round(_loop_tflops(name, threads), 4), f"kernels.c {native.isa()} loop"
+                say(f"{name} FLOPs, kernels.c's {builds.isa()} loop")
+                flops[name], how[name] = round(_loop_tflops(name, threads), 4), f"kernels.c {builds.isa()} loop"
             else:
                 say(f"{name} FLOPs, torch's matmul sized to about {PRODUCT_SECONDS:g} s")
                 flops[name], how[name] = round(_product_tflops(dtype), 4), "torch matmul"
@@ -229,8 +229,8 @@ def _host_cache(threads: int) -> Path:
     from ddscope.bench.sweep import cpu_model
 
     root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
-    from ddscope.models import native
+    from ddscope.models import builds, native
 
-    build = native.isa() if native.library() is not None else "torch"  # a forced lower ISA has lower peaks
+    build = builds.isa() if native.library() is not None else "torch"  # a forced lower ISA has lower peaks
     key = hashlib.sha1(f"{cpu_model()}|{threads}|{HOST_METHOD}|{build}".encode()).hexdigest()[:16]
     return root / f"host-floor-{key}.json"
