@@ -18,7 +18,7 @@ import torch
 
 from ddscope.engine import Engine
 from ddscope.bench.workloads import STRUCTURED, STRUCTURED_PROMPTS
-from ddscope.engine.grammars import Constraint
+from ddscope.structured.constraint import Constraint
 
 def constraint(fields: dict) -> Constraint:
     """A workload's `structured_outputs` as the engine's constraint (compact JSON, as both servers run it)."""

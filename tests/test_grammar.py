@@ -13,8 +13,9 @@ import xgrammar as xgr
 
 from ddscope.bench.synthetic import oracle_engine
 from ddscope.engine import Engine
-from ddscope.engine.grammars import Constraint, ConstraintError, Grammars
-from ddscope.speculative.grammar import GrammarState
+from ddscope.structured.compiler import Grammars
+from ddscope.structured.constraint import Constraint, ConstraintError
+from ddscope.structured.walk import GrammarState
 from ddscope.speculative.tree import best_first
 
 SCHEMA = {"type": "object", "properties": {
@@ -41,8 +42,8 @@ def oracle(tiny_engine):
 
 
 def _accepts(grammars: Grammars, c: Constraint, ids: list[int]) -> bool:
-    m = xgr.GrammarMatcher(grammars.compile(c))
-    return all(m.accept_token(t) for t in ids)
+    m = grammars.compile(c).matcher()
+    return all(m.accept(t) for t in ids)
 
 
 @pytest.mark.parametrize("kind", sorted(CONSTRAINTS))
@@ -157,7 +158,7 @@ def test_a_compile_past_its_time_is_refused_and_not_run_again(tiny_pair):
         f"k{i}": {"type": "array", "items": {"type": "string", "pattern": "[a-z]{2,9}"}} for i in range(40)}}))
     with pytest.raises(ConstraintError, match="took over"):
         slow.compile(big)
-    assert big not in slow.cache
+    assert ("auto", big) not in slow.cache
 
 
 def test_the_grammar_cost_is_recorded_per_round(oracle):

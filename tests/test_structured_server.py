@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from ddscope.engine import Engine
-from ddscope.engine.grammars import Constraint
+from ddscope.structured.constraint import Constraint
 from ddscope.engine.limits import MAX_WHITESPACE
 from ddscope.server.constraints import StructuredOutputsConfig
 from ddscope.server.launch import serve_in_background
@@ -283,7 +283,7 @@ def test_the_default_bound_admits_pretty_printed_json(demo):
     assert max(map(len, re.findall(r"\s+", text))) == MAX_WHITESPACE
     assert StructuredOutputsConfig().max_whitespace == MAX_WHITESPACE
     for kind, spec in (("json_object", ""), ("json", json.dumps({"type": "object"}))):
-        grammar = demo.grammars.compile(Constraint(kind, spec, max_whitespace=MAX_WHITESPACE))
+        grammar = demo.grammars.compile(Constraint(kind, spec, max_whitespace=MAX_WHITESPACE)).grammar
         assert xgr.GrammarMatcher(grammar).accept_string(text), kind
         assert not xgr.GrammarMatcher(grammar).accept_string("{" + " " * (MAX_WHITESPACE + 1) + "}"), kind
     assert StructuredOutputsConfig.parse('{"max_whitespace_cnt": null}').max_whitespace is None

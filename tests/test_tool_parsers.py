@@ -12,7 +12,7 @@ import pytest
 import xgrammar as xgr
 
 from ddscope.cli import build_parser
-from ddscope.engine.grammars import Constraint
+from ddscope.structured.constraint import Constraint
 from ddscope.server.constraints import StructuredOutputsConfig
 from ddscope.server.launch import serve_in_background
 from ddscope.server.state import Surface
@@ -105,7 +105,7 @@ def grammars(tiny_engine):
 
 def _accepts(grammars, tag: dict, text: str) -> bool:
     text = text.removeprefix("<|python_tag|>")  # Llama's forced calls are bare JSON, as its JSON template has them
-    matcher = xgr.GrammarMatcher(grammars.compile(Constraint("structural_tag", json.dumps(tag))))
+    matcher = xgr.GrammarMatcher(grammars.compile(Constraint("structural_tag", json.dumps(tag))).grammar)
     return matcher.accept_string(text) and matcher.is_completed()
 
 

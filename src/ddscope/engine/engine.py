@@ -13,7 +13,6 @@ from transformers import AutoTokenizer
 
 from ddscope.config import CheckpointError, eos_ids
 from ddscope.engine.block_manager import sized_pool
-from ddscope.engine.grammars import Grammars
 from ddscope.engine.limits import DEMO_DIR, DTYPES, MAX_BUDGET, METHODS, EngineConfig
 from ddscope.engine.request import Bounds, Request
 from ddscope.engine.runner import Runner, StepReport
@@ -31,7 +30,9 @@ from ddscope.policy.cost import VerifyCost
 from ddscope.policy.learn import LearnedBySampler
 from ddscope.speculative.completion import Completion
 from ddscope.speculative.decoder import Decoder
-from ddscope.speculative.grammar import GrammarState
+from ddscope.structured.backend import Compiled
+from ddscope.structured.compiler import Grammars
+from ddscope.structured.walk import GrammarState
 from ddscope.speculative.law import Law, bad_word_ids
 from ddscope.speculative.lookup import LOOKUP_MAX
 from ddscope.speculative.proposers import AR, DDTree, DFlash, Proposer
@@ -152,6 +153,11 @@ class Engine:
         iterator cancels generation at the next step."""
         return self.follow(self.sequence(prompt, request, **fields))
 
+    def compiled(self, r: Request) -> Compiled:
+        """The request's grammar: compiled already where the server compiled it before admission, else now (a
+        library caller's thread)."""
+        return r.constraint if isinstance(r.constraint, Compiled) else self.grammars.compile(r.constraint)
+
     def sequence(self, prompt: str | list[int], request: Request | None = None, **fields: Any) -> Sequence:
         """`request`, or `fields` (Request's) over it, validated and not yet added: RequestError (a ValueError
         naming the field) on bad input."""
@@ -167,7 +173,7 @@ class Engine:
         proposer = self.proposer(r.method, r.budget, sampling, r.lookup)
         generator = torch.Generator(self.device).manual_seed(r.seed if r.seed is not None else random.getrandbits(63))
         pages = Pages(device=self.device, salt=r.cache_salt)
-        grammar = GrammarState(self.grammars.compile(r.constraint), self.vocab_size, r.steer) if r.constraint else None
+        grammar = GrammarState(self.compiled(r), self.vocab_size, r.steer) if r.constraint else None
         decoder = Decoder(self.target, self.drafter, proposer, sampling, generator, law, r.logprobs, grammar)
         stats = GenerationStats(r.method, getattr(proposer, "budget", None), len(ids))
         completion = Completion(self.tokenizer, eos, r.max_new_tokens, r.min_tokens, list(r.stop or []), stops,

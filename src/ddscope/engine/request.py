@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from ddscope.engine.limits import MAX_BUDGET, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, default_method
 
 if TYPE_CHECKING:
-    from ddscope.engine.grammars import Constraint
+    from ddscope.structured.backend import Compiled
+    from ddscope.structured.constraint import Constraint
 
 
 class RequestError(ValueError):
@@ -39,7 +40,8 @@ class Request:
     `bad_words`, the penalties, EOS unless `ignore_eos`, and `stop_token_ids`, which end a generation as EOS does.
     Text: the `stop` strings and vLLM's detokenizing switches. Outputs: `logprobs` (top N per token),
     `prompt_logprobs` (top N per prompt token; the prompt then runs in full). Scheduling: `cache_salt` keeps prefix-
-    cache entries apart, `priority` orders admission (lower first). Structure: `constraint` (structured outputs);
+    cache entries apart, `priority` orders admission (lower first). Structure: `constraint` (structured outputs: a Constraint, or
+    the grammar compiled of it before admission, which the engine then uses as it is);
     `steer=False` masks at the verify only, as vLLM does, for side-by-side measurements."""
     max_new_tokens: int = 128
     min_tokens: int = 0
@@ -67,7 +69,7 @@ class Request:
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
     priority: int = 0
-    constraint: Constraint | None = None
+    constraint: Constraint | Compiled | None = None
     steer: bool = True
 
     @classmethod

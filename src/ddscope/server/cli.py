@@ -70,7 +70,8 @@ def _add_surface_args(p: argparse.ArgumentParser) -> None:
                         "(default: the target directory's name)")
     g.add_argument("--structured-outputs-config", metavar="JSON",
                    help='defaults of every structured-output request, e.g. \'{"backend": "xgrammar", '
-                        '"disable_any_whitespace": true}\' (backend: auto or xgrammar). JSON\'s free whitespace is '
+                        '"disable_any_whitespace": true}\' (backend: auto, xgrammar or guidance; auto: xgrammar '
+                        'where it enforces the whole schema, else llguidance). JSON\'s free whitespace is '
                         f'bounded to {MAX_WHITESPACE} characters a stretch (a newline and 20 spaces of indentation), '
                         'so that JSON finishes; "max_whitespace_cnt": N sets the bound, null lifts it')
     g.add_argument("--enable-auto-tool-choice", action="store_true",

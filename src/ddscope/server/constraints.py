@@ -14,13 +14,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ddscope.engine.grammars import Constraint, ConstraintError, first_line
 from ddscope.engine.limits import MAX_WHITESPACE
 from ddscope.server.schemas import APIError, ResponseFormat, SamplingRequest, StructuredOutputs
+from ddscope.structured.backend import CHOICES
+from ddscope.structured.constraint import Constraint, ConstraintError, first_line
+from ddscope.structured.schema import closed
 from ddscope.structured.tool_parsers import ToolParser, Whitespace
 
-MAX_NESTING = 64  # objects and arrays in a schema, as vLLM's (sampling_params.py:39)
-BACKENDS = ("auto", "xgrammar")
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,9 @@ class StructuredOutputsConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"--structured-outputs-config: unknown field(s) {', '.join(unknown)}")
-        if data.get("backend", "auto") not in BACKENDS:
-            raise ValueError(f"--structured-outputs-config: backend {data['backend']!r} is not available; ddscope "
-                             f"runs xgrammar ({' or '.join(BACKENDS)})")
+        if data.get("backend", "auto") not in CHOICES:
+            raise ValueError(f"--structured-outputs-config: backend {data['backend']!r} is not available; one of "
+                             f"{', '.join(CHOICES)}")
         if data.get("reasoning_parser"):
             raise ValueError("--structured-outputs-config: reasoning_parser is not supported")
         bound = data.get("max_whitespace_cnt", MAX_WHITESPACE)
@@ -73,8 +73,8 @@ def constraint_of(req: SamplingRequest, config: StructuredOutputsConfig) -> tupl
     opts = req.structured_outputs or StructuredOutputs()
     whitespace = opts.whitespace_pattern if opts.whitespace_pattern is not None else req.guided_whitespace_pattern
     compact = opts.disable_any_whitespace or config.disable_any_whitespace
-    closed = opts.disable_additional_properties or config.disable_additional_properties
-    return field, _constraint(kind, _spec_text(field, kind, spec, closed), config, compact, whitespace)
+    close = opts.disable_additional_properties or config.disable_additional_properties
+    return field, _constraint(kind, _spec_text(field, kind, spec, close), config, compact, whitespace)
 
 
 def tool_constraint(parser: ToolParser, config: StructuredOutputsConfig) -> Constraint:
@@ -131,7 +131,7 @@ def _response_format(rf: ResponseFormat) -> tuple[str, Any]:
     return "structural_tag", rf.model_dump(exclude_none=True, by_alias=True, exclude={"json_schema"})
 
 
-def _spec_text(field: str, kind: str, spec: Any, closed: bool) -> str:
+def _spec_text(field: str, kind: str, spec: Any, close: bool) -> str:
     """The constraint's text, checked for what is plainly malformed before it reaches the compiler."""
     def bad(why: str) -> APIError:
         return APIError(400, f"{field}: {why}", param=field, code="invalid_parameter")
@@ -159,29 +159,6 @@ def _spec_text(field: str, kind: str, spec: Any, closed: bool) -> str:
             raise bad(f"{kind} is not valid JSON: {e}") from None
     if kind == "json" and not isinstance(spec, (dict, bool)):
         raise bad("a JSON schema is an object (or true/false)")
-    if _depth(spec) > MAX_NESTING:
-        raise bad(f"nested too deeply: objects and arrays may nest at most {MAX_NESTING} levels")
-    if kind == "json" and closed:
-        spec = _closed(spec)
+    if kind == "json" and close:
+        spec = closed(spec)
     return json.dumps(spec)
-
-
-def _depth(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max((_depth(v) for v in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((_depth(v) for v in value), default=0)
-    return 0
-
-
-def _closed(schema: Any) -> Any:
-    """Every object schema without its own additionalProperties gets `false` (vLLM's
-    disable_additional_properties)."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if out.get("type") == "object" or "properties" in out:
-        out.setdefault("additionalProperties", False)
-    return out

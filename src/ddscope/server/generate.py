@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ddscope.engine.grammars import Constraint, ConstraintError
 from ddscope.models.target import KVCacheFull
 from ddscope.server.constraints import constraint_of, tool_constraint
 from ddscope.server.requests import engine_request
@@ -18,6 +17,8 @@ from ddscope.server.responses import Logprobs, Reply, merge_logprobs, per_reques
 from ddscope.server.schemas import APIError, ChatCompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
 from ddscope.server.tools import choice_of, parser_of
+from ddscope.structured.backend import Compiled
+from ddscope.structured.constraint import ConstraintError
 from ddscope.structured.tool_parsers import ToolParser
 from ddscope.server.worker import (Done, EngineWorker, Event, Failed, InvalidRequest, Job, QueueFull, ShuttingDown,
                                    WorkerDied)
@@ -71,7 +72,7 @@ def _submit(state: ServerState, job: Job) -> None:
         raise APIError(503, str(e), code="worker_died") from None
 
 
-async def _constrain(state: ServerState, req: SamplingRequest) -> tuple[Constraint | None, ToolParser | None]:
+async def _constrain(state: ServerState, req: SamplingRequest) -> tuple[Compiled | None, ToolParser | None]:
     """The request's constraint, compiled now (off the event loop, and not on the engine's thread), and the parser
     of its tool calls; a 400 naming the field where it is malformed or does not compile in time."""
     surface = state.config.surface
@@ -79,16 +80,16 @@ async def _constrain(state: ServerState, req: SamplingRequest) -> tuple[Constrai
     parser = parser_of(req, choice_of(req, surface.tool_parser), surface.tool_parser) if chat else None
     field, constraint = constraint_of(req, surface.structured_outputs) or (None, None)  # checked either way
 
-    def compile() -> Constraint | None:
+    backend = req.guided_decoding_backend or surface.structured_outputs.backend
+
+    def compile() -> Compiled | None:
         nonlocal field
         c = constraint
         if parser is not None and parser.choice.forced:
             # The forced call is the turn: it wins over response_format, which shapes content (a call has none), as
             # vLLM answers the requests openai-agents sends with both.
             field, c = "tools", tool_constraint(parser, surface.structured_outputs)
-        if c is not None:
-            state.engine.grammars.compile(c)
-        return c
+        return state.engine.grammars.compile(c, backend) if c is not None else None
 
     try:
         return await asyncio.to_thread(compile), parser

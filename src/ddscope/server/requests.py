@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
-from ddscope.engine.grammars import Constraint
+from ddscope.structured.backend import Compiled
 from ddscope.engine.request import Request, RequestError
 from ddscope.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
@@ -92,7 +92,7 @@ API_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 def engine_request(state: ServerState, req: SamplingRequest, prompt_len: int,
-                   constraint: Constraint | None = None) -> Request:
+                   constraint: Compiled | None = None) -> Request:
     """The body as the engine's Request, the server's defaults filled in and checked once (400 naming the field)."""
     engine = state.engine
     room = engine.max_model_len - prompt_len

@@ -190,7 +190,7 @@ class SamplingRequest(Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
     guided_grammar: str | None = None
-    guided_decoding_backend: Literal["auto", "xgrammar"] | None = None
+    guided_decoding_backend: Literal["auto", "xgrammar", "guidance"] | None = None  # over the server's
     guided_whitespace_pattern: str | None = None
     # ddscope extensions.
     method: str | None = None

@@ -16,11 +16,11 @@ import torch
 from ddscope.models.drafter import Drafter
 from ddscope.models.kv_pool import BLOCK
 from ddscope.models.target import ForwardOut, Segment, Target
-from ddscope.speculative.grammar import GrammarState
 from ddscope.speculative.law import Law, LawApplier
 from ddscope.speculative.proposers import Proposer
 from ddscope.speculative.sampling import Noise, SamplingParams, TokenLogprob, token_logprobs
 from ddscope.speculative.tree import DraftTree, Steer, root_only
+from ddscope.structured.walk import GrammarState
 
 SCORE_ROWS = 512  # prompt rows scored at a time (echo with logprobs): bounds the logits to 512 x vocab
 

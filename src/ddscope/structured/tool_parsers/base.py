@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ddscope.structured.constraint import ConstraintError
 from ddscope.structured.tool_choice import Tool, ToolCall, ToolChoice, call_id
 from ddscope.structured.tool_parsers.scan import Draft, held_back, is_json_object
 
@@ -31,11 +32,16 @@ def sequence(*elements: Format) -> Format:
 
 
 def json_arguments(schema: dict[str, Any], ws: Whitespace) -> Format:
-    """The arguments as JSON of `schema`, compiled as the engine compiles a JSON constraint (engine/grammars.py),
-    so that whitespace means the same in a forced call as in response_format."""
+    """The arguments as JSON of `schema`, compiled as xgrammar compiles a JSON constraint (xgrammar_backend.py),
+    so that whitespace means the same in a forced call as in response_format; ConstraintError naming a keyword
+    xgrammar would not enforce."""
     import xgrammar as xgr  # only where a forced call is rendered
 
-    ebnf = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not ws.compact,
+    from ddscope.structured.xgrammar_backend import schema_gaps, without_false_properties
+
+    if gaps := schema_gaps(schema):
+        raise ConstraintError(f"{gaps[0]} by xgrammar")
+    ebnf = xgr.Grammar.from_json_schema(json.dumps(without_false_properties(schema)), any_whitespace=not ws.compact,
                                         separators=(",", ":") if ws.compact else None,
                                         max_whitespace_cnt=None if ws.compact else ws.bound)
     return {"type": "grammar", "grammar": str(ebnf)}

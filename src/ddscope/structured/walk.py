@@ -1,6 +1,6 @@
 """One sequence's grammar (structured outputs): the legal tokens at any node of a draft tree.
 
-An xgrammar matcher holds the committed output; a cursor walks it to a node's path (rolling back to the shared
+A backend's matcher (ddscope.structured.backend) holds the committed output; a cursor walks it to a node's path (rolling back to the shared
 prefix, then accepting the rest), so every node is masked by its own state, as `ar` masks one token at a time.
 Only `advance` moves the committed state, after a round's tokens are chosen: a rejected branch or a preempted
 sequence never leaves its mark. Past the end of the grammar (its stop token accepted: only with ignore_eos
@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from typing import Any
-
 import torch
 
 from ddscope.speculative.tree import Children, DraftTree
+from ddscope.structured.backend import Compiled
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -28,13 +27,11 @@ class GrammarCost:
 
 
 class GrammarState:
-    def __init__(self, compiled: Any, vocab: int, steer: bool = True):
-        import xgrammar as xgr  # here: only a constrained request pays for loading it
-
-        self.matcher = xgr.GrammarMatcher(compiled)
+    def __init__(self, compiled: Compiled, vocab: int, steer: bool = True):
+        self.matcher = compiled.matcher()
         self.steer = steer  # drafts grown under the grammar; False: masked at the verify only (vLLM's way)
         self.vocab = vocab
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab)
+        self.bitmask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
         self.path: list[int] = []  # tokens the matcher holds past the committed output (the cursor)
         self.free_from: int | None = None  # index in `path` where the grammar ended: no constraint past it
         self.masks: dict[tuple[int, ...], torch.Tensor | None] = {}  # this round's, by path
@@ -121,7 +118,7 @@ class GrammarState:
         self._goto(path)
         if self.matcher.is_terminated():
             return None
-        self.matcher.fill_next_token_bitmask(self.bitmask)
+        self.matcher.fill(self.bitmask)
         self.cost.masks += 1
         return ((self.bitmask[0, :, None] >> _BITS) & 1).view(-1)[:self.vocab].bool()
 
@@ -139,7 +136,7 @@ class GrammarState:
                 self.free_from = len(self.path)
                 self.path += path[len(self.path):]
                 return
-            if not self.matcher.accept_token(token):
+            if not self.matcher.accept(token):
                 raise IllegalPath(token)
             self.path.append(token)
 

@@ -1,0 +1,122 @@
+"""One engine's grammar compiler: constraints compiled by the backend `--structured-outputs-config` names, once,
+cached by constraint, before the request is admitted (the server compiles on a thread of its own; the compiled
+grammar travels with the request, so the engine's thread never compiles).
+
+`auto` falls back per constraint, as vLLM's does (v1/structured_output/__init__.py): xgrammar where it enforces
+the whole constraint, else guidance; where neither does, the refusal names the keyword and its path. Structural
+tags (forced tool calls) are xgrammar's format and compile there under every backend. A compile runs on a
+thread of its own and is bounded in time: one past COMPILE_TIMEOUT_S is refused, and so is the same constraint
+again, while it runs on."""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from ddscope.structured.backend import BACKENDS, CHOICES, Backend, Compiled, backend_class
+from ddscope.structured.constraint import Constraint, ConstraintError
+from ddscope.structured.schema import MAX_NESTING, nesting
+
+COMPILE_TIMEOUT_S = 10.0  # vLLM bounds a regex's at 5 s (VLLM_REGEX_COMPILATION_TIMEOUT_S) and nothing else
+MAX_RUNAWAY = 4  # compiles past their time still running: beyond this, new ones wait for them to end
+CACHE_ENTRIES = 256
+Key = tuple[str, Constraint]  # (backend asked for, constraint)
+
+
+class Grammars:
+    """The compiler of one engine's tokenizer: each backend built at its first compile, so that an engine never
+    asked for a constraint loads none."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], timeout_s: float = COMPILE_TIMEOUT_S,
+                 backend: str = "auto"):
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
+        self.timeout_s, self.backend = timeout_s, backend
+        self.backends: dict[str, Backend] = {}
+        self.cache: OrderedDict[Key, Compiled] = OrderedDict()
+        self.running: dict[Key, threading.Thread] = {}  # compiles past their time, still going
+        self.lock = threading.Lock()
+
+    def compile(self, c: Constraint, backend: str | None = None) -> Compiled:
+        """The compiled grammar (cached); ConstraintError if no backend asked for enforces it, or it does not
+        compile within the time limit."""
+        key = (backend or self.backend, c)
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
+            self.running = {k: t for k, t in self.running.items() if t.is_alive()}
+            if key in self.running:
+                raise ConstraintError(f"compiling this {c.kind} took over {self.timeout_s:g} s; it is refused")
+            if len(self.running) >= MAX_RUNAWAY:
+                raise ConstraintError("the server is still compiling constraints that ran past their time limit")
+        order = [self.backend_named(n) for n in self.order(key[0], c)]  # built here, outside the time limit
+        compiled = self._bounded(key, lambda: self._first(order, c))
+        with self.lock:
+            self.cache[key] = compiled
+            while len(self.cache) > CACHE_ENTRIES:
+                self.cache.popitem(last=False)
+        return compiled
+
+    def backend_named(self, name: str) -> Backend:
+        if name not in self.backends:
+            self.backends[name] = backend_class(name)(self.tokenizer, self.vocab_size, self.stop_ids)
+        return self.backends[name]
+
+    @staticmethod
+    def order(backend: str, c: Constraint) -> list[str]:
+        """The backends to try, in turn."""
+        if backend not in CHOICES:
+            raise ConstraintError(f"unknown structured-outputs backend {backend!r}; one of {', '.join(CHOICES)}")
+        if c.kind == "structural_tag":
+            return ["xgrammar"]
+        return list(BACKENDS) if backend == "auto" else [backend]
+
+    def _bounded(self, key: Key, work: Any) -> Compiled:
+        """`work()` on a thread of its own, given timeout_s."""
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["grammar"] = work()
+            except Exception as e:
+                result["error"] = e
+
+        worker = threading.Thread(target=run, name="ddscope-grammar", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive():
+            with self.lock:
+                self.running[key] = worker
+            raise ConstraintError(f"compiling the {key[1].kind} constraint took over {self.timeout_s:g} s")
+        if "error" in result:
+            raise result["error"]
+        return result["grammar"]
+
+    @staticmethod
+    def _first(order: list[Backend], c: Constraint) -> Compiled:
+        """The first backend's grammar that enforces all of `c`; else the refusal of the last one tried (the most
+        capable), with the gaps of those before it."""
+        if c.kind == "json":
+            check_nesting(json.loads(c.spec))
+        refusals = []
+        for backend in order:
+            gaps = backend.gaps(c)
+            try:
+                if gaps:
+                    raise ConstraintError(f"{gaps[0]} by {backend.name}" + (f" (and {len(gaps) - 1} more)"
+                                                                           if len(gaps) > 1 else ""))
+                return backend.compile(c)
+            except ConstraintError as e:
+                refusals.append(str(e))
+        raise ConstraintError("; ".join(reversed(refusals)))
+
+
+def check_nesting(schema: Any) -> None:
+    """ConstraintError where the output would nest objects and arrays more than MAX_NESTING deep."""
+    try:
+        depth = nesting(schema)
+    except RecursionError:
+        depth = MAX_NESTING + 1
+    if depth > MAX_NESTING:
+        raise ConstraintError(f"the output would nest objects and arrays {depth} levels deep; at most {MAX_NESTING}")

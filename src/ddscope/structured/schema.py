@@ -1,0 +1,131 @@
+"""JSON Schema read keyword by keyword: every subschema with its JSON path, so that a backend can name what it
+would not enforce (`Gap`), and the shapes every backend compiles alike (closed objects, the output's nesting).
+
+Only the keywords that hold schemas are walked into, so a property named like a keyword (`"properties":
+{"additionalProperties": false}`) is a property, never the keyword."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+MAX_NESTING = 64  # objects and arrays the output nests, as vLLM's (sampling_params.py:39)
+
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")  # [schema]
+SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
+              "contains", "not", "if", "then", "else", "propertyNames")
+NESTS = {"object", "array"}
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A keyword a backend would not enforce, at a JSON path in the schema (`$.properties.name`)."""
+    keyword: str
+    path: str
+    why: str = "is not enforced"
+
+    def __str__(self) -> str:
+        return f"{self.keyword} at {self.path} {self.why}"
+
+
+def subschemas(node: Any, path: str = "$") -> Iterator[tuple[dict[str, Any], str]]:
+    """Every object subschema of `node` (itself first), with its path."""
+    if not isinstance(node, dict):
+        return
+    yield node, path
+    for key in SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for name, child in node[key].items():
+                yield from subschemas(child, f"{path}.{key}.{name}")
+    for key in SCHEMA_LISTS + ("items",):
+        if isinstance(node.get(key), list):
+            for i, child in enumerate(node[key]):
+                yield from subschemas(child, f"{path}.{key}[{i}]")
+    for key in SCHEMA_ONE:
+        yield from subschemas(node.get(key), f"{path}.{key}")
+
+
+def locate(schema: Any, keyword: str) -> str | None:
+    """The path of the first subschema using `keyword`."""
+    return next((p for node, p in subschemas(schema) if keyword in node), None)
+
+
+def types(node: dict[str, Any]) -> set[str]:
+    """The JSON types a subschema names (none: any)."""
+    t = node.get("type")
+    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+
+
+def nesting(schema: Any) -> int:
+    """How deep the output's objects and arrays can nest: a subschema's value inside its object or array is one
+    level down, its anyOf/allOf branches on the same level; a recursive $ref is followed once round its loop."""
+    defs = {f"#/{k}/{n}": s for k in ("$defs", "definitions") if isinstance(schema, dict)
+            and isinstance(schema.get(k), dict) for n, s in schema[k].items()}
+    done: dict[str, int] = {}  # a definition's depth, once (a schema may $ref it from many places)
+
+    def depth(node: Any, seen: frozenset[str]) -> int:
+        if not isinstance(node, dict):
+            return 0
+        here = 1 if types(node) & NESTS or (not types(node) and _container(node)) else 0
+        inside = max((depth(v, seen) for k, v in _values(node) if k in _INSIDE), default=0)
+        beside = max((depth(v, seen) for k, v in _values(node) if k not in _INSIDE), default=0)
+        ref = node.get("$ref")
+        if ref in defs and ref not in seen:
+            if ref not in done:
+                done[ref] = depth(defs[ref], seen | {ref})
+            beside = max(beside, done[ref])
+        return max(here + inside, beside)
+
+    return depth(schema, frozenset())
+
+
+_INSIDE = {"properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "items",
+           "prefixItems", "additionalItems", "unevaluatedItems", "contains"}  # a value one level inside the node
+
+
+def _container(node: dict[str, Any]) -> bool:
+    return any(k in node for k in _INSIDE | {"required", "minProperties", "maxProperties", "minItems", "maxItems"})
+
+
+def _values(node: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(keyword, child schema) for each schema directly under `node`."""
+    for key in SCHEMA_MAPS:
+        if isinstance(node.get(key), dict) and key not in ("$defs", "definitions"):
+            for child in node[key].values():
+                yield key, child
+    for key in SCHEMA_LISTS + ("items",):
+        if isinstance(node.get(key), list):
+            for child in node[key]:
+                yield key, child
+    for key in SCHEMA_ONE:
+        if isinstance(node.get(key), dict):
+            yield key, node[key]
+
+
+def rebuild(node: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """`node` with `fn` applied to every subschema, innermost first."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: rebuild(child, fn) for name, child in node[key].items()}
+    for key in SCHEMA_LISTS + ("items",):
+        if isinstance(node.get(key), list):
+            out[key] = [rebuild(child, fn) for child in node[key]]
+    for key in SCHEMA_ONE:
+        if isinstance(node.get(key), dict):
+            out[key] = rebuild(node[key], fn)
+    return fn(out)
+
+
+def is_object(node: dict[str, Any]) -> bool:
+    return "object" in types(node) or (not types(node) and "properties" in node)
+
+
+def closed(schema: Any) -> Any:
+    """Every object subschema without its own additionalProperties gets `false` (vLLM's
+    disable_additional_properties)."""
+    return rebuild(schema, lambda n: {**n, "additionalProperties": n.get("additionalProperties", False)}
+                   if is_object(n) else n)
