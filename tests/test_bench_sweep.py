@@ -174,7 +174,7 @@ def test_help_shows_every_default(capsys):
 
 def test_warmup_prompts_stay_clear_of_timed_ones_until_the_set_is_used_up():
     """Sweeps one after another, each from where the last one's timed prompts ended (as
-    benchmarks/peer_vllm.py runs them): no warm-up takes a prompt that a timed request takes."""
+    benchmarks/peers/peer_vllm.py runs them): no warm-up takes a prompt that a timed request takes."""
     from ddscope.bench.sweep import SweepConfig
 
     for contexts, repeats, sweeps in (([13], 5, 27), ([13, 1663, 3333, 5553], 3, 10)):  # <= 164 prompts in all

@@ -1,10 +1,12 @@
 """The pages keep their limits (issue 72): the README stays a user's page and docs/performance.md the current
 state, both within their line counts; the docs speak of the project, its dates and its findings, never of who
-worked or in what sitting; and every relative link in them reaches a file, and a heading where it names one."""
+worked or in what sitting; every relative link in them reaches a file, and a heading where it names one; and
+every benchmark left is cited by its path in a page, in rooms of at most 12 files."""
 from __future__ import annotations
 
 import re
 import unicodedata
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,13 @@ def test_every_relative_link_resolves(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target} (no such heading)")
     assert not broken, f"{name(page)}: {broken}"
+
+
+def test_every_benchmark_is_cited_and_no_room_is_crowded():
+    files = [p for p in (ROOT / "benchmarks").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    pages = "\n".join(p.read_text() for p in PAGES)
+    uncited = [name(p) for p in files if p.suffix in (".py", ".sh") and p.parent.name != "common"
+               and name(p) not in pages]
+    assert not uncited, f"benchmarks no page cites by path (cite it, or record it in the journal and git rm it): {uncited}"
+    crowded = {name(room): n for room, n in Counter(p.parent for p in files).items() if n > 12}
+    assert not crowded, f"rooms of more than 12 files: {crowded}"

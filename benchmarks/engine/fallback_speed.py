@@ -2,7 +2,7 @@
 kernels, side by side: each arm a process of its own (the kernels are chosen when the library loads), alternating
 `--rounds` times; each process decodes the same prompts greedily and reports the engine's own decode tok/s.
 
-    python benchmarks/fallback_speed.py --rounds 3
+    python benchmarks/engine/fallback_speed.py --rounds 3
 """
 from __future__ import annotations
 

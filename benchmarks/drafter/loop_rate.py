@@ -5,12 +5,14 @@ A looping target makes acceptance a property of the loop, not of the drafter (a 
 draft, until the drafter meets one it has not learned), so this number belongs next to any
 acceptance figure of the demo pair. Generation is `ddtree` greedy, which is token-identical to `ar`.
 
-    python benchmarks/loop_rate.py [--workloads code,math] [--contexts 0,2048] [--prompts 20]
+    python benchmarks/drafter/loop_rate.py [--workloads code,math] [--contexts 0,2048] [--prompts 20]
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from engine_args import load_engine, parser
 from tqdm import tqdm
 

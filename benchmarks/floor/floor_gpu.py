@@ -1,7 +1,7 @@
 """The floor checked on a real GPU: a Qwen3 of Llama-3-8B's shape (random bf16 weights, which cost what
 trained ones do) served by ddscope's engine on CUDA, each step's time beside its `ddscope bench limit` floor.
 
-    python benchmarks/floor_gpu.py [--hardware h200] [--out results.json]
+    python benchmarks/floor/floor_gpu.py [--hardware h200] [--out results.json]
 
 It measures the card first (a device-to-device copy and a bf16 matmul, against the table's datasheet
 numbers), then times `ar` decode and oracle-drafted `ddtree` verify steps at 8, 32 and 64 nodes, at short

@@ -4,9 +4,9 @@ dflash, ddtree at fixed budgets and ddtree with the adaptive budget.
 Arms run interleaved in a shuffled order per (repeat, prompt), so load drift hits all arms alike;
 speedups are medians of per-pair ratios against HF generate measured in the same pass.
 
-    python benchmarks/speed.py                    # full run on the bundled demo pair (long)
-    python benchmarks/speed.py --quick            # smoke run, under 2 minutes
-    python benchmarks/speed.py --compare-drafter src/ddscope/assets/demo/drafter-short   # two drafters, one run
+    python benchmarks/engine/speed.py                    # full run on the bundled demo pair (long)
+    python benchmarks/engine/speed.py --quick            # smoke run, under 2 minutes
+    python benchmarks/engine/speed.py --compare-drafter src/ddscope/assets/demo/drafter-short   # two drafters, one run
 
 With `--compare-drafter DIR`, the same target also runs with a second drafter, whose arms are
 prefixed `B:` and interleaved with the first's. At T=0 every engine arm's output is checked against
@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from engine_args import load_engine, parser
 from transformers import AutoModelForCausalLM
 

@@ -5,13 +5,15 @@ Decodes with a fixed-budget DDTree and, for every verified draft token whose par
 was its parent's top-ranked child, and whether the target accepted it. Prints one reliability
 table per temperature: probability bin -> acceptance rate, top-1 tokens and siblings apart.
 
-    python benchmarks/calibration.py [--temperatures 0,1] [--budget 64] [--prompts 3]
+    python benchmarks/engine/calibration.py [--temperatures 0,1] [--budget 64] [--prompts 3]
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from engine_args import load_engine, parser
 
 from ddscope import Engine

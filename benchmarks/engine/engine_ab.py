@@ -7,7 +7,7 @@ the same verify-cost table (calibrated once, here), so `auto` sizes trees from t
 summed per arm; their boundaries may differ between commits (the batched runner counts acceptance in
 `commit`, the batch-1 loop in `verify`).
 
-    python benchmarks/engine_ab.py [--baseline ff55f21] [--requests 20] [--budget auto] [--tokens 192]
+    python benchmarks/engine/engine_ab.py [--baseline ff55f21] [--requests 20] [--budget auto] [--tokens 192]
 """
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 from statistics import median
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import WORK, abba, baseline_tree
 
 from ddscope.bench.sweep import cpu_model
 from ddscope.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])

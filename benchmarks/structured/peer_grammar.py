@@ -10,7 +10,7 @@ refuses a draft's first token leaves it none). ddscope runs at its defaults (`--
 with `budget` 32 sent per request. tok/s is completion tokens over the client's latency (prefill included), as a
 user sees it. Prints a Markdown table of medians and the ratio:
 
-    python benchmarks/peer_grammar.py --rounds 3
+    python benchmarks/structured/peer_grammar.py --rounds 3
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ then the same trace after hundreds of requests of mixed lengths have churned its
 over the free list), then a fresh trace again, all on one server process and the same prompt (T=0: the same tokens
 in the same steps, so the step times compare position for position).
 
-    python benchmarks/trace_churn.py [--churn 300] [--max-tokens 2048] [--out docs/results]
+    python benchmarks/serving/trace_churn.py [--churn 300] [--max-tokens 2048] [--out docs/results]
 
 Writes OUT/trace-churn.md and .json: per phase, the median gap per step, the generation's fit, the step boundaries
 checked against the server's rounds, and the engine's own step time.
@@ -73,7 +73,7 @@ def main() -> int:
         rows.append(f"| {name} | {p['median_gap_ms']:.2f} | {p['median_engine_ms']:.2f} | "
                     f"{', '.join(f'{q:.2f}' for q in p['by_quarter'])} | {fit['a_ms']:.2f} + "
                     f"{1e3 * fit['b_ms_per_token']:.3f}/1k | {p['rounds_equal']} |")
-    text = (f"# A long generation on a fresh and a churned pool ({cpu_model()})\n\n`python benchmarks/trace_churn.py "
+    text = (f"# A long generation on a fresh and a churned pool ({cpu_model()})\n\n`python benchmarks/serving/trace_churn.py "
             f"--churn {args.churn} --max-tokens {args.max_tokens}`: demo pair, `ddscope serve --kv-cache-mb 256`, "
             f"padding prompt of 64 tokens, 2 traces a phase; {args.churn} churn requests took {churn_s:.0f} s.\n\n"
             + "\n".join(rows) + "\n")

@@ -12,7 +12,7 @@ processes other than the server, the busy loop and this client used meanwhile (/
 /proc/PID/stat), and a reading with more than --max-background cores of it is taken again (up to
 --attempts times; the last is kept and counted as noisy).
 
-    python benchmarks/serve_threads.py --arms 1,2,default --repeats 5
+    python benchmarks/serving/serve_threads.py --arms 1,2,default --repeats 5
 """
 from __future__ import annotations
 

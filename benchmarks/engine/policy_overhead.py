@@ -5,15 +5,17 @@ for auto, and auto's other calls (`drafts`, `observe`), while the engine decodes
 include the cold caches that follow each model forward (the same call timed in a tight loop is
 several times faster and would understate the cost).
 
-    python benchmarks/policy_overhead.py [--prompts 3] [--max-tokens 256]
+    python benchmarks/engine/policy_overhead.py [--prompts 3] [--max-tokens 256]
 """
 from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 import time
 from collections.abc import Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from engine_args import load_engine, parser
 
 from ddscope.bench.workloads import fit_ids, load_workload

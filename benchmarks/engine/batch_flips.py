@@ -5,7 +5,7 @@ Equality under batching holds up to floating-point ties: a different batch chang
 row's matmuls, which in bf16 can move a near-tie's argmax. A flip is the first token where the batched output
 leaves the request's output alone (after it, the two continue from different texts and are not compared).
 
-    python benchmarks/batch_flips.py [--prompts 24] [--max-tokens 96] [--dtypes float32,bfloat16]
+    python benchmarks/engine/batch_flips.py [--prompts 24] [--max-tokens 96] [--dtypes float32,bfloat16]
                                      [--methods ar,dflash,ddtree]
 
 Writes docs/results/batch-flips.json; docs/server.md quotes it.
@@ -23,7 +23,7 @@ import torch
 from ddscope.bench.workloads import load_workload
 from ddscope.engine import Engine
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "results" / "batch-flips.json"
+OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "batch-flips.json"
 
 
 def cpu_name() -> str:
@@ -91,7 +91,7 @@ def main() -> None:
               f"{r['diverged_from_ar']}/{r['requests']} left ar's output")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"cpu": cpu_name(), "torch": torch.__version__, "rows": rows,
-                               "command": "python benchmarks/batch_flips.py"}, indent=2) + "\n")
+                               "command": "python benchmarks/engine/batch_flips.py"}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ greedy generation on the demo pair finishes and validates with `jsonschema`), as
 (epfl-dlab/jsonschemabench, core/evaluator.py). The corpus is read from a path you give, never committed: a clone
 of guidance-ai/jsonschemabench (`data/<Subset>/*.json`) or any folder of schemas (searched recursively).
 
-    python benchmarks/schema_coverage.py ~/jsonschemabench/data --backends xgrammar,guidance,auto --sample 40
+    python benchmarks/structured/schema_coverage.py ~/jsonschemabench/data --backends xgrammar,guidance,auto --sample 40
 
 Prints a Markdown table: per backend, the schemas compiled, those refused (with the most common reason), and of
 the sample, the outputs that finished and the finished ones that validate; `--json PATH` writes every row.

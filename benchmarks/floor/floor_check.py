@@ -2,7 +2,7 @@
 on a bandwidth-bound random Qwen3 (fp32, a few hundred million parameters: random weights cost what trained
 ones do), at contexts up to 4k and batches of 1-8.
 
-    python benchmarks/floor_check.py [--contexts 16,1024,4000] [--out docs/results]
+    python benchmarks/floor/floor_check.py [--contexts 16,1024,4000] [--out docs/results]
 
 Each server runs in a process of its own, alone on the machine while it is measured. ddscope's steps are its
 own per-round timings (`return_rounds`: each round's verify forward, its batch and context); vLLM's are the
@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from floor_common import build, late, prompt, together
 
 from ddscope.bench.embedded import serve_process
@@ -79,7 +80,7 @@ def _row(engine: str, arm: str, batch: int, context: int, nodes: float, pairs: l
 
 def markdown(rows: list[dict], hw, hw1, shape) -> str:
     lines = [f"# Measured steps beside their floor ({cpu_model()})", "",
-             f"`python benchmarks/floor_check.py`: a random Qwen3, {shape.params / 1e6:.0f}M parameters in fp32 "
+             f"`python benchmarks/floor/floor_check.py`: a random Qwen3, {shape.params / 1e6:.0f}M parameters in fp32 "
              f"({4 * shape.params / 1e9:.2f} GB), {TOKENS} tokens out. `host`: {hw.bandwidth_gbps:g} GB/s, fp32 "
              f"{1e3 * hw.tflops['fp32']:.0f} GFLOPS ({hw.source}); `host:1`: {hw1.bandwidth_gbps:g} GB/s, fp32 "
              f"{1e3 * hw1.tflops['fp32']:.0f} GFLOPS.", "",

@@ -2,7 +2,7 @@
 core), and with the last layer finishing every row ("all rows") or only the rows the first draft reads
 ("trimmed", the engine's way with a sliding-window drafter).
 
-    python benchmarks/prefill.py [--target DIR --drafter DIR] [--contexts 1663 3333 5553] [--repeats 3] [--busy]
+    python benchmarks/engine/prefill.py [--target DIR --drafter DIR] [--contexts 1663 3333 5553] [--repeats 3] [--busy]
 
 Prompts are random tokens (the cost does not depend on them); arms alternate, one warm-up each, and cells
 are the median ms over `--repeats`. The CPU is named in the first line.
@@ -14,10 +14,12 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 import time
 from collections.abc import Iterator
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from engine_args import load_engine, parser
 
 from ddscope import Engine

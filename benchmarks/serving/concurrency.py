@@ -18,7 +18,7 @@ is made in pairs: a c=1 block of its own prompts on one ddscope server, then the
 other, in ABBA order, the pairs' ratios' median reported. The load client is this process; every server
 runs in a process of its own.
 
-    python benchmarks/concurrency.py [--levels 1,4,8,16] [--rounds 2] [--baseline ff55f21] [--out docs/results]
+    python benchmarks/serving/concurrency.py [--levels 1,4,8,16] [--rounds 2] [--baseline ff55f21] [--out docs/results]
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from pathlib import Path
 from statistics import median
 
 import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import WORK, Server, abba, baseline_server, load, model_of, prompts_for
 
 from ddscope.bench.backends import parse_metrics
@@ -171,7 +172,7 @@ def report(cells: dict, levels: list[int], same: int, total: int, seeded_same: i
         return median(r[key] for r in runs) if runs else None
 
     lines = [f"# Throughput against concurrency ({cpu_model()}, fp32, demo pair, {VLLM_CPU})", "",
-             f"`python benchmarks/concurrency.py --levels {args.levels} --rounds {args.rounds} --baseline "
+             f"`python benchmarks/serving/concurrency.py --levels {args.levels} --rounds {args.rounds} --baseline "
              f"{args.baseline}`: code prompts of 10-1000 tokens, new at every level, 128/256 tokens out, "
              "ignore_eos, T=0, streamed; medians over rounds.", "",
              "| arm | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]

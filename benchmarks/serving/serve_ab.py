@@ -1,9 +1,9 @@
 """Paired server A/B: `ddscope serve` of this tree against an earlier commit's, at one concurrency, in ABBA
 pairs of blocks on the same prompts (the machine drifts by a fifth within minutes; a pair's two blocks
-drift alike, and each server runs first as often as second). Prompts as benchmarks/concurrency.py sends
+drift alike, and each server runs first as often as second). Prompts as benchmarks/serving/concurrency.py sends
 them: code, 10-1000 tokens, 128/256 out, T=0, streamed, each block new. Prints each pair and the medians.
 
-    python benchmarks/serve_ab.py --baseline 0199ab2 [--concurrency 8] [--pairs 8] [--out FILE.json]
+    python benchmarks/serving/serve_ab.py --baseline 0199ab2 [--concurrency 8] [--pairs 8] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import WORK, abba, baseline_server, load, model_of, prompts_for
 
 from ddscope.bench.embedded import serve_process

@@ -3,7 +3,7 @@
 Each optimisation is switched off by swapping in the straightforward code it replaced; arms run
 interleaved (shuffled per repeat) and the table reports median ms per step and the ratio.
 
-    python benchmarks/ablations.py [--target DIR --drafter DIR] [--repeats 7] [--max-tokens 600] [--context N]
+    python benchmarks/engine/ablations.py [--target DIR --drafter DIR] [--repeats 7] [--max-tokens 600] [--context N]
 
 `--context N` pads the prompt to N tokens (the padding workload): attention costs show at long context.
 """
@@ -13,11 +13,13 @@ import contextlib
 import random
 import statistics
 import sys
+from pathlib import Path
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from engine_args import load_engine, parser
 
 from ddscope import Engine

