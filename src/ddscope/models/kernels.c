@@ -373,11 +373,15 @@ static inline __attribute__((always_inline)) void dp_rows(const uint16_t *x, con
 }
 
 /* One row by two panels side by side (a decode row): alone, one panel's chain waits on its steps' latency (a
- * decode row read 34 GB/s from L2 on an AVX2 core so, 65 with two). Each output's sum is the same as above. */
+ * decode row read 34 GB/s from L2 on an AVX2 core so, 65 with two), each stream its lines asked for ahead (from
+ * DRAM, 0.82 of an fp32 row's rate without, 0.95 with). Each output's sum is the same as above. */
+#define PAIR_LEAD 32 /* lines ahead each stream asks for: two streams a thread outrun the prefetchers alone */
 static void dp_row_by_two(const uint16_t *x, const uint16_t *panel, uint16_t *y, int64_t K) {
   const uint16_t *next = panel + K * 16;
   vf a = vf_zero(), b = vf_zero();
   for (int64_t kp = 0; kp < K / 2; kp++) {
+    PREFETCH_L1(panel + (kp + PAIR_LEAD) * 32);
+    PREFETCH_L1(next + (kp + PAIR_LEAD) * 32);
     a = pair_step(a, x + 2 * kp, pair_load(panel + kp * 32));
     b = pair_step(b, x + 2 * kp, pair_load(next + kp * 32));
   }
