@@ -1,6 +1,6 @@
 import pytest
 
-from ddscope.bench.synthetic import make_tiny_pair
+from ddscope.bench.synthetic_models import make_tiny_pair
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddscope.bench.embedded import serve_process
-from ddscope.bench.workloads import load_workload
+from ddscope.bench.running.server import serve_process
+from ddscope.bench.running.workloads import load_workload
 from ddscope.cli import main
 from ddscope.engine.limits import DEMO_DIR
 from support.aiperf_peer import INSTALL_TIMEOUT_S, profile, write_prompts

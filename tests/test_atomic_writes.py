@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddscope.bench.sweep import ResultsWriter
-from ddscope.training.distill import append_whole_lines
+from ddscope.bench.running.sweep import ResultsWriter
 from ddscope.models.drafter_ckpt import save_drafter
+from ddscope.training.distill import append_whole_lines
 
 
 class Killed(BaseException):
@@ -91,7 +91,8 @@ def killed_inside_replacing(path: Path) -> None:
 
 
 def test_a_temp_file_a_killed_bench_writer_left_does_not_block_the_next_run(tmp_path):
-    from ddscope.bench.runs import foreign_files  # the --out check: it refuses folders holding files of the user's
+    # the --out check: it refuses folders holding files of the user's
+    from ddscope.bench.running.run_folder import foreign_files
 
     (tmp_path / "results.json").write_text("{}")
     killed_inside_replacing(tmp_path / "results.json")

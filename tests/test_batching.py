@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.engine import Engine
 from ddscope.models.kv_pool import KVPool, Pages
 from ddscope.models.kv_pool import KVCache

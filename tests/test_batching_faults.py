@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.engine import Engine
 from ddscope.engine.request import Request
 from ddscope.server.metrics import ServerMetrics

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ddscope.bench.analyze import acceptance_windows, analyze
-from ddscope.bench.fit import AnalysisError, robust_fit
+from ddscope.bench.errors import AnalysisError
+from ddscope.bench.judging.analyze import acceptance_windows, analyze
+from ddscope.bench.judging.fit import robust_fit
 from ddscope.cli import main
 
 A_MS, B_MS = 20.0, 0.004  # the true step curve: 20 ms + 4 ms per 1k tokens
@@ -292,7 +293,7 @@ def test_no_printed_share_is_outside_its_range_without_a_warning():
 
 
 def test_a_share_that_rounds_to_zero_is_never_minus_zero():
-    from ddscope.bench.attribution import _pct
+    from ddscope.bench.judging.attribution import _pct
 
     assert (_pct(-0.004), _pct(0.004), _pct(-0.2), _pct(None)) == ("0%", "0%", "-20%", "n/a")
 

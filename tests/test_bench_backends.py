@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.responses import JSONResponse
 
-from ddscope.bench.backends import parse_metrics
+from ddscope.bench.collecting.backends import parse_metrics
 from ddscope.cli import main
 from support.bench_fakes import (TOKENS, VLLM_DECODE_S, app_with, completion, delivered, llamacpp_app, openai_error,
                                  plain_app, planted, serve, sglang_app, usage, vllm_app)
@@ -184,7 +184,7 @@ def test_no_acceptance_means_tok_per_s_only(tmp_path, capsys):
 
 
 def test_exact_token_id_prompts_with_tokenizer(tmp_path, capsys):
-    from ddscope.bench.synthetic import save_tiny_tokenizer
+    from ddscope.bench.synthetic_models import save_tiny_tokenizer
 
     tok_dir = tmp_path / "tok"
     save_tiny_tokenizer(tok_dir)
@@ -231,7 +231,7 @@ def test_parse_metrics_sums_label_sets_and_drops_created():
 
 
 def test_server_lost_mid_sweep_aborts_with_reason(tmp_path, capsys, monkeypatch):
-    import ddscope.bench.sweep as sweep_mod
+    import ddscope.bench.running.sweep as sweep_mod
 
     with socket.socket() as s:  # a port nobody listens on: what a killed server's address answers
         s.bind(("127.0.0.1", 0))
@@ -255,7 +255,7 @@ def test_server_lost_mid_sweep_aborts_with_reason(tmp_path, capsys, monkeypatch)
 
 
 def test_ctrl_c_leaves_valid_files(tmp_path, capsys, monkeypatch):
-    import ddscope.bench.sweep as sweep_mod
+    import ddscope.bench.running.sweep as sweep_mod
 
     real_post, calls = sweep_mod.post, {"n": 0}
 
@@ -293,7 +293,7 @@ def test_rounding_is_read_from_the_printed_digits():
 def test_prompts_differ_across_warmups_repeats_and_first_prompt(tmp_path):
     """Timed real prompts never repeat a warm-up's (a prefix cache would serve them), and sweeps with other
     --first-prompt values send other prompts; every record carries a digest of its text."""
-    from ddscope.bench.synthetic import save_tiny_tokenizer
+    from ddscope.bench.synthetic_models import save_tiny_tokenizer
 
     tok_dir = tmp_path / "tok"
     save_tiny_tokenizer(tok_dir)

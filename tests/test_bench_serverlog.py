@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from ddscope.bench.report import setup_lines
-from ddscope.bench.serverlog import END_SLACK_S, POLL_S, ServerLog
+from ddscope.bench.collecting.server_log import END_SLACK_S, POLL_S, ServerLog
+from ddscope.bench.judging.sweep_report import setup_lines
 from ddscope.cli import main
 from support.bench_fakes import TOKENS, LogWriter, llamacpp_app, plain_app, planted, serve, sglang_app, vllm_app
 
@@ -252,7 +252,7 @@ def test_sglang_default_format_on_stderr_end_to_end(tmp_path):
 
 
 def test_colour_codes_do_not_hide_vllms_timestamp():
-    from ddscope.bench.serverlog import parse_line
+    from ddscope.bench.collecting.server_log import parse_line
 
     now = time.time()
     stamp = datetime.fromtimestamp(now).strftime("%m-%d %H:%M:%S")

@@ -58,7 +58,7 @@ def test_a_complete_sweep_replaces_the_folder_and_says_where(tmp_path, capsys):
 
 
 def test_a_sweep_that_stops_early_leaves_the_last_complete_one(tmp_path, capsys, monkeypatch):
-    import ddscope.bench.sweep as sweep_mod
+    import ddscope.bench.running.sweep as sweep_mod
 
     out = tmp_path / "sweep"
     with serve(vllm_app()) as url:

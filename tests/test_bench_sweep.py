@@ -9,7 +9,7 @@ from statistics import median
 
 import pytest
 
-from ddscope.bench.synthetic import make_drafter, make_target
+from ddscope.bench.synthetic_models import make_drafter, make_target
 from ddscope.cli import main
 
 CONTEXTS, MAX_TOKENS, REPEATS = (8, 64, 128), 24, 2
@@ -122,7 +122,7 @@ def test_streamed_chat_sweep(tiny_pair, tmp_path):
 def test_workloads_fit_exact_token_counts(tiny_pair, tmp_path):
     from transformers import AutoTokenizer
 
-    from ddscope.bench.workloads import PADDING_SUFFIX, WorkloadError, fit_ids, load_workload
+    from ddscope.bench.running.workloads import PADDING_SUFFIX, WorkloadError, fit_ids, load_workload
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
     (tmp_path / "p.jsonl").write_text('{"prompt": "def f(x):"}\n{"text": "Once upon a time"}\n')
@@ -175,7 +175,7 @@ def test_help_shows_every_default(capsys):
 def test_warmup_prompts_stay_clear_of_timed_ones_until_the_set_is_used_up():
     """Sweeps one after another, each from where the last one's timed prompts ended (as
     benchmarks/peers/peer_vllm.py runs them): no warm-up takes a prompt that a timed request takes."""
-    from ddscope.bench.sweep import SweepConfig
+    from ddscope.bench.running.sweep import SweepConfig
 
     for contexts, repeats, sweeps in (([13], 5, 27), ([13, 1663, 3333, 5553], 3, 10)):  # <= 164 prompts in all
         timed, warm = set(), set()
@@ -229,8 +229,8 @@ def test_a_counter_source_is_not_read_under_concurrency(tmp_path):
 def test_a_constrained_workload_sends_each_server_its_own_field_and_prices_the_grammar(tiny_pair, tmp_path, capsys):
     """`--workload json`: every request carries the records schema (vLLM's structured_outputs to ddscope), every
     token is under it (the array cannot close in 16 tokens), and the grammar's time a step is read and named."""
-    from ddscope.bench.backends import constraint_fields
-    from ddscope.bench.workloads import RECORDS
+    from ddscope.bench.collecting.backends import constraint_fields
+    from ddscope.bench.running.workloads import RECORDS
 
     target, drafter = tiny_pair
     out = tmp_path / "out"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddscope import Engine
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.cli import main
 from ddscope.models import native
 from ddscope.models.layers import PanelLinear

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.policy.auto import AutoBudget
 from ddscope.policy.batch import BatchBudget
 from ddscope.policy.cost import NODE_GRID, VerifyCost

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ddscope.bench.synthetic import make_target
+from ddscope.bench.synthetic_models import make_target
 from ddscope.cli import main
 from ddscope.server.launch import serve_in_background
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddscope import Engine
-from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
+from ddscope.bench.synthetic_models import make_drafter, make_target, oracle_engine
 from ddscope.config import CheckpointError, DrafterConfig, LayerAttention
 from ddscope.engine.sequence import Sequence
 from ddscope.models.drafter import Draft, Drafter

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.cli import main
 from ddscope.models.pages import keep_freed
 from ddscope.speculative.lookup import LOOKUP_MAX
@@ -92,8 +92,8 @@ FAULT_PROBE = """
 import resource, sys, tempfile
 from pathlib import Path
 import torch
+from ddscope.bench.synthetic_models import make_target
 import ddscope.engine.engine as engine_module
-from ddscope.bench.synthetic import make_target
 if sys.argv[1] == "glibc":  # the engine without pages.keep_freed: glibc's own defaults
     engine_module.keep_freed = lambda: False
 target = make_target(Path(tempfile.mkdtemp()) / "t", "qwen3", hidden=256, layers=2, max_len=4096)

@@ -11,12 +11,12 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.engine import Engine
+from ddscope.speculative.tree import best_first
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
 from ddscope.structured.walk import GrammarState
-from ddscope.speculative.tree import best_first
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "[a-z]{1,8}"}, "n": {"type": "integer", "minimum": 0, "maximum": 999},

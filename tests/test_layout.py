@@ -15,6 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddscope"
 # Lower layers never import higher ones. The top layer's rooms may use each other, but no module may loop back.
 LAYERS = {"util": 0, "config": 1, "models": 2, "speculative": 3, "structured": 3, "policy": 4, "engine": 5, "server": 6,
           "bench": 7, "training": 7, "peers": 7, "cli": 8, "": 8}
+# Inside bench/, the rooms follow the experiment and point one way too: each imports only the ones before it.
+# judging reads collected rows and runs nothing; running drives the server and hands its rows to judging.
+BENCH_ORDER = ("errors", "synthetic_models", "limit", "collecting", "judging", "running", "cli")
+BENCH_ROOM_FILES = 8  # a room a newcomer can read at a glance
 CORE_LIMIT = 300  # lines, outside the rooms that sit on top (bench, training, server)
 HELP_BUDGET_S = 0.5
 
@@ -65,6 +69,27 @@ def test_imports_point_down_the_stack():
                    "server -> bench/training/peers -> cli:\n" + "\n".join(up)
 
 
+def bench_rank(module: str) -> int:
+    """A bench module's place in BENCH_ORDER: its room, or the file itself at bench/'s top (the package is cli's)."""
+    parts = module.split(".")
+    return BENCH_ORDER.index(parts[2] if len(parts) > 2 else "cli")
+
+
+def test_bench_rooms_point_one_way():
+    bench = [m for m in MODULES if m.startswith("ddscope.bench.")]
+    unknown = sorted(m for m in bench if m.split(".")[2] not in BENCH_ORDER)
+    assert not unknown, f"bench modules in no room of BENCH_ORDER: {unknown}"
+    up = sorted(f"{m} -> {dep}" for m in bench for dep in GRAPH[m]
+                if dep.startswith("ddscope.bench.") and bench_rank(dep) > bench_rank(m))
+    assert not up, "bench imports that point against " + " -> ".join(BENCH_ORDER) + ":\n" + "\n".join(up)
+
+
+def test_bench_rooms_are_small():
+    rooms = [d for d in (PACKAGE / "bench").iterdir() if d.is_dir() and d.name != "__pycache__"]
+    big = {d.name: n for d in rooms if (n := len(list(d.glob("*.py")))) > BENCH_ROOM_FILES}
+    assert rooms and not big, f"bench rooms over {BENCH_ROOM_FILES} files: {big}"
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), or a module importing itself."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -108,6 +133,9 @@ def test_the_checks_catch_what_they_guard():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert layer("ddscope.models.target") < layer("ddscope.engine.runner") < layer("ddscope.server.app")
     assert "ddscope.engine.limits" in GRAPH["ddscope.cli"]  # lazy imports inside functions are read too
+    assert bench_rank("ddscope.bench.limit.floor") < bench_rank("ddscope.bench.collecting.backends") \
+        < bench_rank("ddscope.bench.judging.analyze") < bench_rank("ddscope.bench.running.sweep") \
+        < bench_rank("ddscope.bench.cli") == bench_rank("ddscope.bench")
 
 
 def test_core_modules_are_small():

@@ -128,7 +128,7 @@ def test_parameter_counts_equal_a_real_models(tmp_path, arch):
     """Every matrix of an instantiated HF model is counted (1-D norms and biases are left out of the floor)."""
     import torch
 
-    from ddscope.bench.synthetic import make_target
+    from ddscope.bench.synthetic_models import make_target
 
     directory = make_target(tmp_path / arch, arch)
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(str(directory))
@@ -198,11 +198,12 @@ def test_the_host_keeps_its_best_rates_and_a_beaten_floor_is_measured_again(tmp_
     still beaten is called a floor to re-measure, never a wrong model."""
     from dataclasses import replace
 
-    from ddscope.bench.analyze import analyze
+    from ddscope.bench.judging.analyze import analyze
+    from ddscope.bench.judging.floor_verdict import BEATEN_HOST, against_floor
     from ddscope.bench.limit import hardware as hw_module
+    from ddscope.bench.limit.floor import FloorSpec
     from ddscope.bench.limit.shape import load_shape
-    from ddscope.bench.limit.verdict import BEATEN_HOST, FloorSpec, against_floor
-    from ddscope.bench.synthetic import make_target
+    from ddscope.bench.synthetic_models import make_target
 
     monkeypatch.setenv("DDSCOPE_CACHE", str(tmp_path))
     slow = hw_module.Hardware("host", 5.0, {"fp32": 0.05, "bf16": 0.05}, measured={"threads": 1})
@@ -349,7 +350,7 @@ def test_no_measured_step_beats_its_host_floor(tmp_path):
     session's cached measurement and one taken after the steps: the VM's speed swings within minutes)."""
     from ddscope.bench.limit.hardware import faster, host, measure_host
     from ddscope.bench.limit.shape import load_shape
-    from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
+    from ddscope.bench.synthetic_models import make_drafter, make_target, oracle_engine
     from ddscope.engine import Engine
 
     target = make_target(tmp_path / "target", "qwen3", hidden=1024, layers=8)

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ddscope import Engine
-from ddscope.bench.synthetic import make_drafter, make_target
+from ddscope.bench.synthetic_models import make_drafter, make_target
 from ddscope.config import CheckpointError, DrafterConfig, default_target_layer_ids
 
 

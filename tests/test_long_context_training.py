@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from ddscope.bench.synthetic import make_drafter
+from ddscope.bench.synthetic_models import make_drafter
 from ddscope.models.target import Target
 from ddscope.training.contexts import parse_context_lengths, sample_length, select_mix
 from ddscope.training.distill import DistillSpec, build_prompts, distill, read_cache

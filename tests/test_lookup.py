@@ -59,7 +59,7 @@ def test_the_demo_targets_code_loop_is_drafted_by_lookup(virtual_time):
     """On a long HumanEval prompt the demo target loops (`\"\"\"` and an indent, over and over), which the
     short-context drafter commits about 2 tokens a step on (the bundled one, trained on long code, drafts it
     well); the lookup branch commits nearly whole blocks, and the output is still `ar`'s."""
-    from ddscope.bench.workloads import fit_ids, load_workload
+    from ddscope.bench.running.workloads import fit_ids, load_workload
     from ddscope.engine import Engine
     from ddscope.engine.limits import DEMO_DIR
 
@@ -78,7 +78,7 @@ def test_the_demo_targets_code_loop_is_drafted_by_lookup(virtual_time):
 def test_auto_leaves_the_drafter_out_of_a_loop_that_lookup_drafts_whole(virtual_time):
     """Padding at 13 tokens: the demo target loops on `"The ` and the lookup branch commits whole blocks by
     itself, so `auto` runs rounds without a draft that commit far more than the root; same output."""
-    from ddscope.bench.workloads import fit_ids, load_workload
+    from ddscope.bench.running.workloads import fit_ids, load_workload
     from ddscope.engine import Engine
 
     engine = virtual_time.use(Engine.load(), DEMO)

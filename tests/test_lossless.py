@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.models.layers import rope
 from support.tolerance import assert_same_sums, sums_depth
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddscope.bench.synthetic import make_target
+from ddscope.bench.synthetic_models import make_target
 from ddscope.models.target import Target
 from support.tolerance import assert_same_sums, sums_depth
 

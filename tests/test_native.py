@@ -315,7 +315,7 @@ def test_rows_in_kernels_are_the_modules_bits(tmp_path, arch, pages, dtype):
     on a cache whose slots lie in a run, which stores the K/V itself; a decode row in two calls around the
     cache's write on a paged table out of order, a tree in the modules) give the logits, captured features
     and K/V the modules give one by one."""
-    from ddscope.bench.synthetic import make_target
+    from ddscope.bench.synthetic_models import make_target
     from ddscope.models.kv_pool import KVPool, Pages
     from ddscope.models.target import Target
 

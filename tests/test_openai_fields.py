@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.server.launch import serve_in_background
 from support.tolerance import assert_same_logprobs
 

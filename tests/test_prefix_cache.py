@@ -85,7 +85,7 @@ def test_keys_are_exact_over_the_whole_prefix():
 def test_engine_outputs_are_the_same_with_and_without_the_cache():
     """Demo pair, drafts really accepted: a repeated prompt and one sharing its head are served from the
     cache, and every method's output equals a cache-less engine's."""
-    from ddscope.bench.workloads import fit_ids, load_workload
+    from ddscope.bench.running.workloads import fit_ids, load_workload
     from ddscope.engine import Engine
 
     cached, plain = Engine.load(), Engine.load(prefix_cache=False)
@@ -107,7 +107,7 @@ def test_engine_outputs_are_the_same_with_and_without_the_cache():
 def test_server_reports_cached_tokens_in_usage_and_metrics():
     import httpx
 
-    from ddscope.bench.workloads import fit_ids, load_workload
+    from ddscope.bench.running.workloads import fit_ids, load_workload
     from ddscope.engine import Engine
     from ddscope.server.launch import serve_in_background
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.running.workloads import fit_ids, load_workload
 from ddscope.cli import main
 from ddscope.engine import Engine
 from ddscope.engine.limits import DEMO_DIR

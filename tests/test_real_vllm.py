@@ -22,8 +22,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddscope.bench.embedded import serve_process
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.running.server import serve_process
+from ddscope.bench.running.workloads import fit_ids, load_workload
 from ddscope.cli import main
 from ddscope.engine import Engine
 from ddscope.engine.limits import DEMO_DIR
@@ -258,7 +258,7 @@ def test_analyze_reads_aiperf_runs_of_vllm_at_three_prompt_lengths(vllm, tmp_pat
     pooled over each run equals vLLM's own counters' (drafts, read here apart from AIPerf and the bench)."""
     from transformers import AutoTokenizer
 
-    from ddscope.bench import aiperf
+    from ddscope.bench.collecting import aiperf
     from support.aiperf_peer import profile, write_prompts
 
     url, _ = vllm

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.speculative.law import bad_word_ids
 from ddscope.speculative.tree import DraftTree
 

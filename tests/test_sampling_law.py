@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
-from ddscope.bench.synthetic import make_drafter, make_target, oracle_engine
+from ddscope.bench.synthetic_models import make_drafter, make_target, oracle_engine
 from ddscope.speculative.decoder import Decoder
 
 V, PROMPT, N = 32, [5, 9, 7], 250

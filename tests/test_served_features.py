@@ -11,12 +11,12 @@ import httpx
 import pytest
 import torch
 
-from ddscope.bench.synthetic import make_target
+from ddscope.bench.synthetic_models import make_target
 from ddscope.cli import main as ddscope_main
 from ddscope.config import CheckpointError
+from ddscope.models.drafter_ckpt import check_layer_ids, pick_layer_ids
 from ddscope.models.target import Target
 from ddscope.peers.features_server import vllm_layer_ids
-from ddscope.models.drafter_ckpt import check_layer_ids, pick_layer_ids
 from ddscope.training.head import TargetHead, has_decoder, head_only
 from ddscope.training.served_features import Journal, ServedFeatures
 from ddscope.training.train import main as train_main

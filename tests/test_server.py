@@ -21,7 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.engine import Engine
 from ddscope.server import cli
 from ddscope.server.app import attach_engine, create_app

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from test_server import LONG, PacedEngine, scrape, scrape_text, wait_for
 
-from ddscope.bench.synthetic import make_tiny_pair
+from ddscope.bench.synthetic_models import make_tiny_pair
 from ddscope.engine import Engine
 from ddscope.policy.cost import VerifyCost
 from ddscope.server.launch import serve_in_background

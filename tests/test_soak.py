@@ -12,7 +12,7 @@ import httpx
 import pytest
 from test_server import scrape
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.server.launch import serve_in_background
 from support.runs import TINY_PROMPTS
 

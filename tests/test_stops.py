@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from ddscope import Engine
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 
 METHODS = [("dflash", None), ("ddtree", 1), ("ddtree", 8), ("ddtree", 32), ("ddtree", "auto")]
 PROMPT, N = "naïve résumé", 64  # the tiny target's greedy text here splits 2-byte characters over two tokens

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from ddscope.bench.synthetic import make_drafter, make_target
+from ddscope.bench.synthetic_models import make_drafter, make_target
 from ddscope.cli import main
 from support.bench_fakes import serve
 
@@ -145,7 +145,7 @@ def test_a_server_that_does_not_stream_is_one_line(tmp_path, capsys):
 
 
 def test_the_checks_flag_chunks_that_arrive_in_bursts():
-    from ddscope.bench.trace import Stream, check, steps_of
+    from ddscope.bench.collecting.stream_steps import Stream, check, steps_of
 
     chunks, t = [], 0.0
     for i in range(40):  # pairs of chunks 20 ms apart, the second of each 0.1 ms after the first: a buffer
@@ -160,7 +160,7 @@ def test_the_checks_flag_chunks_that_arrive_in_bursts():
 
 
 def test_a_loop_is_found_where_the_text_keeps_a_period_and_only_there():
-    from ddscope.bench.loops import find_loop, split_commits
+    from ddscope.bench.running.loops import find_loop, split_commits
 
     varied = list(range(100, 140))
     assert find_loop(varied) is None and find_loop(varied + [7, 8, 9] * 3) is None  # 9 tokens: too short to call

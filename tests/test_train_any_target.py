@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from ddscope.bench.synthetic import make_target
+from ddscope.bench.synthetic_models import make_target
 from ddscope.config import CheckpointError
 from ddscope.engine import Engine
 from ddscope.models.hf_target import HFTarget, load_target
@@ -109,7 +109,7 @@ def test_moe_tree_verify_and_compaction_at_every_depth(tmp_path, virtual_time, b
     (and so reaches every depth) whatever this machine's speed."""
     from test_lossless import prompts
 
-    from ddscope.bench.synthetic import make_drafter, oracle_engine
+    from ddscope.bench.synthetic_models import make_drafter, oracle_engine
 
     target = make_target(tmp_path / "target", "deepseek_v3", layers=4)
     plain = Engine.load(target, make_drafter(tmp_path / "drafter", target, block_size=6), max_model_len=256)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from ddscope.bench.synthetic import make_target
+from ddscope.bench.synthetic_models import make_target
 from ddscope.cli import main as ddscope_main
 from ddscope.training import train_drafter
 from ddscope.training.train import main as train_main

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from ddscope.bench.synthetic import make_drafter, make_target
+from ddscope.bench.synthetic_models import make_drafter, make_target
 from ddscope.cli import main
 from ddscope.engine import Engine
 from ddscope.training import corpus

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from ddscope.bench.synthetic import make_target, save_tiny_tokenizer
+from ddscope.bench.synthetic_models import make_target, save_tiny_tokenizer
 from ddscope.server.launch import serve_in_background
 from ddscope.training.distill import DistillSpec, distill, read_cache
 from ddscope.training.remote_distill import ATTEMPTS, remote_distill

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.server.launch import serve_in_background
 
 PROMPT = "def add(a, b):"

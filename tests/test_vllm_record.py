@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from ddscope.bench.synthetic import oracle_engine
+from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.server.launch import serve_in_background
 
 BODY = {"prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0, "ignore_eos": True}

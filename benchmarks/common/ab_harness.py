@@ -15,7 +15,7 @@ from statistics import median
 import httpx
 import torch
 
-from ddscope.bench.workloads import load_workload
+from ddscope.bench.running.workloads import load_workload
 from ddscope.engine import Engine
 from ddscope.util.process import free_port, server_process
 

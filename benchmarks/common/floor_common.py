@@ -9,7 +9,7 @@ import httpx
 
 
 def build(root: Path) -> tuple[Path, Path]:
-    from ddscope.bench.synthetic import make_drafter, make_target
+    from ddscope.bench.synthetic_models import make_drafter, make_target
 
     target = make_target(root / "target", "qwen3", hidden=1024, layers=24, max_len=8192)
     return target, make_drafter(root / "drafter", target, block_size=16)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the s
 from engine_args import load_engine, parser
 from tqdm import tqdm
 
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.running.workloads import fit_ids, load_workload
 
 
 def loop_period(tokens: list[int], tail: int, max_period: int) -> int | None:

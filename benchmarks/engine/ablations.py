@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the s
 from engine_args import load_engine, parser
 
 from ddscope import Engine
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.running.workloads import fit_ids, load_workload
 from ddscope.models import layers as layers_mod
 from ddscope.models.layers import RMSNorm, rope
 from ddscope.speculative import completion as completion_mod

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ddscope.bench.workloads import load_workload
+from ddscope.bench.running.workloads import load_workload
 from ddscope.engine import Engine
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "batch-flips.json"

@@ -24,7 +24,7 @@ from statistics import median
 
 import torch
 
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.limit.hardware import cpu_model
 from ddscope.engine import Engine
 from ddscope.models import target as model_mod
 from ddscope.models.kv_pool import BLOCK, Pages

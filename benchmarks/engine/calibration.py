@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the s
 from engine_args import load_engine, parser
 
 from ddscope import Engine
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.running.workloads import fit_ids, load_workload
 from ddscope.speculative.proposers import DDTree
 from ddscope.speculative.stats import RoundStats
 from ddscope.speculative.tree import DraftTree

@@ -21,7 +21,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import WORK, abba, baseline_tree
 
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.limit.hardware import cpu_model
 from ddscope.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ try:
     from ddscope.policy.cost import VerifyCost
 except ImportError:  # a tree from before the package's rooms
     from ddscope.budget import VerifyCost
-from ddscope.bench.workloads import load_workload
+from ddscope.bench.running.workloads import load_workload
 from ddscope.engine import Engine
 torch.set_num_threads(1)
 engine = Engine.load()

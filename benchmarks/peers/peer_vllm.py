@@ -9,7 +9,7 @@ at T=0.7 for `ddscope` ar, auto and dflash. A round runs, per pass and context, 
 2-12 timed requests (`PASSES`) with the arms taking turns request by request (each arm first as often as
 last): this machine's speed drifts by a tenth to a third over minutes, which a cell's requests run arm
 after arm left in its ratios (T=0.7 at 0.86-1.14x of `ar` from run to run, where `auto` and `ar` run the
-same rounds). Requests go through `ddscope bench sweep`'s own client (ddscope.bench.sweep.Sweep, one per
+same rounds). Requests go through `ddscope bench sweep`'s own client (ddscope.bench.running.sweep.Sweep, one per
 arm and pass, in this process: the servers have theirs); each (round, pass) sends real prompts no earlier
 one sent, so code prompts never hit a prefix cache. Cells are medians over every timed request of the rounds;
 ratios, the medians over prompts of the two arms' ratio on each.
@@ -39,9 +39,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import Server  # log path -> a running server's URL
 
-from ddscope.bench.embedded import serve_process
-from ddscope.bench.sweep import Sweep, SweepConfig, cpu_model
-from ddscope.bench.tokens import local_tokenizer
+from ddscope.bench.limit.hardware import cpu_model
+from ddscope.bench.running.server import serve_process
+from ddscope.bench.running.sweep import Sweep, SweepConfig
+from ddscope.bench.running.workloads import local_tokenizer
 from ddscope.engine.limits import DEMO_DIR
 from ddscope.peers.sglang import SGLANG, sglang_server
 from ddscope.peers.vllm import VLLM_CPU, all_cores, vllm_server

@@ -35,9 +35,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import WORK, Server, abba, baseline_server, load, model_of, prompts_for
 
-from ddscope.bench.backends import parse_metrics
-from ddscope.bench.embedded import serve_process
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.collecting.backends import parse_metrics
+from ddscope.bench.limit.hardware import cpu_model
+from ddscope.bench.running.server import serve_process
 from ddscope.engine import Engine
 from ddscope.engine.limits import DEMO_DIR
 from ddscope.peers.sglang import sglang_server

@@ -18,8 +18,8 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import WORK, abba, baseline_server, load, model_of, prompts_for
 
-from ddscope.bench.embedded import serve_process
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.limit.hardware import cpu_model
+from ddscope.bench.running.server import serve_process
 from ddscope.engine import Engine
 
 

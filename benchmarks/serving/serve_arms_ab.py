@@ -24,8 +24,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # the shared helpers: benchmarks/common/
 from ab_harness import abba, model_of
 
-from ddscope.bench.sweep import cpu_model
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.limit.hardware import cpu_model
+from ddscope.bench.running.workloads import fit_ids, load_workload
 from ddscope.engine import Engine
 from ddscope.util.process import free_port, server_process
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.limit.hardware import cpu_model
 from ddscope.util.options import default_threads
 
 CONDITIONS = ("alone", "busy", "busy-cpu0")

@@ -23,8 +23,8 @@ from statistics import median
 
 import httpx
 
-from ddscope.bench.embedded import serve_process
-from ddscope.bench.sweep import cpu_model
+from ddscope.bench.limit.hardware import cpu_model
+from ddscope.bench.running.server import serve_process
 
 
 def trace(url: str, out: Path, max_tokens: int) -> dict:

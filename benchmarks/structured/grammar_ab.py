@@ -16,8 +16,8 @@ import subprocess
 
 import torch
 
+from ddscope.bench.running.workloads import STRUCTURED, STRUCTURED_PROMPTS
 from ddscope.engine import Engine
-from ddscope.bench.workloads import STRUCTURED, STRUCTURED_PROMPTS
 from ddscope.structured.constraint import Constraint
 
 def constraint(fields: dict) -> Constraint:

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddscope.bench.embedded import serve_process
-from ddscope.bench.workloads import STRUCTURED, STRUCTURED_PROMPTS
+from ddscope.bench.running.server import serve_process
+from ddscope.bench.running.workloads import STRUCTURED, STRUCTURED_PROMPTS
 from ddscope.engine.limits import DEMO_DIR
 from ddscope.peers.vllm import vllm_server
 

@@ -6,7 +6,7 @@ measured; on a loaded 2-core machine both move, and tests that asserted its deci
 virtual time the clock reads the sum of the prices of what ran so far and the calibration is those
 same prices, so every decision follows from the tokens alone, never from this machine's speed.
 
-A draft costs a drafter's price whatever runs inside it: the test oracle (ddscope.bench.synthetic.OracleDrafter)
+A draft costs a drafter's price whatever runs inside it: the test oracle (ddscope.bench.synthetic_models.OracleDrafter)
 drafts with block - 1 target forwards, which a real drafter does not; priced so, it could at best break
 even with plain rounds.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddscope.bench.synthetic import OracleDrafter
+from ddscope.bench.synthetic_models import OracleDrafter
 from ddscope.engine import Engine, runner
 from ddscope.models.drafter import Drafter
 from ddscope.models.hf_target import HFTarget

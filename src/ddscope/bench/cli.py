@@ -1,25 +1,21 @@
-"""`ddscope bench sweep|analyze|diagnose`. Heavy imports stay inside the handlers."""
+"""`ddscope bench sweep|analyze|diagnose|trace|limit`: the arguments, and one call a command into the rooms
+(running/commands.py, judging/judge.py, limit/cli.py). Heavy imports stay inside the handlers."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
-from ddscope.bench.limit.cli import FloorRequest, add_floor_args
+from ddscope.bench.collecting.server_log import END_SLACK_S
+from ddscope.bench.errors import AnalysisError, BenchError, NothingMeasured, Stopped
+from ddscope.bench.limit.cli import FloorArgsError, FloorRequest, add_floor_args, check_floor
 from ddscope.bench.limit.cli import register as register_limit
-from ddscope.bench.runs import (BenchError, Stopped, folder_name, kept_floor, like_for_like, merge_aiperf, overlaid,
-                                overlay, staged, tags_of, warn)
-from ddscope.bench.serverlog import END_SLACK_S
-from ddscope.util.options import add_model_args, at_least, budget_arg, int_list, number_in, stdout_console
+from ddscope.bench.running.commands import (CONTEXTS, EMBEDDED_MAX_TOKENS, TRACE_EMBEDDED_MAX_TOKENS,
+                                            TRACE_URL_MAX_TOKENS, URL_MAX_TOKENS)
+from ddscope.util.options import add_model_args, at_least, budget_arg, int_list, number_in
 
-# The issue's experiment. On the embedded demo pair (a 2-core CPU) the output is shorter, so the
-# main job ends in about two minutes; contexts that do not fit max_model_len shrink to fit.
-CONTEXTS = "13,1663,3333,5553"
-URL_MAX_TOKENS = 600
-EMBEDDED_MAX_TOKENS = 128
 SWEEP_BUDGET = 32  # the experiment's tree size: fixed, so that only the context moves
 BACKEND_CHOICES = ("auto", "ddscope", "sglang", "vllm", "llamacpp", "openai")
 
@@ -92,9 +88,6 @@ def _add_sweep_flags(p: argparse.ArgumentParser, workload_default: str) -> None:
     lg.add_argument("--log-gap", type=number_in(END_SLACK_S, 600.0, low_open=True), default=2.0, metavar="S",
                     help=f"idle seconds after each request so log lines never straddle two; above {END_SLACK_S:g} "
                          f"plus the log's timestamp resolution (1 s for vLLM, SGLang without ms) (default: 2)")
-
-
-TRACE_URL_MAX_TOKENS, TRACE_EMBEDDED_MAX_TOKENS = 4096, 1024
 
 
 def _add_trace_flags(p: argparse.ArgumentParser) -> None:
@@ -195,247 +188,19 @@ def _add_allow_mismatch(p: argparse.ArgumentParser) -> None:
                         "or model (refused without it), with a warning that names the differences")
 
 
-# ---- handlers ------------------------------------------------------------------------------------
-
-def _check_sweep_args(args: argparse.Namespace) -> None:
-    from ddscope.bench.workloads import load_workload
-
-    if args.url and (args.target or args.drafter):
-        raise BenchError("--target/--drafter start an embedded server; they cannot be combined with --url")
-    if args.drafter and not args.target:
-        raise BenchError("--drafter needs --target (without both, the bundled demo pair is served)")
-    for flag, path in (("--tokenizer", args.tokenizer), ("--target", args.target), ("--drafter", args.drafter)):
-        if path is not None and not Path(path).is_dir():
-            raise BenchError(f"{flag}: no such directory: {path}")
-    for workload in args.workload.split(","):  # fail now, with its message, rather than after the server starts
-        load_workload(workload.strip())
-    embedded = not args.url
-    args.clamp_contexts = args.contexts is None
-    if args.contexts is None:
-        args.contexts = int_list(CONTEXTS)
-    if args.max_tokens is None:
-        args.max_tokens = EMBEDDED_MAX_TOKENS if embedded else URL_MAX_TOKENS
-
-
-def _tokenizer(args: argparse.Namespace, base_url: str, client: Any) -> tuple[Any, str]:
-    """The tokenizer that sizes prompts exactly, and where it came from: --tokenizer; the embedded
-    server's target; else the server's own /tokenize or model directory (ddscope.bench.tokens)."""
-    from ddscope.bench.backends import Server
-    from ddscope.bench.tokens import find_tokenizer, local_tokenizer
-
-    directory = args.tokenizer
-    if directory is None and not args.url:
-        from ddscope.engine.limits import DEMO_DIR
-
-        directory = args.target or DEMO_DIR / "target"
-    if directory is None:
-        return find_tokenizer(base_url, client, Server(base_url, client).models())
-    try:
-        return local_tokenizer(directory), f"--tokenizer {directory}" if args.tokenizer else f"the target {directory}"
-    except (OSError, ValueError) as e:
-        raise BenchError(f"cannot load a tokenizer from {directory}: {e}") from e
-
-
-def _embedded(args: argparse.Namespace, log_path: Path) -> Any:
-    """`ddscope serve` in its own process, as the sweep's server (ddscope.bench.embedded)."""
-    from ddscope.bench.embedded import serve_process
-
-    flags = ["--method", args.method, "--budget", str(args.budget), "--device", args.device, "--dtype", args.dtype]
-    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
-        if value:
-            flags += [flag, str(value)]
-    return serve_process(flags, log_path)
-
-
-def _check_reachable(base_url: str, client: Any) -> None:
-    """Fail in one line where nothing answers at the URL, before the tokenizer search and the probe,
-    whose own warnings and errors would bury the cause."""
-    import httpx
-
-    from ddscope.bench.backends import Server
-
-    try:
-        client.get(Server(base_url, client).base_url + "/v1/models", timeout=10.0)
-    except (httpx.TransportError, httpx.InvalidURL) as e:
-        raise BenchError(f"cannot reach the server at {base_url}: {e}") from e
-
-
-class _Progress:
-    """A rich progress bar on stderr; `advance(note)` after each request."""
-
-    def __init__(self, total: int, title: str):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        # No refresh thread: nothing in the client's process competes with the server for a core.
-        self.bar = Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.description}"), console=Console(stderr=True), auto_refresh=False)
-        self.task = self.bar.add_task("", total=total)
-
-    def __enter__(self) -> Self:
-        self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.stop()
-
-    def advance(self, note: str) -> None:
-        self.bar.update(self.task, advance=1, description=note)
-        self.bar.refresh()
-
-
-def _server_log(args: argparse.Namespace) -> Any:
-    """The followed server log (--server-log / --log-cmd) as a context manager, or a null one."""
-    import contextlib
-
-    from ddscope.bench.serverlog import LogError, ServerLog
-
-    if getattr(args, "server_log", None) is None and getattr(args, "log_cmd", None) is None:
-        return contextlib.nullcontext(None)
-    try:
-        log = ServerLog(path=args.server_log, command=args.log_cmd)
-    except LogError as e:
-        raise BenchError(str(e)) from e
-    return contextlib.closing(log)
-
-
-def _on_server(args: argparse.Namespace, root: Path, work: Callable[[str, Any, Any], Any]) -> Any:
-    """`work(base_url, client, log)` against one server: embedded (its log in `root`) or --url."""
-    import contextlib
-
-    import httpx
-
-    from ddscope.util.process import ServerFailed
-
-    server = contextlib.nullcontext(args.url) if args.url else _embedded(args, root / "server.log")
-    try:
-        with server as base_url, httpx.Client() as client, _server_log(args) as log:
-            _check_reachable(base_url, client)
-            return work(base_url, client, log)
-    except ServerFailed as e:
-        raise BenchError(str(e)) from e
-
-
-def _run_sweeps(args: argparse.Namespace, root: Path, workloads: list[str],
-                dirs: list[Path]) -> tuple[list[Path], str | None]:
-    """Run one sweep per workload on one server: (the results.json paths, why a sweep stopped early, ending the
-    run, or None)."""
-    return _on_server(args, root, lambda url, client, log: _sweep_each(args, workloads, dirs, url, client, log))
-
-
-def _sweep_each(args: argparse.Namespace, workloads: list[str], dirs: list[Path], base_url: str, client: Any,
-                log: Any) -> tuple[list[Path], str | None]:
-    from ddscope.bench.sweep import RequestFailed, Sweep, SweepConfig
-
-    tokenizer, origin = _tokenizer(args, base_url, client)
-    if tokenizer is None:
-        warn("no tokenizer for exact prompt lengths (the server has no /tokenize and /v1/models names no "
-              "local model directory): prompts are sized from a probe, so lengths will be off; the rows "
-              "show the lengths the server counted. Pass --tokenizer DIR for exact ones.")
-    paths = []
-    for workload, out in zip(workloads, dirs):
-        cfg = SweepConfig(contexts=args.contexts, max_tokens=args.max_tokens, repeats=args.repeats,
-                          warmup=args.warmup, first_prompt=args.first_prompt, workload=workload, api=args.api,
-                          temperature=args.temperature, stream=args.stream, model=args.model, backend=args.backend,
-                          timeout_s=args.timeout,
-                          clamp_contexts=args.clamp_contexts, log_gap_s=args.log_gap, concurrency=args.concurrency,
-                          floor=args.floor.to_dict() if args.floor else None, budget=args.budget)
-        sweep = Sweep(cfg, base_url, client, tokenizer, log, origin)
-        total = len(cfg.contexts) * (cfg.repeats * (1 in cfg.concurrency) + cfg.warmup
-                                     + sum(cfg.group_size(c) for c in cfg.levels))
-        try:
-            with _Progress(total, f"{sweep.workload.label} on {sweep.backend}") as bar:
-                status = sweep.run(out, bar.advance)
-        except RequestFailed as e:
-            raise BenchError(f"{base_url}: {e}") from e
-        paths.append(out / "results.json")
-        if status != "complete":
-            why = f"{base_url}: {sweep.lost}" if sweep.lost else status
-            return paths, f"{why}; the {sweep.workload.label} sweep stopped early"
-    return paths, None
-
-
-def _report(paths: list[Path], out: Path | None, baseline: str | None, window: int, as_json: bool,
-            points: list[str] = (), predict: list[str] = (), allow_mismatch: bool = False,
-            floor: FloorRequest | None = None) -> int:
-    """Analyse results files (plus --point rows), print, and write outputs to `out`; with floor options (given,
-    or kept in the first results file), each point beside its physical floor."""
-    from ddscope.bench.analyze import analyze
-    from ddscope.bench.fit import NothingMeasured
-    from ddscope.bench.intervals import sweep_matrix
-    from ddscope.bench.records import load_rows, parse_point, parse_prediction
-    from ddscope.bench.report import print_report, write_outputs
-
-    rows: list[dict[str, Any]] = []
-    meta: dict[str, Any] = {}
-    errors: dict[str, int] = {}
-    loaded, tags = merge_aiperf([load_rows(path) for path in paths], tags_of(paths))
-    notes = like_for_like(loaded, tags, allow_mismatch)
-    if overlaid(loaded):
-        baseline, meta["runs"] = overlay(loaded, tags, baseline)
-    for file_rows, file_meta in loaded:
-        rows += file_rows
-        for msg, count in (file_meta.pop("errors", None) or {}).items():
-            errors[msg] = errors.get(msg, 0) + count
-        for key, value in file_meta.items():  # the first file (the baseline's) describes the setup
-            meta.setdefault(key, value)
-    meta["errors"] = errors
-    rows += [parse_point(spec, i) for i, spec in enumerate(points, 1)]
-    if not rows:
-        details = "; ".join(f"{n} x {msg}" for msg, n in errors.items())
-        raise NothingMeasured("no point could be measured" + (f": {details}" if details else ""))
-    analysis = analyze(rows, baseline=baseline, window=window)
-    analysis.notes[:0] = notes
-    analysis.by_category = sweep_matrix(rows)
-    kept = floor is None
-    floor = floor or kept_floor(meta)
-    if floor is not None:
-        from ddscope.bench.limit import ConfigError, FloorError, HardwareError
-        from ddscope.bench.limit.cli import FloorArgsError, floor_spec
-        from ddscope.bench.limit.verdict import against_floor
-
-        try:
-            analysis.limit = against_floor(analysis, floor_spec(floor, meta.get("backend")))
-        except (ConfigError, FloorError, HardwareError, FloorArgsError) as e:
-            if not kept:
-                raise
-            analysis.notes.append(f"the run's floor options cannot be used here, so no floor: {e}")
-    predictions = [analysis.predict(*parse_prediction(spec)) for spec in predict]
-    if as_json:
-        print(json.dumps(analysis.to_dict(predictions), indent=1))
-    else:
-        print_report(analysis, stdout_console(), meta, predictions)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_outputs(analysis, meta, out)
-    return 0
-
-
-def _check_floor(req: FloorRequest) -> None:
-    """The floor options' errors now: the hardware (host measured here, before a server competes for the CPUs),
-    and the model and layout where the model is known before the run (--model-config, or the embedded server's)."""
-    from ddscope.bench.limit.cli import floor_spec
-    from ddscope.bench.limit.hardware import hardware_named
-
-    if req.model is None:
-        hardware_named(req.hardware)
-    else:
-        spec = floor_spec(req)
-        spec.floor(1, req.nodes or 1)  # the layout: --gpus against the heads and experts
-
+# ---- handlers: one call each ------------------------------------------------------------------------------------
 
 def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turn expected failures into one clear line and exit code 2 (1: nothing measured)."""
+    """Turn expected failures into one clear line and exit code 2 (1: nothing measured, or a run stopped early);
+    the floor options are checked first, before any server starts: a bad --hardware must not cost a sweep."""
     def run(args: argparse.Namespace) -> int:
-        from ddscope.bench.fit import AnalysisError, NothingMeasured
         from ddscope.bench.limit import ConfigError, FloorError, HardwareError
-        from ddscope.bench.limit.cli import FloorArgsError
-        from ddscope.bench.workloads import WorkloadError
+        from ddscope.bench.running.workloads import WorkloadError
 
         try:
             args.floor = FloorRequest.from_args(args)
             if args.floor is not None:
-                _check_floor(args.floor)  # before any server starts: a bad --hardware must not cost a sweep
+                check_floor(args.floor)
             return handler(args)
         except NothingMeasured as e:
             print(f"ddscope bench: {e}", file=sys.stderr)
@@ -452,120 +217,28 @@ def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
 
 @_guard
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Sweep, then the table, sweep.png and report.md, which replace --out once complete; exit 1 when no
-    point was measured or the sweep stopped early (its files then stay in OUT.partial)."""
-    _check_sweep_args(args)
-    workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
-    with staged(args.out) as stage:  # several workloads: one sweep each, in OUT/<workload>, reported together
-        dirs = [stage] if len(workloads) == 1 else [stage / folder_name(w, i) for i, w in enumerate(workloads)]
-        paths, stopped = _run_sweeps(args, stage, workloads, dirs)
-        baseline = "padding" if "padding" in workloads else None
-        code = _report(paths, stage, baseline, args.window, as_json=False, floor=args.floor)
-        if stopped:
-            raise Stopped(stopped)
-    return code
+    from ddscope.bench.running.commands import run_sweep
 
-
-def _trace_doc(path: Path) -> dict | None:
-    """A `bench trace` results.json, else None."""
-    from ddscope.bench.trace import SCHEMA
-
-    if path.suffix != ".json" or not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) and doc.get("schema") == SCHEMA else None
-
-
-@_guard
-def cmd_analyze(args: argparse.Namespace) -> int:
-    if not args.files and not args.point:
-        raise BenchError("give at least one FILE or --point")
-    if args.as_trace:  # an AIPerf run's chunks as a trace
-        from ddscope.bench.aiperf import as_trace
-
-        if len(args.files) != 1:
-            raise BenchError("--as-trace reads one AIPerf run")
-        return _trace_report(args, as_trace(args.files[0]), args.out)
-    traces = [(path, doc) for path in args.files if (doc := _trace_doc(path)) is not None]
-    if traces:  # a trace, set against the prompt sweep given beside it
-        sweeps = [path for path in args.files if path not in dict(traces)]
-        if len(traces) > 1 or len(sweeps) > 1 or args.point:
-            raise BenchError("analyze takes one trace, and at most one prompt sweep's results.json to set it against")
-        return _trace_report(args, traces[0][1], args.out, sweeps[0] if sweeps else None)
-    return _report(args.files, args.out, args.baseline, args.window, args.json, args.point, args.predict,
-                   args.allow_mismatch, args.floor)
-
-
-@_guard
-def cmd_trace(args: argparse.Namespace) -> int:
-    """Trace, then report.md and trace.png; exit 1 when a stream was dropped (the partial trace stays in
-    OUT.partial, marked)."""
-    from ddscope.bench.workloads import load_workload
-
-    if args.against is not None and not args.against.is_file():
-        raise BenchError(f"--against: file not found: {args.against}")
-    workloads = [load_workload(w.strip()) for w in args.workload.split(",") if w.strip()]
-    args.contexts, args.clamp_contexts = [args.prompt_tokens], False
-    if args.max_tokens is None:
-        args.max_tokens = TRACE_EMBEDDED_MAX_TOKENS if not args.url else TRACE_URL_MAX_TOKENS
-    with staged(args.out) as stage:
-        doc = _on_server(args, stage, lambda url, client, _: _trace(args, workloads, stage, url, client))
-        return _trace_report(args, doc, stage, args.against)
-
-
-def _trace(args: argparse.Namespace, workloads: list[Any], stage: Path, base_url: str, client: Any) -> dict:
-    from ddscope.bench import tracing
-    from ddscope.bench.sweep import Sweep, SweepConfig
-
-    tokenizer, origin = _tokenizer(args, base_url, client)
-    cfg = SweepConfig(contexts=[args.prompt_tokens], max_tokens=args.max_tokens, workload=workloads[0].label
-                      if not workloads[0].label.startswith("file:") else args.workload.split(",")[0],
-                      temperature=args.temperature, stream=True, model=args.model, backend=args.backend,
-                      timeout_s=args.timeout, budget=args.budget)
-    sweep = Sweep(cfg, base_url, client, tokenizer, None, origin)
-    header = {k: v for k, v in sweep.header().items() if k in ("environment", "backend")}
-    run_cfg = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "repeats": args.repeats,
-               "first_prompt": args.first_prompt, "timeout_s": args.timeout, "temperature": args.temperature,
-               "workloads": [w.label for w in workloads], "floor": args.floor.to_dict() if args.floor else None,
-               "concurrency": list(args.concurrency)}
-    total = len(workloads) * (args.repeats + sum(c for c in args.concurrency if c > 1))
-    with _Progress(total, f"trace on {sweep.backend}") as bar:
-        return tracing.run(sweep, workloads, run_cfg, stage, header, bar.advance)
-
-
-def _trace_report(args: argparse.Namespace, doc: dict, stage: Path | None, against: Path | None = None) -> int:
-    from ddscope.bench import tracing
-    from ddscope.bench.limit.cli import floor_spec
-
-    floor = args.floor or kept_floor(doc)
-    summary = tracing.summarize(doc, against, floor_spec(floor, doc.get("backend")) if floor else None)
-    if stage is not None:
-        stage.mkdir(parents=True, exist_ok=True)
-        tracing.write_report(doc, summary, stage)
-    if args.json:
-        print(json.dumps(summary, indent=1))
-    else:
-        print("\n".join(tracing.lines(doc, summary)))
-    if doc["status"] != "complete":
-        dropped = next((r["error"] for r in doc["requests"] if r["status"] != "complete"), "the run was interrupted")
-        raise Stopped(f"the stream was dropped: {dropped}; the partial trace is kept, marked")
-    return 0
+    return run_sweep(args)
 
 
 @_guard
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    if args.load:  # the report beside the files, which may lie in --out: nothing there is replaced
-        return _report(list(args.load), args.out, "padding", args.window, args.json,
-                       allow_mismatch=args.allow_mismatch, floor=args.floor)
-    _check_sweep_args(args)
-    if args.workload == "padding":
-        raise BenchError("diagnose compares a workload with padding: pick --workload code|math|chat|file:PATH")
-    label = args.workload.split(":", 1)[0]
-    with staged(args.out) as stage:
-        paths, stopped = _run_sweeps(args, stage, ["padding", args.workload], [stage / "padding", stage / label])
-        if stopped:
-            raise Stopped(stopped)
-        return _report(paths, stage, "padding", args.window, args.json, floor=args.floor)
+    from ddscope.bench.running.commands import run_diagnose
+
+    return run_diagnose(args)
+
+
+@_guard
+def cmd_trace(args: argparse.Namespace) -> int:
+    from ddscope.bench.running.commands import run_trace
+
+    return run_trace(args)
+
+
+@_guard
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from ddscope.bench.judging.judge import analyze_files
+
+    return analyze_files(args.files, args.out, args.baseline, args.window, args.json, args.point, args.predict,
+                         args.allow_mismatch, args.floor, args.as_trace)

@@ -126,7 +126,7 @@ def _source_prompts(name: str, n: int, rng: random.Random, window_chars: int) ->
     if name == "padding":
         return _padding_prompts(n, rng)
     if name.startswith("file:"):
-        from ddscope.bench.workloads import load_workload
+        from ddscope.bench.running.workloads import load_workload
         prompts = list(load_workload(name).prompts)
         rng.shuffle(prompts)
         pool = [p + "\n\n" for p in prompts]

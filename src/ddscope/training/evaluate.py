@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ddscope.bench.workloads import fit_ids, load_workload
+from ddscope.bench.running.workloads import fit_ids, load_workload
 
 TEMPLATED = ("math", "chat")
 DRAFTER_ALONE = "no lookup"  # how the lossless check names a ddtree run without the lookup branch

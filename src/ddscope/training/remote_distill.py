@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from ddscope.bench.backends import Server
+from ddscope.bench.collecting.backends import Server
 from ddscope.config import eos_ids, read_json, token_ids
 from ddscope.training.distill import DistillSpec, Item, append_whole_lines, pending, read_cache, temperature_of
 

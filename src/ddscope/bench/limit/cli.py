@@ -81,9 +81,9 @@ class FloorArgsError(ValueError):
 
 def floor_spec(req: FloorRequest, backend: dict[str, Any] | None = None) -> Any:
     """The FloorSpec for these options; the model and dtype default to what the run's server said."""
+    from ddscope.bench.limit.floor import FloorSpec
     from ddscope.bench.limit.hardware import hardware_named
     from ddscope.bench.limit.shape import load_shape
-    from ddscope.bench.limit.verdict import FloorSpec
 
     backend = backend or {}
     model = req.model or backend.get("model_root")
@@ -92,6 +92,27 @@ def floor_spec(req: FloorRequest, backend: dict[str, Any] | None = None) -> Any:
         raise FloorArgsError(f"the floor needs the model's config: pass --model DIR_OR_CONFIG{where}")
     shape = load_shape(Path(model), req.dtype or _known(backend.get("dtype")))
     return FloorSpec(shape, hardware_named(req.hardware), req.gpus, req.nodes, req.batch, req.kv_dtype, req.routing, req.mla)
+
+
+def kept_floor(meta: dict[str, Any]) -> FloorRequest | None:
+    """The floor options a run kept in its results (None where it kept none, or a shape this version cannot read)."""
+    kept = (meta.get("config") or {}).get("floor")
+    try:
+        return FloorRequest(**kept) if isinstance(kept, dict) else None
+    except TypeError:
+        return None
+
+
+def check_floor(req: FloorRequest) -> None:
+    """The floor options' errors now: the hardware (host measured here, before a server competes for the CPUs),
+    and the model and layout where the model is known before the run (--model-config, or the embedded server's)."""
+    from ddscope.bench.limit.hardware import hardware_named
+
+    if req.model is None:
+        hardware_named(req.hardware)
+    else:
+        spec = floor_spec(req)
+        spec.floor(1, req.nodes or 1)  # the layout: --gpus against the heads and experts
 
 
 def _known(dtype: str | None) -> str | None:

@@ -148,3 +148,33 @@ def floor_line(shape: ModelShape, hw: Hardware, contexts: list[float], **kw: Any
     f_lo = step_floor(shape, hw, context=lo, **kw).floor_ms
     b = (step_floor(shape, hw, context=hi, **kw).floor_ms - f_lo) / (hi - lo)
     return f_lo - b * lo, b
+
+
+@dataclass
+class FloorSpec:
+    """What the floor assumes: model, hardware, layout and tree size (None: each point's own, as measured)."""
+    shape: ModelShape
+    hw: Hardware
+    gpus: int = 1
+    nodes: float | None = None
+    batch: int = 1
+    kv_dtype: str | None = None
+    routing: str = "uniform"
+    mla: str = "absorbed"
+
+    def kw(self, nodes: float) -> dict[str, Any]:
+        return {"nodes": nodes, "batch": self.batch, "gpus": self.gpus, "kv_dtype": self.kv_dtype,
+                "routing": self.routing, "mla": self.mla}
+
+    def floor(self, context: float, nodes: float) -> Floor:
+        return step_floor(self.shape, self.hw, context=context, **self.kw(nodes))
+
+    def break_even(self, context: float, nodes: float) -> float:
+        return break_even(self.shape, self.hw, context=context, **self.kw(nodes))
+
+    def assumed(self) -> dict[str, Any]:
+        return {"hardware": {**self.hw.to_dict(), "gpus": self.gpus}, "model": self.shape.summary(),
+                "nodes": self.nodes, "batch": self.batch, "kv_dtype": self.kv_dtype or self.shape.dtype,
+                "routing": self.routing + (" (an estimate: real routing is skewed and touches fewer experts)"
+                                           if self.shape.experts and self.routing == "uniform" else ""),
+                "mla": self.mla if self.shape.attention.kind == "mla" else None}

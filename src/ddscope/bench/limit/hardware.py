@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -156,6 +157,17 @@ def _product_tflops(dtype: Any) -> float:
     return max(small, rate(n, 3)[0]) if n > 256 else small
 
 
+def cpu_model() -> str:
+    """The CPU's model name, as lscpu prints it (x86 Linux), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def _say(message: str) -> None:
     print(f"measuring the host: {message}", file=sys.stderr, flush=True)
 
@@ -170,7 +182,6 @@ def measure_host(threads: int, say: Callable[[str], None] = _say) -> Hardware:
     of AMX's), else a library's matmul sized to take about a second."""
     import torch
 
-    from ddscope.bench.sweep import cpu_model
     from ddscope.models import builds, native, peaks
 
     before = torch.get_num_threads()
@@ -226,8 +237,6 @@ def host(threads: int | None = None, remeasure: bool = False) -> Hardware:
 
 
 def _host_cache(threads: int) -> Path:
-    from ddscope.bench.sweep import cpu_model
-
     root = Path(os.environ.get("DDSCOPE_CACHE", Path.home() / ".cache" / "ddscope"))
     from ddscope.models import builds, native
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from ddscope.bench.sources import SOURCES, Acceptance
+from ddscope.bench.collecting.acceptance_sources import SOURCES, Acceptance
 
 BACKENDS = ("ddscope", "sglang", "vllm", "llamacpp", "openai")
 Metrics = dict[str, list[float]]  # sample name -> values over label sets

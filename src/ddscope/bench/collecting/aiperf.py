@@ -15,8 +15,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from ddscope.bench.backends import cut_commits
-from ddscope.bench.fit import AnalysisError
+from ddscope.bench.collecting.backends import cut_commits
+from ddscope.bench.errors import AnalysisError
 
 EXPORT = "profile_export.jsonl"
 SERVER_METRICS = "server_metrics_export.json"
@@ -162,7 +162,7 @@ def as_trace(path: Path) -> dict[str, Any]:
     """A streamed AIPerf run as a `bench trace` document: each request's chunk gaps (`inter_chunk_latency`, one per
     chunk after the first) as its steps' times and, where the record is detailed, `per_step_accepted` + 1 as their
     commits. A chunk is a step only where their counts agree; otherwise the request is marked approximate."""
-    from ddscope.bench.trace import SCHEMA
+    from ddscope.bench.collecting.stream_steps import SCHEMA
 
     file = export_file(path)
     if file is None:

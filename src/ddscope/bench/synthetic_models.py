@@ -1,5 +1,6 @@
 """Synthetic models for measuring an engine without trained weights: random checkpoints of a chosen shape on disk
-(no hub, seconds to build) and an oracle drafter whose acceptance is chosen."""
+(no hub, seconds to build) and an oracle drafter whose acceptance is chosen. Nothing in `ddscope bench` uses them:
+the tests' fixtures and the benchmarks that time an engine do (docs/engine-api.md, Test fixtures)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, 
 from ddscope.config import DrafterConfig
 from ddscope.engine import Engine
 from ddscope.models.drafter import Draft, Drafter
-from ddscope.models.target import Target
 from ddscope.models.drafter_ckpt import drafter_config, pick_layer_ids, save_drafter
+from ddscope.models.target import Target
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (

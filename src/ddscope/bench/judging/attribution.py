@@ -1,11 +1,11 @@
 """A regression attributed to its causes: acceptance, context scaling and other step cost (the
-decomposition in ddscope.bench.analyze's docstring), and the verdict that names them."""
+decomposition in ddscope.bench.judging.analyze's docstring), and the verdict that names them."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from ddscope.bench.fit import R2_MIN, Fit, Point
+from ddscope.bench.judging.fit import R2_MIN, Fit, Point
 
 ON_PAR = math.log(1.03)  # gaps under 3%, about the run-to-run noise on a shared CPU, are on par
 SHARE_MIN, SHARE_MAX = -1.0, 2.0  # beyond these, opposing terms cancel and a share reads as nonsense

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ddscope.bench.attribution import Attribution, attribute
-from ddscope.bench.fit import R2_MIN, AnalysisError, Fit, NothingMeasured, Point, robust_fit
-from ddscope.bench.records import as_number
+from ddscope.bench.collecting.results import as_number
+from ddscope.bench.errors import AnalysisError, NothingMeasured
+from ddscope.bench.judging.attribution import Attribution, attribute
+from ddscope.bench.judging.fit import R2_MIN, Fit, Point, robust_fit
 
 
 def _pooled(grp: list[dict[str, Any]]) -> tuple[float, float, float | None] | None:
@@ -102,7 +103,7 @@ class Analysis:
     acceptance_by_position: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     by_concurrency: list[dict[str, Any]] = field(default_factory=list)  # concurrency_table's rows
-    limit: dict[str, Any] | None = None  # the physical floor beside the measurements (ddscope.bench.limit.verdict)
+    limit: dict[str, Any] | None = None  # the physical floor beside the measurements (ddscope.bench.judging.floor_verdict)
     by_category: list[dict[str, Any]] = field(default_factory=list)  # intervals.sweep_matrix: workloads x contexts
 
     def floor_of(self, i: int) -> dict[str, Any] | None:

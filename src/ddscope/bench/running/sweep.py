@@ -23,16 +23,15 @@ from typing import Any
 
 import httpx
 
-from ddscope.bench.acceptance import AcceptanceReader, Observation
-from ddscope.bench.backends import (Reading, Server, cached_of, constraint_fields, decoding_method, delivered,
-                                    engine_step_ms, grammar_ms,
-                                    nodes_per_step, server_decode, server_prefill_s, step_commits, text_digest,
-                                    usage_of)
-from ddscope.bench.loops import loop_fields
-from ddscope.bench.serverlog import ServerLog, WindowReading
-from ddscope.bench.sources import Acceptance
-from ddscope.bench.tokens import TokenizerError
-from ddscope.bench.workloads import Tokenizer, fit_ids, fit_text, load_workload
+from ddscope.bench.collecting.acceptance import AcceptanceReader, Observation
+from ddscope.bench.collecting.acceptance_sources import Acceptance
+from ddscope.bench.collecting.backends import (Reading, Server, cached_of, constraint_fields, decoding_method,
+                                               delivered, engine_step_ms, grammar_ms, nodes_per_step, server_decode,
+                                               server_prefill_s, step_commits, text_digest, usage_of)
+from ddscope.bench.collecting.server_log import ServerLog, WindowReading
+from ddscope.bench.limit.hardware import cpu_model
+from ddscope.bench.running.loops import loop_fields
+from ddscope.bench.running.workloads import Tokenizer, TokenizerError, fit_ids, fit_text, load_workload
 from ddscope.util.atomic import atomic_write_text
 
 SCHEMA = "ddscope.bench.results/1"
@@ -117,17 +116,6 @@ class SweepConfig:
         up: moving back one per `first_prompt` met the timed prompts halfway (a timed prompt then found a
         warm-up's in the prefix cache)."""
         return -1 - ci * self.warmup - w - self.first_prompt * self.warmup // self.repeats
-
-
-def cpu_model() -> str:
-    """The CPU's model name, as lscpu prints it (x86 Linux), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def environment() -> dict[str, Any]:

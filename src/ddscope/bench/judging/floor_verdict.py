@@ -1,5 +1,6 @@
 """Measurements set against their floor: each point's floor, the fit's intercept and slope against the
-floor's, the part of the step that is far from its floor, and the levers ranked by what they would give.
+floor's (the floor from `bench/limit/`), the part of the step that is far from its floor, and the levers ranked
+by what they would give.
 
 Levers at a point of measured step s = a + b*ctx + r (r: the point's distance from the fit) and avg_commit c:
 - step_fixed: the intercept at its floor, s' = s - (a - a_floor);
@@ -9,47 +10,16 @@ Each gives tok/s' = 1000 c' / s'. A step is never brought below its own floor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from ddscope.bench.analyze import Analysis
-from ddscope.bench.limit.floor import Floor, break_even, floor_line, step_floor
-from ddscope.bench.limit.hardware import Hardware, host
-from ddscope.bench.limit.shape import ModelShape
+from ddscope.bench.judging.analyze import Analysis
+from ddscope.bench.limit.floor import Floor, FloorSpec, floor_line
+from ddscope.bench.limit.hardware import host
 
 NEAR, FAR = 1.5, 3.0  # measured over floor: close to the floor up to NEAR, near it up to FAR, far beyond
-
-
-@dataclass
-class FloorSpec:
-    """What the floor assumes: model, hardware, layout and tree size (None: each point's own, as measured)."""
-    shape: ModelShape
-    hw: Hardware
-    gpus: int = 1
-    nodes: float | None = None
-    batch: int = 1
-    kv_dtype: str | None = None
-    routing: str = "uniform"
-    mla: str = "absorbed"
-
-    def kw(self, nodes: float) -> dict[str, Any]:
-        return {"nodes": nodes, "batch": self.batch, "gpus": self.gpus, "kv_dtype": self.kv_dtype,
-                "routing": self.routing, "mla": self.mla}
-
-    def floor(self, context: float, nodes: float) -> Floor:
-        return step_floor(self.shape, self.hw, context=context, **self.kw(nodes))
-
-    def break_even(self, context: float, nodes: float) -> float:
-        return break_even(self.shape, self.hw, context=context, **self.kw(nodes))
-
-    def assumed(self) -> dict[str, Any]:
-        return {"hardware": {**self.hw.to_dict(), "gpus": self.gpus}, "model": self.shape.summary(),
-                "nodes": self.nodes, "batch": self.batch, "kv_dtype": self.kv_dtype or self.shape.dtype,
-                "routing": self.routing + (" (an estimate: real routing is skewed and touches fewer experts)"
-                                           if self.shape.experts and self.routing == "uniform" else ""),
-                "mla": self.mla if self.shape.attention.kind == "mla" else None}
 
 
 def _ratio_words(measured: float, floor: float) -> str:

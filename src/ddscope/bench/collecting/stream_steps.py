@@ -13,16 +13,14 @@ counters say were coalesced or split, gives a trace marked approximate, with the
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from ddscope.bench.backends import Scrape
-from ddscope.bench.fit import Fit, robust_fit
+from ddscope.bench.collecting.backends import Scrape
 
 SCHEMA = "ddscope.bench.trace/1"
 SKIP_STEPS = 2  # the first steps after the prefill carry warm-up (allocation, the drafter's first pass)
@@ -195,31 +193,3 @@ def _check_counters(c: Checks, steps: list[dict[str, Any]], before: Scrape | Non
     if not mine <= accepted <= mine + 16 or abs(drafts - len(steps)) > 1:
         c.fail(f"vLLM's counters say {accepted:.0f} accepted drafts over {drafts:.0f} steps; the stream "
                f"{mine} over {len(steps)}: its chunks are not its steps")
-
-
-# ---- the verdict along the generation ------------------------------------------------------------------------
-
-def generation_fit(steps: list[dict[str, Any]]) -> Fit | None:
-    """step_ms = a + b*context over the generation's own steps (past each request's warm-up ones)."""
-    if len(steps) < 3:
-        return None
-    return robust_fit([s["context"] for s in steps], [s["gap_ms"] for s in steps])
-
-
-def rolling_median(values: list[float], width: int) -> list[float]:
-    half = width // 2
-    return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
-
-
-def against_sweep(gen: Fit, sweep: Fit, lo: float, hi: float) -> dict[str, Any]:
-    """How far the generation's steps rise above the prompt sweep's line over the contexts the generation ran at:
-    a rise is something that accumulates while generating (the cache written token by token, the drafter's
-    own state), not the context's length."""
-    start, end = gen.step_ms(lo) - sweep.step_ms(lo), gen.step_ms(hi) - sweep.step_ms(hi)
-    rise = end - start
-    words = ("accumulates while generating" if rise > max(0.05 * sweep.step_ms(hi), 0.5) else
-             "falls while generating" if rise < -max(0.05 * sweep.step_ms(hi), 0.5) else "follows the prompt sweep")
-    return {"sweep_fit": asdict(sweep), "offset_start_ms": start, "offset_end_ms": end, "rise_ms": rise,
-            "rise_pct": 100 * rise / sweep.step_ms(hi) if sweep.step_ms(hi) > 0 else math.nan,
-            "verdict": f"step time {words}: {end:+.2f} ms against the prompt sweep's line at {hi:.0f} tokens, "
-                       f"{start:+.2f} at {lo:.0f} ({rise:+.2f} ms over the generation)"}

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ddscope.bench.analyze import Analysis
-from ddscope.bench.fit import Point
+from ddscope.bench.judging.analyze import Analysis
+from ddscope.bench.judging.fit import Point
 from ddscope.util.atomic import atomic_write_text, replacing
 
 

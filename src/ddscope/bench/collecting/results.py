@@ -1,5 +1,5 @@
-"""What an analysis reads: measured rows from a results.json, an AIPerf run or a CSV, and points or
-predictions given on the command line."""
+"""Measured results read back, as an analysis reads them: rows from a sweep's results.json, an AIPerf run or a CSV;
+a trace's results.json whole; and points or predictions given on the command line."""
 from __future__ import annotations
 
 import csv
@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ddscope.bench.fit import AnalysisError
+from ddscope.bench.collecting import aiperf
+from ddscope.bench.collecting.stream_steps import SCHEMA as TRACE_SCHEMA
+from ddscope.bench.errors import AnalysisError
 
 
 def as_number(value: Any, what: str, where: str) -> float | None:
@@ -49,8 +51,6 @@ def _clean(raw: dict[str, Any], where: str, default_label: str) -> dict[str, Any
 def load_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Measured rows and metadata from a results.json, an AIPerf run (its artifact folder or profile_export.jsonl),
     or a CSV with columns prompt_tokens,tok_per_s,avg_commit[,label]."""
-    from ddscope.bench import aiperf
-
     if aiperf.export_file(path) is not None:
         raw_rows, meta = aiperf.load(path)
         return [r for i, raw in enumerate(raw_rows, 1) if (r := _clean(raw, f"{path}:{i}", "aiperf"))], meta
@@ -102,3 +102,14 @@ def parse_point(spec: str, index: int) -> dict[str, Any]:
     if not row or not row["avg_commit"]:
         raise AnalysisError(f"--point {spec!r}: avg_commit must be > 0")
     return row
+
+
+def trace_doc(path: Path) -> dict[str, Any] | None:
+    """A `bench trace` results.json, else None."""
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and doc.get("schema") == TRACE_SCHEMA else None
