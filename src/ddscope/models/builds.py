@@ -109,7 +109,8 @@ def load(build: str) -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
     for name, restype in _RETURNS.items():
-        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, ()
+        if hasattr(lib, name):  # an older kernels.c (benchmarks/floor/kernels_ab.py's A) may lack one
+            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, ()
     for name, args in _OPTIONAL.items():
         if hasattr(lib, name):
             getattr(lib, name).argtypes = args
