@@ -27,7 +27,7 @@ BOUNDS = Bounds(methods=("ar", "dflash", "ddtree"), max_model_len=256, vocab_siz
     (dict(temperature=-1.0), "temperature", "invalid_parameter"),
     (dict(temperature=float("nan")), "temperature", "invalid_parameter"),
     (dict(top_p=0.0), "top_p", "invalid_parameter"),
-    (dict(top_k=-1), "top_k", "invalid_parameter"),
+    (dict(top_k=-2), "top_k", "invalid_parameter"),  # -1 is off, as in vLLM
     (dict(min_p=1.5), "min_p", "invalid_parameter"),
     (dict(repetition_penalty=0.0), "repetition_penalty", "invalid_parameter"),
     (dict(presence_penalty=2.5), "presence_penalty", "invalid_parameter"),

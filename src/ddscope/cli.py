@@ -7,6 +7,7 @@ import sys
 
 from ddscope.config import CheckpointError
 from ddscope.engine.limits import DEFAULT_BUDGET
+from ddscope.speculative.sampling_fields import default
 from ddscope.util.options import add_model_args, add_prefill_threads_arg, add_threads_arg, budget_arg, set_threads
 
 
@@ -45,10 +46,11 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
                    help="DDTree node budget, or auto (sized each step from measured costs, as serve) "
                         "(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=200, help="new tokens to generate (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh one)")
+    p.add_argument("--temperature", type=float, default=default("temperature"),
+                   help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=default("top_p"), help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=default("top_k"), help="0 disables top-k (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=default("seed"), help="sampling seed (default: none, a fresh one)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="print text, ids and full stats (with rounds) as JSON")
     p.set_defaults(func=_generate)

@@ -169,7 +169,7 @@ class Engine:
                   tuple(r.allowed_token_ids) if r.allowed_token_ids is not None else None,
                   bad_word_ids(self.tokenizer, r.bad_words or [], self.vocab_size), r.repetition_penalty,
                   r.frequency_penalty, r.presence_penalty)
-        sampling = SamplingParams(r.temperature, r.top_p, r.top_k, r.seed, r.min_p)
+        sampling = SamplingParams.of(r)
         proposer = self.proposer(r.method, r.budget, sampling, r.lookup)
         generator = torch.Generator(self.device).manual_seed(r.seed if r.seed is not None else random.getrandbits(63))
         pages = Pages(device=self.device, salt=r.cache_salt)

@@ -3,12 +3,12 @@ a library user from keywords), checked once against the engine's bounds, and car
 no torch: the server builds and checks it before the engine thread sees it."""
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ddscope.engine.limits import MAX_BUDGET, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, default_method
+from ddscope.speculative.sampling_fields import SAMPLING, default
 
 if TYPE_CHECKING:
     from ddscope.structured.backend import Compiled
@@ -36,7 +36,8 @@ class Bounds:
 class Request:
     """A generation's every option. Lengths: `max_new_tokens`, `min_tokens`. Method: `method` (None: ddtree with a
     drafter, else ar), `budget` (None: the engine's), `lookup` (the prompt-lookup branch in ddtree trees). Sampling:
-    `temperature` .. `seed`. The target's law at every node (ddscope.speculative.law): `logit_bias`, `allowed_token_ids`,
+    `temperature` .. `seed` (each one's default and check: `speculative.sampling_fields`). The target's law at every
+    node (ddscope.speculative.law): `logit_bias`, `allowed_token_ids`,
     `bad_words`, the penalties, EOS unless `ignore_eos`, and `stop_token_ids`, which end a generation as EOS does.
     Text: the `stop` strings and vLLM's detokenizing switches. Outputs: `logprobs` (top N per token),
     `prompt_logprobs` (top N per prompt token; the prompt then runs in full). Scheduling: `cache_salt` keeps prefix-
@@ -48,19 +49,19 @@ class Request:
     method: str | None = None
     budget: int | str | None = None
     lookup: bool = True
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    temperature: float = default("temperature")
+    top_p: float = default("top_p")
+    top_k: int = default("top_k")
+    min_p: float = default("min_p")
+    seed: int | None = default("seed")
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
     bad_words: tuple[str, ...] | list[str] | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    repetition_penalty: float = default("repetition_penalty")
+    presence_penalty: float = default("presence_penalty")
+    frequency_penalty: float = default("frequency_penalty")
     stop: tuple[str, ...] | list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -116,29 +117,14 @@ class Request:
                 raise RequestError(name, f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
 
     def _check_sampling(self) -> None:
-        if not (_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise RequestError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
-            raise RequestError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (_is_int(self.top_k) and self.top_k >= 0):
-            raise RequestError("top_k", f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
-            raise RequestError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name, knob in SAMPLING.items():
+            if (why := knob.check(name, getattr(self, name))) is not None:
+                raise RequestError(name, why)
 
     def _check_law(self) -> None:
-        """What vLLM refuses (sampling_params.py `_verify_args`), in its words where it has them."""
-        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise RequestError("repetition_penalty",
-                               f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not (_is_number(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0):
-                raise RequestError(name, f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        """What vLLM refuses (sampling_params.py `_verify_args`) beyond the sampling fields' own checks."""
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise RequestError("allowed_token_ids", "allowed_token_ids must not be empty")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_int(value: Any) -> bool:

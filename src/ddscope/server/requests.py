@@ -2,6 +2,7 @@
 engine's Request."""
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
@@ -10,6 +11,7 @@ from ddscope.structured.backend import Compiled
 from ddscope.engine.request import Request, RequestError
 from ddscope.server.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from ddscope.server.state import ServerState
+from ddscope.speculative.sampling_fields import GREEDY_BELOW, served_temperature
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -89,6 +91,9 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, req: ChatComple
 
 # A Request field's name in the API, where the two differ
 API_NAMES = {"max_new_tokens": "max_tokens"}
+# The Request fields a body carries under their own name, passed on as sent where set (None: the field's default);
+# engine_request fills in the rest, and those the server defaults or converts.
+SAME_NAMES = tuple(f.name for f in fields(Request) if f.name in SamplingRequest.model_fields)
 
 
 def engine_request(state: ServerState, req: SamplingRequest, prompt_len: int,
@@ -105,24 +110,24 @@ def engine_request(state: ServerState, req: SamplingRequest, prompt_len: int,
     logprobs = req.top_logprobs_wanted()
     if req.best_of is not None and req.best_of > req.n and logprobs is None:
         logprobs = 0  # best_of ranks its choices by their tokens' log-probs
-    request = Request(
-        max_new_tokens=max_tokens, min_tokens=req.min_tokens, method=req.method or state.config.method,
-        budget=req.budget if req.budget is not None else state.config.budget, temperature=req.temperature,
-        top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p, seed=req.seed, ignore_eos=req.ignore_eos,
-        stop_token_ids=req.stop_token_ids, logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None,
-        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, stop=req.stop,
-        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens, logprobs=logprobs,
-        prompt_logprobs=_prompt_logprobs_wanted(req), cache_salt=req.cache_salt, priority=req.priority,
-        constraint=constraint)
+    sent = {name: value for name in SAME_NAMES if (value := getattr(req, name)) is not None}
+    request = Request(**{
+        **sent, "max_new_tokens": max_tokens, "method": req.method or state.config.method,
+        "budget": req.budget if req.budget is not None else state.config.budget,
+        "temperature": served_temperature(engine.source) if req.temperature is None else req.temperature,
+        "logit_bias": {int(k): v for k, v in (req.logit_bias or {}).items()} or None, "logprobs": logprobs,
+        "prompt_logprobs": _prompt_logprobs_wanted(req), "constraint": constraint})
     try:
-        return request.resolved(engine.bounds, prompt_len)
+        request = request.resolved(engine.bounds, prompt_len)
     except RequestError as e:
         message = str(e)
         for ours, theirs in API_NAMES.items():
             message = message.replace(ours, theirs)
         raise APIError(400, message, param=API_NAMES.get(e.field, e.field), code=e.code) from None
+    if req.choices > 1 and request.temperature < GREEDY_BELOW:
+        raise APIError(400, f"n must be 1 when using greedy sampling, got {req.choices} (vLLM's rule)",
+                       code="invalid_parameter")
+    return request
 
 
 def _prompt_logprobs_wanted(req: SamplingRequest) -> int | None:

@@ -12,9 +12,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddscope.engine.limits import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS
-from ddscope.speculative.sampling import GREEDY_BELOW
-
-MAX_SEED = 2**63 - 1
 MAX_PROMPTS = 64  # a batched /v1/completions prompt list
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries, as OpenAI's cap on logit_bias is per token
@@ -153,12 +150,13 @@ class SamplingRequest(Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    # OpenAI defaults: temperature 1, top_p 1. top_k 0 (or -1, as in vLLM) disables top-k.
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    # The sampling fields and penalties: None (unset) takes the default, and every value passes the check, of
+    # their one home (ddscope.speculative.sampling_fields; temperature's: served_temperature).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
@@ -169,9 +167,9 @@ class SamplingRequest(Body):
     # vLLM's extensions (entrypoints/openai/completion/protocol.py in vLLM 0.32), and OpenAI's n, best_of and penalties.
     n: int = Field(default=1, ge=1, le=MAX_N)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     return_token_ids: bool = False
@@ -244,8 +242,6 @@ class SamplingRequest(Body):
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise ValueError("best_of cannot be streamed: the best choices are known only at the end (as OpenAI)")
-        if self.choices > 1 and self.temperature < GREEDY_BELOW:
-            raise ValueError(f"n must be 1 when using greedy sampling, got {self.choices} (vLLM's rule)")
         if self.prompt_logprobs and self.stream:
             raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
         return self

@@ -1,31 +1,31 @@
-"""Target and drafter token choice: greedy, or temperature / top-k / top-p sampling."""
+"""Target and drafter token choice: greedy, or temperature / top-k / top-p sampling. The sampling fields' defaults
+and checks have one home, ddscope.speculative.sampling_fields."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
 import torch
 
-# Below this temperature sampling is greedy, as in vLLM (_SAMPLING_EPS, vllm/sampling_params.py): logits / T
-# overflows to inf for T under about 1e-36, and log_softmax then gives NaN and an arbitrary token.
-GREEDY_BELOW = 1e-5
+from ddscope.speculative.sampling_fields import GREEDY_BELOW, default
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    seed: int | None = None
-    min_p: float = 0.0  # keep tokens of at least min_p x the likeliest one's probability; 0 disables it
+    """How the target and drafter choose a token: the sampling fields of a checked Request (`of`)."""
+    temperature: float = default("temperature")
+    top_p: float = default("top_p")
+    top_k: int = default("top_k")  # 0 or -1 disables top-k
+    min_p: float = default("min_p")  # keep tokens of at least min_p x the likeliest one's probability; 0: off
 
-    def __post_init__(self) -> None:  # checked where it is built (ddscope.engine.request)
-        if self.temperature < GREEDY_BELOW:
-            object.__setattr__(self, "temperature", 0.0)
+    @classmethod
+    def of(cls, request: Any) -> SamplingParams:
+        """The sampling fields of `request` (an engine Request), by name."""
+        return cls(**{f.name: getattr(request, f.name) for f in fields(cls)})
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities of the distribution this sampler draws from (tempered, then filtered)."""
@@ -33,7 +33,7 @@ class SamplingParams:
         if self.min_p > 0:  # vLLM's order: min_p on the tempered probabilities, before top-k and top-p
             probs = logits.softmax(-1)
             logits = logits.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-        if self.top_k and self.top_k < logits.shape[-1]:
+        if self.top_k > 0 and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p < 1:
