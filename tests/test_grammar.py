@@ -139,6 +139,33 @@ def test_the_tree_grows_only_legal_tokens_and_a_forced_token_is_certain(tiny_eng
     assert forced and all(tree.logps[i] == 0.0 for i in forced)  # "{" then '"' ... : the drafter's word overruled
 
 
+def _fills(compiled, paths: list[list[int]], vocab: int) -> list[bytes]:
+    """Each path's bitmask, filled by a fresh matcher (none where the grammar ended)."""
+    out = []
+    for path in paths:
+        m, bitmask = compiled.matcher(), torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+        assert all(m.accept(t) for t in path)
+        if not m.is_terminated():
+            m.fill(bitmask)
+            out.append(bitmask.numpy().tobytes())
+    return out
+
+
+def test_nodes_of_one_legal_set_share_one_mask_and_the_verify_fills_none(tiny_engine):
+    """Inside a free string every node's fill gives the same bitmask: the round builds one mask for all of them
+    (candidates, verify rows), so the masks built are exactly the distinct legal sets, far fewer than the nodes;
+    each node's state is read once, and the verify reuses what the tree's growth filled."""
+    compiled = tiny_engine.grammars.compile(Constraint("regex", '"[a-z ]*"'))
+    state = GrammarState(compiled, tiny_engine.vocab_size)
+    logprobs = torch.randn(15, tiny_engine.vocab_size).log_softmax(-1)
+    tree = state.prune(best_first(0, logprobs, 32, state.children(logprobs, 32)))
+    grown = state.take_cost()
+    fills = _fills(compiled, tree.paths(), tiny_engine.vocab_size)
+    assert grown.fills == len(fills) and grown.masks == len(set(fills)) < len(tree.tokens) / 4
+    state.mask_rows(torch.zeros(len(tree.tokens), tiny_engine.vocab_size), tree.paths())
+    assert (state.take_cost().fills, state.masks[()].legal.sum() > 0) == (0, True)
+
+
 @pytest.mark.parametrize("constraint,message", [
     (Constraint("regex", "(unclosed"), "parenthesis"),
     (Constraint("json", '{"type": "nonsense"}'), "does not compile"),
@@ -166,6 +193,7 @@ def test_the_grammar_cost_is_recorded_per_round(oracle):
                           constraint=CONSTRAINTS["json"][0])
     rounds = out.stats.rounds
     assert sum(r.grammar_masks for r in rounds) == out.stats.to_dict()["grammar_masks"] > len(rounds)
+    assert all(r.grammar_masks <= r.grammar_fills for r in rounds)  # nodes of one legal set share a mask
     assert all(r.grammar_ms >= 0 for r in rounds) and out.stats.to_dict()["grammar_ms"] > 0
 
 

@@ -139,7 +139,7 @@ def test_the_coverage_benchmark_runs_on_the_fixture_corpus():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("schema_coverage", Path(__file__).parents[1] / "benchmarks" /
-                                                  "schema_coverage.py")
+                                                  "structured" / "schema_coverage.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.main([str(FIXTURES), "--backends", "xgrammar,auto", "--sample", "2", "--max-tokens", "64"])

@@ -133,16 +133,17 @@ class Engine:
             self.runner.budget = BatchBudget(self.verify_cost)
 
     def proposer(self, method: str, budget: int | str, sampling: SamplingParams = SamplingParams(),
-                 lookup: bool = True) -> Proposer:
+                 lookup: bool = True, steered: bool = False) -> Proposer:
         """A fresh proposer for a checked method and budget (Request.resolved); `lookup=False` leaves the
-        prompt-lookup branch out of `ddtree` (the drafter alone)."""
+        prompt-lookup branch out of `ddtree` (the drafter alone); `steered`: a grammar grows the tree, so `auto`
+        learns apart from free text (a forced token is certain, and a node costs its grammar work)."""
         if method == "ar":
             return AR()
         if method == "dflash":
             return DFlash()
         if budget == "auto":
             self.calibrate()
-            return DDTree(AutoBudget(self.verify_cost, self.learned.under(sampling, lookup),
+            return DDTree(AutoBudget(self.verify_cost, self.learned.under(sampling, lookup, steered),
                                      block=self.drafter.block_size, reach=self.drafter.horizon), lookup)
         return DDTree(budget, lookup)
 
@@ -170,7 +171,7 @@ class Engine:
                   bad_word_ids(self.tokenizer, r.bad_words or [], self.vocab_size), r.repetition_penalty,
                   r.frequency_penalty, r.presence_penalty)
         sampling = SamplingParams.of(r)
-        proposer = self.proposer(r.method, r.budget, sampling, r.lookup)
+        proposer = self.proposer(r.method, r.budget, sampling, r.lookup, bool(r.constraint) and r.steer)
         generator = torch.Generator(self.device).manual_seed(r.seed if r.seed is not None else random.getrandbits(63))
         pages = Pages(device=self.device, salt=r.cache_salt)
         grammar = GrammarState(self.compiled(r), self.vocab_size, r.steer) if r.constraint else None

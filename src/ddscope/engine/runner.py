@@ -185,7 +185,7 @@ class Runner:
                          drafted, batch)
         if seq.decoder.grammar is not None:
             cost = seq.decoder.grammar.take_cost()
-            rnd.grammar_masks, rnd.grammar_ms = cost.masks, cost.ms
+            rnd.grammar_masks, rnd.grammar_fills, rnd.grammar_ms = cost.masks, cost.fills, cost.ms
         rnd.law_top, seq.decoder.law_top = seq.decoder.law_top, None
         seq.proposer.observe(rnd, path, new)
         seq.deliver(new, rnd)

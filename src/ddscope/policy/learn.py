@@ -130,14 +130,15 @@ class Learned:
 
 
 class LearnedBySampler:
-    """What `auto` learned under each sampler, with or without lookup, kept across requests (the 16 latest)."""
+    """What `auto` learned under each sampler, with or without lookup, free or grown under a grammar, kept across
+    requests (the 16 latest)."""
 
     def __init__(self, keep: int = 16):
         self.keep = keep
         self.by_key: dict[tuple, Learned] = {}
 
-    def under(self, sampling: SamplingParams, lookup: bool) -> Learned:
-        key = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, lookup)
+    def under(self, sampling: SamplingParams, lookup: bool, steered: bool = False) -> Learned:
+        key = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, lookup, steered)
         if key not in self.by_key and len(self.by_key) >= self.keep:
             del self.by_key[next(iter(self.by_key))]
         return self.by_key.setdefault(key, Learned())

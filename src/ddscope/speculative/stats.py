@@ -24,7 +24,8 @@ class RoundStats:
     model_ms: float = 0.0  # inside drafter and target forwards; the rest of step_ms is engine overhead
     drafted: bool = False  # the drafter ran (`auto` may verify the root and a prompt-lookup branch alone)
     batch: int = 1  # sequences in the step (its times are the whole batch's)
-    grammar_masks: int = 0  # structured outputs: token masks the grammar filled for this round (tree and verify)
+    grammar_masks: int = 0  # structured outputs: distinct token masks this round built (tree and verify share them)
+    grammar_fills: int = 0  # and the backend's fills they came from (one per node whose state was read)
     grammar_ms: float = 0.0  # and the time in the matcher and masking, within tree_ms and commit_ms
     # A plain round's root under the sampler's law: its 4 likeliest tokens' probabilities, when `auto` asked for
     # them (what a drafter that knew the target could have had accepted at each depth).
@@ -81,6 +82,7 @@ class GenerationStats:
             "phase_ms": {p: sum(getattr(r, f"{p}_ms") for r in self.rounds) for p in PHASES},
             "model_ms": sum(r.model_ms for r in self.rounds),
             "grammar_masks": sum(r.grammar_masks for r in self.rounds),
+            "grammar_fills": sum(r.grammar_fills for r in self.rounds),
             "grammar_ms": sum(r.grammar_ms for r in self.rounds),
             "prefill_ms": self.prefill_ms,
             "prefill_threads": self.prefill_threads,
