@@ -188,7 +188,9 @@ def test_host_is_measured_once_and_cached(tmp_path, monkeypatch):
     from ddscope.models import native
 
     assert set(first.measured["tflops_by"]) == {"fp32", "bf16"}  # kernels.c's loops where it is loaded
-    assert all(("loop" in how) == (native.library() is not None) for how in first.measured["tflops_by"].values())
+    by = first.measured["tflops_by"]  # widened bf16 takes torch's matmul where it is the faster
+    assert ("loop" in by["fp32"]) == (native.library() is not None)
+    assert ("loop" in by["bf16"]) == (native.library() is not None) or native.bf16_products() == "widened"
     assert first.bandwidth_gbps == max(first.measured["read_gbps"].values())  # a product's read or a read alone
 
 

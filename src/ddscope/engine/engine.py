@@ -86,12 +86,18 @@ class Engine:
             target, drafter = DEMO_DIR / "target", drafter or DEMO_DIR / "drafter"
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if torch.device(device).type == "cpu" and (why := native.inexact(getattr(torch, dtype))):
+        cpu = torch.device(device).type == "cpu"
+        if cpu and (why := native.inexact(getattr(torch, dtype))):
             raise ValueError(why)
         target_dir = Path(target)
         if not target_dir.is_dir():
             raise CheckpointError(f"target checkpoint directory not found: {target_dir}")
         model = load_target(target_dir, torch.device(device), getattr(torch, dtype), target_backend, device_map)
+        if cpu and dtype != "float32" and not (isinstance(model, Target) and model.panelled()):
+            raise ValueError(f"{dtype} on the CPU needs every product of the target on kernels.c's panels, and this "
+                             "one has some on torch's (transformers' backend, or a weight not of whole panels), "
+                             "which give a row other bits among other rows: speculation would not be lossless. "
+                             "Use float32.")
         draft = Drafter.load(Path(drafter), model) if drafter is not None else None
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir))

@@ -675,7 +675,7 @@ static inline int64_t lines_of(int64_t S, int64_t from, int64_t keys, int64_t d)
     for (int i = 0; i < SCORE_KEYS; i++) {                                                                      \
       kr[i] = kh + (s + i < S ? s + i : S - 1) * d;                                                             \
       for (int j = 0; j < P; j++)                                                                               \
-        acc[i][j] = c0 ? vf_load(t + (s + i) * TREE_VECTORS + j * 16) : vf_zero();                             \
+        acc[i][j] = c0 && s + i < S ? vf_load(t + (s + i) * TREE_VECTORS + j * 16) : vf_zero();                \
     }                                                                                                           \
     for (int64_t c = c0, due = 0; c < c0 + D_STEP; c += BEAT) { /* its lines of the stream, evenly */         \
       next = spread(next, &due, lines, D_STEP / BEAT);                                                          \
@@ -991,7 +991,7 @@ void read_peak_f32(const float *a, int64_t n, float *sink, int threads) { /* n a
   }
 }
 
-#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__)) && defined(__AVX512BF16__)
+#ifdef __AVX512BF16__ /* an AMX build too: its bf16 products are the pairs' where Linux lends no tiles */
 #define DP_PEAK(i) a##i = _mm512_dpbf16_ps(a##i, x, y);
 void dp_peak_bf16(int64_t steps, float *sink, int threads) { /* a step: 12 vdpbf16ps of 16 lanes (2 pairs) a thread */
 #pragma omp parallel num_threads(threads)

@@ -68,7 +68,7 @@ def serves(*tensors: torch.Tensor) -> bool:
 
 
 def has(name: str) -> bool:
-    """Whether the library was built with `name` (the AMX and AVX512-BF16 peak loops need those ISAs)."""
+    """Whether kernels.c is loaded and its build has `name` (the AMX and AVX512-BF16 peak loops need those ISAs)."""
     return library() is not None and hasattr(library(), name)
 
 
@@ -97,13 +97,13 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     return y
 
 
-BF16_PRODUCTS = {0: "none", 1: "amx", 2: "avx512-bf16", 3: "widened"}
+BF16_PRODUCTS = {1: "amx", 2: "avx512-bf16", 3: "widened"}
 
 
 def bf16_products() -> str:
     """Which of kernels.c's bf16 products this build runs: the tile unit's (AMX, where Linux lends it), vdpbf16ps
-    (AVX512-BF16 without AMX, e.g. AMD Zen 4), bf16 widened to fp32 by a shift into FMAs (every other CPU), or
-    none (an AMX build where Linux lends no tiles: torch's)."""
+    (AVX512-BF16 without the tiles, e.g. AMD Zen 4 and 5), or bf16 widened to fp32 by a shift into FMAs (every
+    other CPU); none (torch's) where kernels.c is not loaded."""
     return BF16_PRODUCTS[library().bf16_products()] if library() is not None else "none"
 
 
@@ -121,7 +121,7 @@ def paneled(weight: torch.Tensor) -> bool:
     dtype = weight.dtype
     return (dtype in PANEL_OUTPUTS and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % PANEL_OUTPUTS[dtype] == 0 and weight.shape[1] % PANEL_INPUTS[dtype] == 0
-            and has(f"linear_{DTYPES[dtype]}") and (dtype != torch.bfloat16 or bf16_products() != "none"))
+            and has(f"linear_{DTYPES[dtype]}"))
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:

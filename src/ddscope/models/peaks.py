@@ -19,11 +19,11 @@ LOOPS = {"fp32": ("fma_peak_f32", None), "amx": ("amx_peak_bf16", 4 * 16 * 16 * 
 
 def units(kind: str) -> tuple[Callable[[int, int], None], int] | None:
     """The register-only loop at the peak of `kind`'s units (fp32, or bf16 on the units this build's bf16
-    products run on) as `run(steps, threads)`, and a thread's FLOPs a step; None where kernels.c is not loaded."""
-    if native.library() is None:
-        return None
+    products run on) as `run(steps, threads)`, and a thread's FLOPs a step; None where kernels.c has none here."""
     name, flops = LOOPS["fp32" if kind == "fp32" else native.bf16_products()]
     lib = native.library()
+    if lib is None or not hasattr(lib, name):
+        return None
     run = getattr(lib, name)
     return lambda steps, threads: run(steps, (ctypes.c_float * threads)(), threads), flops or lib.fma_peak_flops()
 

@@ -110,6 +110,13 @@ class Target(nn.Module):
                 model.head = PanelLinear(model.lm_head)
         return model
 
+    def panelled(self) -> bool:
+        """Whether every product of a step runs on kernels.c's panels (the layers' and the vocab head's), so that
+        each row gets its own bits whatever the rows beside it."""
+        projections = [m for layer in self.model.layers for block in (layer.self_attn, layer.mlp)
+                       for m in block.children() if not isinstance(m, RMSNorm)]
+        return self.head is not None and all(isinstance(m, PanelLinear) for m in projections)
+
     def new_cache(self, capacity: int) -> KVCache:
         p = self.lm_head.weight
         return KVCache(self.cfg.geometry, capacity, p.device, p.dtype)

@@ -1,10 +1,11 @@
 /* The one vector kernels.c is written over: vf, 16 fp32 lanes, as one AVX-512 register, two AVX2 registers, or a
  * plain array that the compiler vectorises for any other CPU (NEON among them). Each op does the same arithmetic
  * lane by lane on every ISA (and vf_sum4 the same tree), so a kernel gives the same fp32 bits whichever build
- * runs it; only the bf16 products differ where an ISA has bf16 instructions (vdpbf16ps, AMX). Which build a
- * process loads is chosen outside this file, by ddscope.models.native: nothing here detects a CPU.
- * VF_WIDTH is the vectors a register tile holds across (kernels.c's tiles are rows by VF_WIDTH vectors): 4 with
- * 32 registers, 1 with AVX2's 16, each vf there taking two. */
+ * runs it. bf16 differs where an ISA has bf16 instructions: vdpbf16ps and AMX sum a pair their own way, and
+ * vcvtneps2bf16 flushes denormals where f2bf (torch's rounding) keeps them. Which build a process loads is chosen
+ * outside this file, by ddscope.models.builds: nothing here detects a CPU.
+ * VF_WIDTH is the vectors a register tile holds across (kernels.c's tiles are rows by VF_WIDTH vectors): 4 where
+ * a vf is one of 32 registers (AVX-512), 1 where it takes several (two of AVX2's 16, four of NEON's 32). */
 #ifndef DDSCOPE_VEC_H
 #define DDSCOPE_VEC_H
 #include <math.h>
@@ -172,7 +173,7 @@ static inline void vf_sum4(vf a, vf b, vf c, vf d, float out[4]) {
 
 #else /* any other CPU: plain arrays, vectorised by the compiler (NEON on aarch64) */
 #define VF_ISA "generic"
-#define VF_WIDTH 4
+#define VF_WIDTH 1
 typedef struct { float v[LANES]; } vf;
 #define VF_LANES(expr) { vf r; for (int l = 0; l < LANES; l++) r.v[l] = (expr); return r; }
 static inline vf vf_zero(void) VF_LANES(0.0f)

@@ -131,7 +131,7 @@ def _best_s(fn, repeats: int) -> float:
 
 def _loop_tflops(kind: str, threads: int) -> float:
     """The peak of `kind`'s units on `threads` threads, from kernels.c's register-only loop run about
-    LOOP_SECONDS; 0 where the loop is not built here."""
+    LOOP_SECONDS; 0 where kernels.c has none here (ddscope.models.peaks.units)."""
     from ddscope.models import peaks
 
     loop = peaks.units(kind)
@@ -179,7 +179,7 @@ def measure_host(threads: int, say: Callable[[str], None] = _say) -> Hardware:
     a matrix-vector product read 19.6 GB/s and a sum 30.4). FLOPs: kernels.c's register-only loop on the units
     each dtype's products run on (ddscope.models.peaks: at least a library's rate, and a floor must stay below
     every kernel; on an Emerald Rapids VM, oneMKL's fp32 measured a median 0.84 of the FMA loop and its bf16 0.40
-    of AMX's), else a library's matmul sized to take about a second."""
+    of AMX's), else a library's matmul sized to take about a second; for widened bf16, the faster of the two."""
     import torch
 
     from ddscope.models import builds, native, peaks
@@ -195,12 +195,18 @@ def measure_host(threads: int, say: Callable[[str], None] = _say) -> Hardware:
             reads["read"] = _best_s(lambda: read(matrix, threads), 5)
         flops, how = {}, {}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            loop = 0.0
             if peaks.units(name) is not None:
                 say(f"{name} FLOPs, kernels.c's {builds.isa()} loop")
-                flops[name], how[name] = round(_loop_tflops(name, threads), 4), f"kernels.c {builds.isa()} loop"
-            else:
+                loop, how[name] = round(_loop_tflops(name, threads), 4), f"kernels.c {builds.isa()} loop"
+            if loop == 0.0 or (name == "bf16" and native.bf16_products() == "widened"):
+                # bf16 widened runs on the FMA units, and torch's bf16 may run on faster ones (a lower ISA forced
+                # on a CPU with AVX512-BF16 or AMX): the floor takes the faster of the two
                 say(f"{name} FLOPs, torch's matmul sized to about {PRODUCT_SECONDS:g} s")
-                flops[name], how[name] = round(_product_tflops(dtype), 4), "torch matmul"
+                product = round(_product_tflops(dtype), 4)
+                if product > loop:
+                    loop, how[name] = product, "torch matmul"
+            flops[name] = loop
     finally:
         torch.set_num_threads(before)
     gbps = {name: round(matrix.numel() * 4 / s / 1e9, 2) for name, s in reads.items()}
