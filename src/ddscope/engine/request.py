@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ddscope.engine.limits import MAX_BUDGET, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, default_method
-from ddscope.speculative.sampling_fields import SAMPLING, default
+from ddscope.speculative.sampling_fields import SAMPLING, default, integer
 
 if TYPE_CHECKING:
     from ddscope.structured.backend import Compiled
@@ -41,8 +41,8 @@ class Request:
     `bad_words`, the penalties, EOS unless `ignore_eos`, and `stop_token_ids`, which end a generation as EOS does.
     Text: the `stop` strings and vLLM's detokenizing switches. Outputs: `logprobs` (top N per token),
     `prompt_logprobs` (top N per prompt token; the prompt then runs in full). Scheduling: `cache_salt` keeps prefix-
-    cache entries apart, `priority` orders admission (lower first). Structure: `constraint` (structured outputs: a Constraint, or
-    the grammar compiled of it before admission, which the engine then uses as it is);
+    cache entries apart, `priority` orders admission (lower first). Structure: `constraint` (structured outputs: a
+    Constraint, or the grammar compiled of it before admission, which the engine then uses as it is);
     `steer=False` masks at the verify only, as vLLM does, for side-by-side measurements."""
     max_new_tokens: int = 128
     min_tokens: int = 0
@@ -92,12 +92,12 @@ class Request:
     def _check(self, bounds: Bounds, prompt_len: int) -> None:
         check_method(self.method, self.budget, bounds)
         n = self.max_new_tokens
-        if not _is_int(n) or n < 1:
+        if not integer(n) or n < 1:
             raise RequestError("max_new_tokens", f"max_new_tokens must be an integer >= 1, got {n!r}")
         if prompt_len + n > bounds.max_model_len:
             raise RequestError("max_new_tokens", f"prompt ({prompt_len} tokens) + max_new_tokens ({n}) exceeds "
                                f"max_model_len ({bounds.max_model_len})", "context_length_exceeded")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= n:
+        if not integer(self.min_tokens) or not 0 <= self.min_tokens <= n:
             raise RequestError("min_tokens", f"min_tokens must be an integer in [0, max_new_tokens ({n})], "
                                f"got {self.min_tokens!r}")
         _check_stop(self.stop)
@@ -105,7 +105,7 @@ class Request:
         self._check_law()
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
                           ("allowed_token_ids", self.allowed_token_ids)):
-            if ids and not all(_is_int(t) and 0 <= t < bounds.vocab_size for t in ids):
+            if ids and not all(integer(t) and 0 <= t < bounds.vocab_size for t in ids):
                 raise RequestError(name, f"{name}: token ids must be integers in [0, {bounds.vocab_size})",
                                    "invalid_token_id")
         if self.logit_bias and not all(isinstance(b, (int, float)) and -100 <= b <= 100
@@ -113,7 +113,7 @@ class Request:
             raise RequestError("logit_bias", "logit_bias values must be numbers in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and not (_is_int(k) and 0 <= k <= MAX_LOGPROBS):
+            if k is not None and not (integer(k) and 0 <= k <= MAX_LOGPROBS):
                 raise RequestError(name, f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
 
     def _check_sampling(self) -> None:
@@ -127,10 +127,6 @@ class Request:
             raise RequestError("allowed_token_ids", "allowed_token_ids must not be empty")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_method(method: str, budget: int | str | None, bounds: Bounds) -> None:
     """Raise RequestError unless `method` (with `budget`, None for the default) can be served: also a server's
     defaults, at start-up."""
@@ -138,7 +134,7 @@ def check_method(method: str, budget: int | str | None, bounds: Bounds) -> None:
         raise RequestError("method", f"unknown or unavailable method {method!r}; available: "
                                      f"{', '.join(bounds.methods)}")
     budget = bounds.default_budget if budget is None else budget
-    if method == "ddtree" and budget != "auto" and not (_is_int(budget) and 1 <= budget <= MAX_BUDGET):
+    if method == "ddtree" and budget != "auto" and not (integer(budget) and 1 <= budget <= MAX_BUDGET):
         raise RequestError("budget", f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got {budget!r}")
 
 

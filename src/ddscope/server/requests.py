@@ -89,8 +89,11 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, engine: Engine, req: ChatComple
     return _encode_text(tokenizer, text, "messages", engine.max_model_len, bool(req.add_special_tokens))
 
 
-# A Request field's name in the API, where the two differ
-API_NAMES = {"max_new_tokens": "max_tokens"}
+def _api_names(req: SamplingRequest) -> dict[str, str]:
+    """A Request field's name in the API where the two differ: the length field the body used."""
+    return {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+
+
 # The Request fields a body carries under their own name, passed on as sent where set (None: the field's default);
 # engine_request fills in the rest, and those the server defaults or converts.
 SAME_NAMES = tuple(f.name for f in fields(Request) if f.name in SamplingRequest.model_fields)
@@ -120,10 +123,10 @@ def engine_request(state: ServerState, req: SamplingRequest, prompt_len: int,
     try:
         request = request.resolved(engine.bounds, prompt_len)
     except RequestError as e:
-        message = str(e)
-        for ours, theirs in API_NAMES.items():
+        message, names = str(e), _api_names(req)
+        for ours, theirs in names.items():
             message = message.replace(ours, theirs)
-        raise APIError(400, message, param=API_NAMES.get(e.field, e.field), code=e.code) from None
+        raise APIError(400, message, param=names.get(e.field, e.field), code=e.code) from None
     if req.choices > 1 and request.temperature < GREEDY_BELOW:
         raise APIError(400, f"n must be 1 when using greedy sampling, got {req.choices} (vLLM's rule)",
                        code="invalid_parameter")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ddscope.engine.limits import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from ddscope.engine.limits import MAX_LOGPROBS
 MAX_PROMPTS = 64  # a batched /v1/completions prompt list
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries, as OpenAI's cap on logit_bias is per token
@@ -148,8 +148,9 @@ class SamplingRequest(Body):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Lengths, stops and log-probs: checked once, by the engine's Request (a 400 naming the API's field).
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     # The sampling fields and penalties: None (unset) takes the default, and every value passes the check, of
     # their one home (ddscope.speculative.sampling_fields; temperature's: served_temperature).
     temperature: float | None = None
@@ -161,7 +162,7 @@ class SamplingRequest(Body):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions (entrypoints/openai/completion/protocol.py in vLLM 0.32), and OpenAI's n, best_of and penalties.
@@ -173,7 +174,7 @@ class SamplingRequest(Body):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     return_token_ids: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -198,16 +199,10 @@ class SamplingRequest(Body):
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: str | list[str] | None) -> list[str] | None:
+        """One string or several, as a list (the engine's Request checks them)."""
         if stop is None:
             return None
-        stops = [stop] if isinstance(stop, str) else stop
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
-        return stops or None
+        return ([stop] if isinstance(stop, str) else stop) or None
 
     @field_validator("logit_bias")
     @classmethod
@@ -282,7 +277,7 @@ class CompletionRequest(SamplingRequest):
     # str, or token ids for exact context lengths, or a batch of either (one choice each). Shape errors get a
     # clear message here; the vocabulary range is checked by the app, which knows the model.
     prompt: str | list[int] | list[str | list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
 
     @field_validator("prompt", mode="before")

@@ -34,7 +34,8 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _integer(v: Any) -> bool:
+def integer(v: Any) -> bool:
+    """An int, not a bool."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -46,9 +47,9 @@ def _integer(v: Any) -> bool:
 SAMPLING: dict[str, Knob] = {
     "temperature": Knob(0.0, lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "top_p": Knob(1.0, lambda v: _number(v) and 0 < v <= 1, "in (0, 1]"),
-    "top_k": Knob(0, lambda v: _integer(v) and v >= -1, "an integer >= -1 (0 or -1: off, as vLLM)"),
+    "top_k": Knob(0, lambda v: integer(v) and v >= -1, "an integer >= -1 (0 or -1: off, as vLLM)"),
     "min_p": Knob(0.0, lambda v: _number(v) and 0 <= v <= 1, "in [0, 1]"),
-    "seed": Knob(None, lambda v: v is None or _integer(v) and 0 <= v <= MAX_SEED, f"None or in [0, {MAX_SEED}]"),
+    "seed": Knob(None, lambda v: v is None or integer(v) and 0 <= v <= MAX_SEED, f"None or in [0, {MAX_SEED}]"),
     "repetition_penalty": Knob(1.0, lambda v: _number(v) and v > 0, "greater than zero"),
     "presence_penalty": Knob(0.0, lambda v: _number(v) and -2 <= v <= 2, "in [-2, 2]"),
     "frequency_penalty": Knob(0.0, lambda v: _number(v) and -2 <= v <= 2, "in [-2, 2]"),

@@ -55,6 +55,9 @@ class Backend(ABC):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int]):
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
 
+    def ready(self) -> None:
+        """Build what a first compile needs (the tokenizer's tables): once, outside any compile's time limit."""
+
     @abstractmethod
     def gaps(self, c: Constraint) -> list[Gap]:
         """What of `c` this backend would loosen (empty: it enforces all of it)."""

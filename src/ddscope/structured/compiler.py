@@ -36,6 +36,7 @@ class Grammars:
         self.cache: OrderedDict[Key, Compiled] = OrderedDict()
         self.running: dict[Key, threading.Thread] = {}  # compiles past their time, still going
         self.lock = threading.Lock()
+        self.building = threading.Lock()  # held while a backend is built: about a second, so not `lock`
 
     def compile(self, c: Constraint, backend: str | None = None) -> Compiled:
         """The compiled grammar (cached); ConstraintError if no backend asked for enforces it, or it does not
@@ -50,7 +51,7 @@ class Grammars:
                 raise ConstraintError(f"compiling this {c.kind} took over {self.timeout_s:g} s; it is refused")
             if len(self.running) >= MAX_RUNAWAY:
                 raise ConstraintError("the server is still compiling constraints that ran past their time limit")
-        order = [self.backend_named(n) for n in self.order(key[0], c)]  # built here, outside the time limit
+        order = [self.backend_named(n) for n in self.order(key[0], c)]  # made ready here, outside the time limit
         compiled = self._bounded(key, lambda: self._first(order, c))
         with self.lock:
             self.cache[key] = compiled
@@ -59,9 +60,13 @@ class Grammars:
         return compiled
 
     def backend_named(self, name: str) -> Backend:
-        if name not in self.backends:
-            self.backends[name] = backend_class(name)(self.tokenizer, self.vocab_size, self.stop_ids)
-        return self.backends[name]
+        """The engine's backend `name`, built and made ready once (compiles run on several threads at once)."""
+        with self.building:
+            if name not in self.backends:
+                backend = backend_class(name)(self.tokenizer, self.vocab_size, self.stop_ids)
+                backend.ready()
+                self.backends[name] = backend
+            return self.backends[name]
 
     @staticmethod
     def order(backend: str, c: Constraint) -> list[str]:
@@ -98,11 +103,14 @@ class Grammars:
         """The first backend's grammar that enforces all of `c`; else the refusal of the last one tried (the most
         capable), with the gaps of those before it."""
         if c.kind == "json":
-            check_nesting(json.loads(c.spec))
+            try:
+                check_nesting(json.loads(c.spec))
+            except json.JSONDecodeError as e:
+                raise ConstraintError(f"the json constraint is not JSON: {e}") from None
         refusals = []
         for backend in order:
-            gaps = backend.gaps(c)
             try:
+                gaps = backend.gaps(c)
                 if gaps:
                     raise ConstraintError(f"{gaps[0]} by {backend.name}" + (f" (and {len(gaps) - 1} more)"
                                                                            if len(gaps) > 1 else ""))

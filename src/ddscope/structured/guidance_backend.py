@@ -80,6 +80,9 @@ class GuidanceBackend(Backend):
                                                            eos_token=list(self.stop_ids))
         return self._tokenizer
 
+    def ready(self) -> None:
+        self.lltokenizer  # noqa: B018  (built on first use)
+
     def gaps(self, c: Constraint) -> list[Gap]:
         # xgrammar's structural-tag format is xgrammar's own (tool calls compile there under every backend)
         return [Gap("structural_tag", "$", "is compiled by xgrammar only")] if c.kind == "structural_tag" else []
@@ -88,9 +91,12 @@ class GuidanceBackend(Backend):
         import llguidance as llg
 
         grammar = self._grammar(c)
-        error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltokenizer)
+        try:
+            error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltokenizer)
+        except Exception as e:  # llguidance raises ValueError, or its own errors, on a grammar it cannot read
+            raise ConstraintError(f"the {c.kind} constraint does not compile: {first_line(e)}") from None
         if error:
-            raise ConstraintError(self._explain(c, messages[0]))
+            raise ConstraintError(self._explain(c, messages[0] if messages else "llguidance refused it"))
         return GuidanceCompiled(c, self.lltokenizer, grammar, self.stop_ids)
 
     def _grammar(self, c: Constraint) -> str:

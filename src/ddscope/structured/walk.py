@@ -1,10 +1,11 @@
 """One sequence's grammar (structured outputs): the legal tokens at any node of a draft tree.
 
-A backend's matcher (ddscope.structured.backend) holds the committed output; a cursor walks it to a node's path (rolling back to the shared
-prefix, then accepting the rest), so every node is masked by its own state, as `ar` masks one token at a time.
-Only `advance` moves the committed state, after a round's tokens are chosen: a rejected branch or a preempted
-sequence never leaves its mark. Past the end of the grammar (its stop token accepted: only with ignore_eos
-does decoding go on) nothing is constrained, as vLLM leaves the bitmask unfilled for a terminated grammar.
+A backend's matcher (ddscope.structured.backend) holds the committed output; a cursor walks it to a node's path
+(rolling back to the shared prefix, then accepting the rest), so every node is masked by its own state, as `ar`
+masks one token at a time. Only `advance` moves the committed state, after a round's tokens are chosen: a
+rejected branch or a preempted sequence never leaves its mark. Past the end of the grammar (its stop token
+accepted: only with ignore_eos does decoding go on) nothing is constrained, as vLLM leaves the bitmask unfilled
+for a terminated grammar.
 
 Many nodes of a tree share a legal set: siblings inside a free string, a string's successive characters, the
 branches after the same key. A node's fill (the backend's, microseconds) reads its state; everything built from it

@@ -99,6 +99,9 @@ class XGrammarBackend(Backend):
         super().__init__(tokenizer, vocab_size, stop_ids)
         self._compiler: Any = None
 
+    def ready(self) -> None:
+        self.compiler  # noqa: B018  (built on first use)
+
     def gaps(self, c: Constraint) -> list[Gap]:
         if c.kind == "json":
             return schema_gaps(json.loads(c.spec))
