@@ -49,7 +49,7 @@ def json_arguments(schema: dict[str, Any], ws: Whitespace) -> Format:
 
 class ToolParser(ABC):
     """One format, for one request's tools and choice. `start` opens the calls in `auto` output (the text before it
-    is the message's content); `prefix`, `separator` and `suffix` frame forced calls."""
+    is the message's content); `prefix`, `separator` and `suffix` frame forced calls (FramedParser)."""
     name: ClassVar[str]
     start: ClassVar[str]
     prefix: ClassVar[str] = ""
@@ -63,10 +63,6 @@ class ToolParser(ABC):
     @abstractmethod
     def read(self, text: str) -> list[Draft]:
         """The calls in `text`, which begins where the calls begin, as far as it goes."""
-
-    @abstractmethod
-    def call_format(self, tool: Tool, ws: Whitespace) -> list[Format]:
-        """One call of `tool` in this format, as the elements of a structural-tag sequence."""
 
     def calls_start(self, text: str) -> int | None:
         """Where the calls begin in the output; None while none has."""
@@ -89,6 +85,18 @@ class ToolParser(ABC):
         calls = [ToolCall(d.name, d.arguments) for d in drafts if d.name][:None if self.parallel else 1]
         head = text[:start]
         return (head if head.strip() else None), calls
+
+    @abstractmethod
+    def grammar(self, ws: Whitespace) -> dict[str, Any]:
+        """A forced choice (`required`, or a named tool) as a structural tag in this format."""
+
+
+class FramedParser(ToolParser):
+    """A format whose forced calls are calls of one shape each, framed by `prefix`, `separator` and `suffix`."""
+
+    @abstractmethod
+    def call_format(self, tool: Tool, ws: Whitespace) -> list[Format]:
+        """One call of `tool` in this format, as the elements of a structural-tag sequence."""
 
     def grammar(self, ws: Whitespace) -> dict[str, Any]:
         """A forced choice as a structural tag in this format: one call of the named tool, or (required) at least

@@ -4,14 +4,14 @@ tool_parsers/deepseekv31_tool_parser.py:40-49 (the markers and the call regex), 
 from __future__ import annotations
 
 from ddscope.structured.tool_choice import Tool
-from ddscope.structured.tool_parsers.base import Format, ToolParser, Whitespace, const, json_arguments
+from ddscope.structured.tool_parsers.base import Format, FramedParser, Whitespace, const, json_arguments
 from ddscope.structured.tool_parsers.scan import Draft, blocks, json_value, skip_space
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
 
-class DeepSeekV31(ToolParser):
+class DeepSeekV31(FramedParser):
     name = "deepseek_v31"
     start = CALLS_BEGIN
     prefix, suffix = CALLS_BEGIN, CALLS_END

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddscope.structured.tool_choice import Tool
-from ddscope.structured.tool_parsers.base import Format, ToolParser, Whitespace, json_arguments
+from ddscope.structured.tool_parsers.base import ToolParser, Whitespace, json_arguments
 from ddscope.structured.tool_parsers.scan import Draft, json_list_calls, json_value, skip_space
 
 
@@ -22,9 +21,6 @@ class ForcedJson(ToolParser):
             arguments, end = json_value(text, skip_space(text, 0))
             return [Draft(self.choice.name, arguments, end is not None)]
         return json_list_calls(text, 0, ("parameters",))
-
-    def call_format(self, tool: Tool, ws: Whitespace) -> list[Format]:
-        raise NotImplementedError("forced JSON is one schema, not calls in a frame")
 
     def grammar(self, ws: Whitespace) -> dict[str, Any]:
         return {"type": "structural_tag", "format": json_arguments(self.schema(), ws)}

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 from ddscope.structured.tool_choice import Tool
-from ddscope.structured.tool_parsers.base import Format, ToolParser, Whitespace, const, json_arguments
+from ddscope.structured.tool_parsers.base import Format, FramedParser, Whitespace, const, json_arguments
 from ddscope.structured.tool_parsers.scan import Draft, blocks, json_call, skip_space
 
 BEGIN, END = "<tool_call>", "</tool_call>"
 
 
-class Hermes(ToolParser):
+class Hermes(FramedParser):
     name = "hermes"
     start = BEGIN
     separator = "\n"

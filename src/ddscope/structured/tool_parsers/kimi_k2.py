@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from ddscope.structured.tool_choice import Tool
-from ddscope.structured.tool_parsers.base import Format, ToolParser, Whitespace, const, json_arguments
+from ddscope.structured.tool_parsers.base import Format, FramedParser, Whitespace, const, json_arguments
 from ddscope.structured.tool_parsers.scan import Draft, blocks, json_value, skip_space
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -16,7 +16,7 @@ INDEX = "0|[1-9][0-9]{0,2}"  # the call's place in the turn; bounded, so that no
 HEADER = re.compile(r"\s*(?:functions\.)?(?P<name>.+):\d+\s*$", re.DOTALL)
 
 
-class KimiK2(ToolParser):
+class KimiK2(FramedParser):
     name = "kimi_k2"
     start = SECTION_BEGIN
     prefix, suffix = SECTION_BEGIN, SECTION_END

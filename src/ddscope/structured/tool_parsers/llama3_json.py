@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 
 from ddscope.structured.tool_choice import Tool
-from ddscope.structured.tool_parsers.base import Format, ToolParser, Whitespace, const, json_arguments
+from ddscope.structured.tool_parsers.base import Format, FramedParser, Whitespace, const, json_arguments
 from ddscope.structured.tool_parsers.scan import Draft, json_calls
 
 TAG = "<|python_tag|>"
 KEYS = ("parameters", "arguments")
 
 
-class Llama3Json(ToolParser):
+class Llama3Json(FramedParser):
     name = "llama3_json"
     start = TAG
     separator = "; "

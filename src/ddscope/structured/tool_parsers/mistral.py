@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 from ddscope.structured.tool_choice import Tool
-from ddscope.structured.tool_parsers.base import Format, ToolParser, Whitespace, const, json_arguments
+from ddscope.structured.tool_parsers.base import Format, FramedParser, Whitespace, const, json_arguments
 from ddscope.structured.tool_parsers.scan import Draft, json_list_calls
 
 MARKER = "[TOOL_CALLS]"
 
 
-class Mistral(ToolParser):
+class Mistral(FramedParser):
     name = "mistral"
     start = MARKER
     prefix, separator, suffix = MARKER + "[", ", ", "]"

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from ddscope.structured.tool_choice import Tool
-from ddscope.structured.tool_parsers.base import Format, ToolParser, Whitespace, const
+from ddscope.structured.tool_parsers.base import Format, FramedParser, Whitespace, const
 from ddscope.structured.tool_parsers.scan import Draft, blocks
 
 BEGIN, END = "<tool_call>", "</tool_call>"
@@ -19,7 +19,7 @@ FUNCTION_END = "</function>"
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
-class Qwen3Coder(ToolParser):
+class Qwen3Coder(FramedParser):
     name = "qwen3_coder"
     start = BEGIN
     separator = "\n"
