@@ -34,7 +34,7 @@ def test_graft_shares_the_nodes_that_spell_its_start():
     path = tree.graft([11, 12, 20, 21])
     assert path == {1, 2, 4, 5} and tree.size == 5
     assert tree.parents[4:] == [2, 4] and tree.depths[4:] == [3, 4]
-    assert tree.walk([11, 12, 20, 0, 21, 0]) == [0, 1, 2, 4, 5]  # choices by node index
+    assert tree.walk([11, 12, 20, 0, 21, 0].__getitem__) == [0, 1, 2, 4, 5]  # choices by node index
 
 
 def test_a_budget_caps_the_drafters_tree_and_the_lookup_branch_comes_on_top():

@@ -65,11 +65,11 @@ def test_visibility_is_ancestor_closure(seed):
 
 def test_walk_follows_target_choices():
     tree = chain(5, [1, 2, 3])
-    assert tree.walk([1, 2, 9, 0]) == [0, 1, 2]
-    assert tree.walk([7, 0, 0, 0]) == [0]
+    assert tree.walk([1, 2, 9, 0].__getitem__) == [0, 1, 2]
+    assert tree.walk([7, 0, 0, 0].__getitem__) == [0]
     lp = torch.log_softmax(torch.tensor([[3.0, 2.0, 0.0], [3.0, 2.0, 0.0]]), -1)
     t = best_first(0, lp, 5)  # depth-1 tokens 0 and 1, each with a token-0 child
     second = t.tokens.index(1)
     choices = [1] + [0] * (len(t.tokens) - 1)
-    path = t.walk(choices)
+    path = t.walk(choices.__getitem__)
     assert path[1] == second and t.depths[path[-1]] == 2 and len(path) == 3

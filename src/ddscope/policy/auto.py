@@ -3,6 +3,7 @@ tok/s (the model in ddscope.policy.cost's docstring)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +21,28 @@ PLAIN_EVIDENCE = 0.05
 LAW_SHARE = 8
 # The farthest a drafter may reach back for `auto` to pause its features: a probe then waits this many rounds.
 PAUSE_REACH = 1024
+# Nodes grown past the best size so far before a lone sequence's growth stops: past its peak the expected tok/s
+# only falls (chances fall, costs rise), save for bumps in the measured cost curve.
+PAST_PEAK = 4
+
+
+class Rates:
+    """Expected tokens a ms of each prefix of a tree's nodes, told their log-chances in pop order: (1 + the first
+    n chances) / (draft + verify of n + 1 tokens, `verify` the cost curve and `ratio` its learned correction)."""
+
+    def __init__(self, verify: list[float], ratio: Callable[[int], float], draft_ms: float, none: bool = False):
+        self.verify, self.ratio, self.draft_ms = verify, ratio, draft_ms
+        self.n, self.accepted = 0, 1.0
+        self.best, self.best_rate = (0, 1.0 / (draft_ms + verify[0] * ratio(1))) if none else (1, 0.0)
+
+    def add(self, log_chance: float) -> int:
+        """Take the next node; return how many nodes the best prefix is behind."""
+        self.n += 1
+        self.accepted += math.exp(log_chance)
+        rate = self.accepted / (self.draft_ms + self.verify[self.n] * self.ratio(self.n + 1))
+        if rate > self.best_rate:
+            self.best, self.best_rate = self.n, rate
+        return self.n - self.best
 
 
 class AutoBudget:
@@ -124,7 +147,7 @@ class AutoBudget:
         logps = [math.log(max(p, 1e-9)) for p in top]
         ranks = list(range(len(logps)))
         perfect = grow(0, MAX_AUTO_BUDGET, self.block - 1, lambda tree, node: (logps, ranks), lambda d, v, r: v[r])
-        _, rate = self._best_prefix(perfect.scores[1:], ctx, m.draft_ms or self.cost.at(ctx, 1))
+        _, rate = self._best_prefix(perfect.scores[1:], ctx, self._draft_ms(ctx))
         return rate > self.skip_below / (self.cost.at(ctx, 1) * (m.plain_ratio or m.cost.at(1)))
 
     def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
@@ -137,19 +160,25 @@ class AutoBudget:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
         return min(MAX_AUTO_BUDGET, max(16, self.last_choice * 3 // 2 + 4))
 
-    def prepare(self, root: int, logprobs: torch.Tensor, steer: Steer | None = None) -> list[float]:
+    def prepare(self, root: int, logprobs: torch.Tensor, steer: Steer | None = None,
+                ctx: int | None = None) -> list[float]:
         """Build the candidate tree (best-first on calibrated acceptance chances; under a grammar, of legal
         tokens) ahead of `tree`; return its nodes' log-chances, in pop order, for a batch's budget to size it
-        (`size` then set)."""
+        (`size` then set). Given `ctx` (a sequence alone: it sizes its own tree), growth stops PAST_PEAK nodes
+        past the best expected tok/s: the rest would never be verified, and under a grammar each costs a fill."""
         budget = self.candidates()
         children = (steer or per_depth)(logprobs, budget)
-        self._prepared = grow(root, budget, logprobs.shape[0], children, self.acceptance.scorer())
+        enough = None
+        if ctx is not None:
+            rates = self._rates(ctx, budget)
+            enough = lambda log_chance: rates.add(log_chance) >= PAST_PEAK  # noqa: E731
+        self._prepared = grow(root, budget, logprobs.shape[0], children, self.acceptance.scorer(), enough)
         return self._prepared.scores[1:]
 
     def tree(self, root: int, logprobs: torch.Tensor, ctx: int, steer: Steer | None = None) -> DraftTree:
         """The candidate tree's prefix with the best expected tok/s (or of the size a batch's budget chose)."""
         if self._prepared is None:
-            self.prepare(root, logprobs, steer)
+            self.prepare(root, logprobs, steer, ctx)
         full = self._prepared
         n = self.size if self.size is not None else self._size(full.scores[1:], ctx)
         self._prepared, self.size = None, None
@@ -158,9 +187,11 @@ class AutoBudget:
 
     def _size(self, log_chances: list[float], ctx: int) -> int:
         """argmax over B of (1 + expected accepted tokens) / expected step ms."""
-        draft = self.learned.draft_ms or self.cost.at(ctx, 1)  # before any draft: a forward's worth
-        self.last_choice, _ = self._best_prefix(log_chances, ctx, draft)
+        self.last_choice, _ = self._best_prefix(log_chances, ctx, self._draft_ms(ctx))
         return self.last_choice
+
+    def _draft_ms(self, ctx: int) -> float:
+        return self.learned.draft_ms or self.cost.at(ctx, 1)  # before any draft: a forward's worth
 
     def branch(self, log_chances: list[float], ctx: int) -> int:
         """A plain round's prompt-lookup branch: the prefix of its tokens (log-chances) with the best expected
@@ -168,19 +199,17 @@ class AutoBudget:
         tokens: sampled text that lookup seldom hits)."""
         return self._best_prefix(log_chances, ctx, 0.0, none=True)[0]
 
+    def _rates(self, ctx: int, nodes: int, draft_ms: float | None = None, none: bool = False) -> Rates:
+        return Rates(self.cost.curve(ctx, nodes + 1), self.learned.cost.at,
+                     self._draft_ms(ctx) if draft_ms is None else draft_ms, none)
+
     def _best_prefix(self, log_chances: list[float], ctx: int, draft_ms: float,
                      none: bool = False) -> tuple[int, float]:
-        """(argmax over n, max) of (1 + the first n chances) / (draft + verify of n + 1 tokens): expected tokens
-        a ms; n >= 1 unless `none`."""
-        verify, ratio = self.cost.curve(ctx, len(log_chances) + 1), self.learned.cost.at
-        best, best_rate = (0, 1.0 / (draft_ms + verify[0] * ratio(1))) if none else (1, 0.0)
-        accepted = 1.0
-        for n, log_chance in enumerate(log_chances, start=1):  # n tokens after the root
-            accepted += math.exp(log_chance)
-            rate = accepted / (draft_ms + verify[n] * ratio(n + 1))
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best, best_rate
+        """(argmax over n, max) of Rates: n >= 1 unless `none`."""
+        rates = self._rates(ctx, len(log_chances), draft_ms, none)
+        for log_chance in log_chances:
+            rates.add(log_chance)
+        return rates.best, rates.best_rate
 
     def observe(self, rnd: RoundStats, path: list[int]) -> None:
         if rnd.batch > 1:  # its times are a batch's (BatchBudget's to learn): only the acceptance is news

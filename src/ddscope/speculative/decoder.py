@@ -175,23 +175,41 @@ class Decoder:
         return new, path
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Lossless acceptance: draw the target's own choice at every node, then walk the tree."""
-        choices = self.choose(logits, tree)
-        return tree.walk(choices), choices
+        """Lossless acceptance: draw the target's own choice at every node, then walk the tree. Greedy under a
+        grammar, only the path's nodes choose, each masking its own row (the rest are left at -1)."""
+        if self.grammar is None or not self.sampling.greedy:
+            choices = self.choose(logits, tree)
+            return tree.walk(choices.__getitem__), choices
+        logits, choices = self._lawful(logits, tree), [-1] * len(tree.tokens)
+
+        def choose(node: int) -> int:
+            choices[node] = self.grammar.greedy(logits[node], tree.path(node))
+            return choices[node]
+        return tree.walk(choose), choices
 
     def choose(self, logits: torch.Tensor, tree: DraftTree) -> list[int]:
         """The target's choice at each node, under the law with the node's own history; the node at depth d
         chooses generated index `generated + d`."""
-        index = [len(self.tokens) - self.prompt_len + d for d in tree.depths]
         if self.grammar is not None:
             logits = self.grammar.mask_rows(logits, tree.paths())
-        if self.law.active:
-            paths = tree.paths() if self.law.law.reads_history else [[]] * len(index)
-            logits = self.law.apply(logits, index, self.tokens[:self.prompt_len], self.tokens[self.prompt_len:], paths)
+        logits = self._lawful(logits, tree)
         if self.sampling.greedy:
             return self.sampling.choose(logits, None)
-        noise = self.noise.at(index, logits.shape[-1], logits.device)
+        noise = self.noise.at(self._generated(tree), logits.shape[-1], logits.device)
         log_probs = self.sampling.log_probs(logits)
         if tree.size == 0 and self.proposer.wants_law_top:
             self.law_top = log_probs[0].topk(4).values.exp().tolist()
         return self.sampling.draw(log_probs, noise)
+
+    def _generated(self, tree: DraftTree) -> list[int]:
+        """The generated index each node chooses."""
+        return [len(self.tokens) - self.prompt_len + d for d in tree.depths]
+
+    def _lawful(self, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """The rows under the law, each with its node's own history (token by token, as a grammar's mask: the
+        two commute)."""
+        if not self.law.active:
+            return logits
+        paths = tree.paths() if self.law.law.reads_history else [[]] * len(tree.tokens)
+        return self.law.apply(logits, self._generated(tree), self.tokens[:self.prompt_len],
+                              self.tokens[self.prompt_len:], paths)

@@ -89,11 +89,12 @@ class DraftTree:
             node = child
         return path
 
-    def walk(self, choices: list[int]) -> list[int]:
-        """Node indices of the accepted path: follow the child matching the target's choice."""
+    def walk(self, choose: Callable[[int], int]) -> list[int]:
+        """Node indices of the accepted path: follow the child matching the target's choice at each node,
+        `choose(node)`, asked of the path's nodes only."""
         children = self._children()
         path = [0]
-        while (nxt := children.get((path[-1], choices[path[-1]]))) is not None:
+        while (nxt := children.get((path[-1], choose(path[-1])))) is not None:
             path.append(nxt)
         return path
 
@@ -142,9 +143,11 @@ def greedy_chain(root: int, depth: int, children: Children) -> DraftTree:
     return tree
 
 
-def grow(root: int, budget: int, depth_max: int, children: Children, score: Score) -> DraftTree:
+def grow(root: int, budget: int, depth_max: int, children: Children, score: Score,
+         enough: Callable[[float], bool] | None = None) -> DraftTree:
     """Best-first tree of `budget` nodes: a node's children are `children(tree, node)`, in rank order, each
-    scored `score(depth, candidates, rank)` on top of its parent's score.
+    scored `score(depth, candidates, rank)` on top of its parent's score. `enough`, told each node's score as it
+    is added, may stop the growth sooner (the node it stops at asks for no children).
 
     A pop of a node can only be followed by its next sibling or its own first child, so the heap never holds
     more than B+1 items, and `score` is asked for only the candidates the heap reaches.
@@ -171,6 +174,8 @@ def grow(root: int, budget: int, depth_max: int, children: Children, score: Scor
         tree.scores.append(-neg)
         tree.ranks.append(rank)
         tree.logps.append(lists[parent][0][rank])
+        if enough is not None and enough(-neg):
+            break
         offer(parent, rank + 1)
         lists.append(children(tree, tree.size) if depth < depth_max else ([], []))
         offer(tree.size, 0)

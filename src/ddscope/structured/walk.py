@@ -23,10 +23,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ddscope.speculative.sampling import first_max
 from ddscope.speculative.tree import Children, DraftTree
 from ddscope.structured.backend import Compiled
 
 Candidates = tuple[list[float], list[int]]
+# A legal set this large reads its candidates off the drafter's likeliest tokens at a depth, found once a round;
+# a smaller one is scanned whole (its ids are few).
+LARGE_SET = 256
+COVERED = 0.95  # ... where those legal among them hold this share of the legal mass, or all the candidates asked for
 
 
 @dataclass
@@ -38,27 +43,103 @@ class GrammarCost:
     ms: float = 0.0
 
 
-@dataclass
+class DraftRows:
+    """A round's drafter log-probs as the masks read them, on the host: each depth's likeliest tokens (the
+    candidates of a large legal set, and the drafter's own past the grammar's end) and its probabilities (a legal
+    set's mass), found for every depth at the first ask: a tree that asks at all reaches several depths, and one
+    batched op costs about what two rows' cost alone."""
+
+    def __init__(self, logprobs: torch.Tensor, k: int):
+        self.rows, self.size = logprobs.float().cpu(), min(logprobs.shape[1], k + 16)
+        self.logp = self.rows.numpy()
+        self._top: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def top(self, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """The depth's likeliest tokens, best first, and their log-probs."""
+        ids, vals, _ = self._tables()
+        return ids[depth], vals[depth]
+
+    def probs(self, depth: int) -> np.ndarray:
+        return self._tables()[2][depth]
+
+    def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._top is None:
+            vals, ids = torch.topk(self.rows, self.size, dim=-1)
+            self._top = ids.numpy(), vals.numpy(), self.rows.exp().numpy()
+        return self._top
+
+    def best(self, depth: int, k: int) -> Candidates:
+        ids, vals = self.top(depth)
+        return finite(vals[:k], ids[:k])
+
+
 class Mask:
     """One legal set of a round, shared by every node whose fill gave it."""
-    legal: torch.Tensor  # bool [vocab]
-    ids: torch.Tensor    # the legal token ids, ascending
-    candidates: dict[int, Candidates] = field(default_factory=dict)  # by depth: the masked drafter's best
 
-    def best(self, logprobs: torch.Tensor, depth: int, k: int) -> Candidates:
+    def __init__(self, bits: np.ndarray, vocab: int):
+        # bit i of word w is token 32 w + i: on a little-endian host, bit i % 8 of byte 4 w + i // 8
+        self.legal = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].view(bool)
+        self.count = int(np.count_nonzero(self.legal))
+        self._ids: np.ndarray | None = None
+        self._weights: np.ndarray | None = None
+        self._added: np.ndarray | None = None
+        self.candidates: dict[int, Candidates] = {}  # by depth: the masked drafter's best
+
+    @property
+    def added(self) -> np.ndarray:
+        """float32 [vocab]: 0 where legal, -inf where not, to add to a row of logits."""
+        if self._added is None:
+            self._added = np.full(len(self.legal), -np.inf, dtype=np.float32)
+            self._added[self.legal] = 0.0
+        return self._added
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The legal token ids, ascending."""
+        if self._ids is None:
+            self._ids = np.flatnonzero(self.legal)
+        return self._ids
+
+    def best(self, draft: DraftRows, depth: int, k: int) -> Candidates:
         """The `k` likeliest legal tokens at `depth`, the drafter's log-probs renormalised over the legal set (a
         forced token has log-p 0)."""
         if depth not in self.candidates:
-            row = logprobs[depth].index_select(0, self.ids)
-            vals, at = torch.topk(row - row.logsumexp(0), min(k, len(self.ids)))
-            self.candidates[depth] = finite(vals.tolist(), self.ids[at].tolist())
+            self.candidates[depth] = self._from_top(draft, depth, k) or self._scanned(draft, depth, k)
         return self.candidates[depth]
 
+    def _from_top(self, draft: DraftRows, depth: int, k: int) -> Candidates | None:
+        """A large set's candidates from the depth's likeliest tokens: those legal among them, where they hold all
+        `k` or nearly all the legal mass (a legal token ranked below them is then too unlikely to be grown); None
+        otherwise, or where that mass is too small to weigh in single precision."""
+        if self.count < LARGE_SET:
+            return None
+        top, _ = draft.top(depth)
+        tokens = top[self.legal[top]][:k]
+        if self._weights is None:
+            self._weights = self.legal.astype(np.float32)
+        probs = draft.probs(depth)
+        mass = float(np.dot(probs, self._weights))
+        if not len(tokens) or not mass > 1e-30 or (len(tokens) < k and probs[tokens].sum() < COVERED * mass):
+            return None
+        return finite(draft.logp[depth, tokens] - math.log(mass), tokens)
 
-def finite(vals: list[float], tokens: list[int]) -> Candidates:
-    """The candidates the drafter's law leaves possible (its top-k or top-p may have put others at -inf)."""
-    keep = [i for i, v in enumerate(vals) if math.isfinite(v)]
-    return [vals[i] for i in keep], [tokens[i] for i in keep]
+    def _scanned(self, draft: DraftRows, depth: int, k: int) -> Candidates:
+        vals = draft.logp[depth, self.ids].astype(np.float64)
+        best = np.argpartition(-vals, k)[:k] if len(vals) > k else np.arange(len(vals))
+        order = best[np.argsort(-vals[best], kind="stable")]
+        peak = vals[order[0]] if len(order) else -math.inf
+        if not math.isfinite(peak):
+            return [], []
+        return finite(vals[order] - (peak + math.log(np.exp(vals - peak).sum())), self.ids[order])
+
+
+def finite(vals: np.ndarray, tokens: np.ndarray) -> Candidates:
+    """The candidates (best first) the drafter's law leaves possible: its top-k or top-p may have put the last
+    ones at -inf."""
+    n = len(vals)
+    while n and not math.isfinite(vals[n - 1]):
+        n -= 1
+    return vals[:n].tolist(), tokens[:n].tolist()
 
 
 class GrammarState:
@@ -71,6 +152,8 @@ class GrammarState:
         self.free_from: int | None = None  # index in `path` where the grammar ended: no constraint past it
         self.masks: dict[tuple[int, ...], Mask | None] = {}  # this round's, by path
         self.shared: dict[bytes, Mask] = {}  # this round's, by bitmask
+        self._nothing = np.zeros(vocab, dtype=np.float32)  # a row no mask takes from
+        self._added, self._rows = np.zeros((0, vocab), dtype=np.float32), torch.empty(0)  # mask_rows' buffers
         self.cost = GrammarCost()
 
     @property
@@ -94,7 +177,7 @@ class GrammarState:
             self.masks[key] = self._fill(path)
         return self.masks[key]
 
-    def allowed(self, path: list[int]) -> torch.Tensor | None:
+    def allowed(self, path: list[int]) -> np.ndarray | None:
         """Bool [vocab]: the tokens legal after `path` (None: anything); IllegalPath as `mask`."""
         mask = self.mask(path)
         return None if mask is None else mask.legal
@@ -110,20 +193,32 @@ class GrammarState:
         """`logits` with each row's illegal tokens at -inf; rows whose own path is illegal (a node the walk can
         never reach) are left as they are."""
         with self._timed():
-            rows = [(i, self._allowed_or_none(p)) for i, p in enumerate(paths)]
-            rows = [(i, m) for i, m in rows if m is not None]
-            if not rows:
+            masks = [self._mask_or_none(p) for p in paths]
+            if all(m is None for m in masks):
                 return logits
-            index = torch.tensor([i for i, _ in rows], device=logits.device)
-            banned = ~torch.stack([m for _, m in rows]).to(logits.device)
-            logits = logits.float().clone()
-            logits[index] = logits[index].masked_fill(banned, float("-inf"))
-        return logits
+            n = len(masks)
+            if self._added.shape[0] < n:  # kept across rounds: fresh megabytes a round cost page faults
+                self._added, self._rows = np.zeros((n, self.vocab), dtype=np.float32), torch.empty(n, self.vocab)
+            added = np.stack([self._nothing if m is None else m.added for m in masks], out=self._added[:n])
+            # An addition, not masked_fill: that branches on every element, at 5x the time on an irregular mask.
+            if logits.device.type == "cpu":
+                return torch.add(logits.float(), torch.from_numpy(added), out=self._rows[:n])
+            return logits.float() + torch.from_numpy(added).to(logits.device)
+
+    def greedy(self, row: torch.Tensor, path: list[int]) -> int:
+        """One row's greedy choice under the mask of `path` (as `mask_rows`, then the first max): the verify
+        walks a tree's accepted path this way, masking only its rows."""
+        with self._timed():
+            mask = self._mask_or_none(path)
+            if mask is not None:
+                row = row.float() + torch.from_numpy(mask.added).to(row.device)
+        return int(first_max(row))
 
     def children(self, logprobs: torch.Tensor, k: int) -> Children:
         """Each node's `k` likeliest legal tokens (Mask.best), for best-first growth under the grammar; nodes
         with the same legal set at the same depth share one list."""
-        free: dict[int, Candidates] = {}  # past the grammar's end: the drafter's own best, by depth
+        with self._timed():
+            draft = DraftRows(logprobs, k)
 
         def of(tree: DraftTree, node: int) -> Candidates:
             with self._timed():
@@ -132,12 +227,7 @@ class GrammarState:
                 except IllegalPath:  # a grafted node past an illegal token: it grows nothing
                     return [], []
                 depth = tree.depths[node]
-                if mask is not None:
-                    return mask.best(logprobs, depth, k)
-                if depth not in free:
-                    vals, idx = torch.topk(logprobs[depth], min(k, logprobs.shape[1]))
-                    free[depth] = finite(vals.tolist(), idx.tolist())
-                return free[depth]
+                return draft.best(depth, k) if mask is None else mask.best(draft, depth, k)
         return of
 
     def prune(self, tree: DraftTree) -> DraftTree:
@@ -167,9 +257,9 @@ class GrammarState:
         mask = self.mask(path)
         return mask is None or bool(mask.legal[token])
 
-    def _allowed_or_none(self, path: list[int]) -> torch.Tensor | None:
+    def _mask_or_none(self, path: list[int]) -> Mask | None:
         try:
-            return self.allowed(path)
+            return self.mask(path)
         except IllegalPath:
             return None
 
@@ -180,11 +270,10 @@ class GrammarState:
             return None
         self.matcher.fill(self.bitmask)
         self.cost.fills += 1
-        key = self.bitmask.numpy().tobytes()
+        bits = self.bitmask.numpy()[0]
+        key = bits.tobytes()
         if key not in self.shared:
-            # bit i of word w is token 32 w + i: on a little-endian host, bit i % 8 of byte 4 w + i // 8
-            legal = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab].astype(bool)
-            self.shared[key] = Mask(torch.from_numpy(legal), torch.from_numpy(np.flatnonzero(legal)))
+            self.shared[key] = Mask(bits, self.vocab)
             self.cost.masks += 1
         return self.shared[key]
 
