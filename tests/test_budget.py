@@ -14,7 +14,7 @@ from ddscope.speculative.lookup import LOOKUP_MAX
 from ddscope.speculative.proposers import MAX_AUTO_BUDGET, DDTree
 from ddscope.speculative.sampling import SamplingParams
 from ddscope.speculative.stats import RoundStats
-from ddscope.speculative.tree import DraftTree
+from ddscope.speculative.tree import DraftTree, per_depth
 
 
 def cost(slope_per_node: float, slope_per_ctx: float = 0.0) -> VerifyCost:
@@ -205,6 +205,22 @@ def test_candidate_tree_follows_the_last_choice():
     assert policy.candidates() == MAX_AUTO_BUDGET
     chosen = round_tree(policy).size
     assert chosen < 20 and policy.candidates() == max(16, chosen * 3 // 2 + 4)
+
+
+def test_a_lone_sequence_stops_growing_past_its_best_size_and_chooses_as_the_whole_candidate_tree_would():
+    from ddscope.policy.auto import PAST_PEAK
+    logprobs = drafter_logits(0.6)
+    policy = AutoBudget(cost(0.3))
+    candidates = policy.candidates()
+    whole = policy.prepare(0, logprobs)  # a batch's call: every candidate grown
+    policy._prepared = None
+    chosen = policy.tree(0, logprobs, 0)
+    assert len(whole) == candidates and chosen.size == policy._size(whole, 0) < candidates - PAST_PEAK
+    grown = []
+    policy.prepare(0, logprobs, lambda lp, k: lambda tree, node: grown.append(node) or per_depth(lp, k)(tree, node),
+                   ctx=0)
+    assert len(policy._prepared.tokens) - 1 == chosen.size + PAST_PEAK  # no node past those asked for children
+    assert len(grown) == chosen.size + PAST_PEAK
 
 
 def test_auto_skips_drafts_for_a_useless_drafter_and_stays_lossless(tiny_engine, virtual_time):

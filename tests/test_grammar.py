@@ -139,6 +139,37 @@ def test_the_tree_grows_only_legal_tokens_and_a_forced_token_is_certain(tiny_eng
     assert forced and all(tree.logps[i] == 0.0 for i in forced)  # "{" then '"' ... : the drafter's word overruled
 
 
+def test_candidates_are_the_likeliest_legal_tokens_renormalised(tiny_engine):
+    """Mask.best against the whole vocabulary masked and renormalised: a large legal set (read off the drafter's
+    likeliest tokens) and a small one (scanned whole) alike."""
+    vocab, seeded = tiny_engine.vocab_size, torch.Generator().manual_seed(0)
+    for c in (Constraint("regex", '"[a-z ]*"'), Constraint("regex", "[0-9]{1,3}")):
+        state = GrammarState(tiny_engine.grammars.compile(c), vocab)
+        logprobs = (3 * torch.randn(15, vocab, generator=seeded)).log_softmax(-1)
+        children = state.children(logprobs, 8)
+        tree = best_first(0, logprobs, 12, children)
+        for node in range(len(tree.tokens)):
+            allowed = state.allowed(tree.path(node))
+            if allowed is None or tree.depths[node] >= 15:  # past the grammar's end; past the drafter's block
+                continue
+            legal = torch.from_numpy(allowed)
+            row = logprobs[tree.depths[node]].masked_fill(~legal, float("-inf"))
+            vals, ids = (row - row.logsumexp(0)).topk(min(8, int(legal.sum())))
+            got_vals, got_ids = children(tree, node)
+            assert got_ids == ids.tolist() and got_vals == pytest.approx(vals.tolist(), abs=1e-4)
+
+
+def test_the_greedy_walk_masks_each_path_row_as_mask_rows_does(tiny_engine):
+    compiled = tiny_engine.grammars.compile(Constraint("regex", '"[a-z ]{0,6}" [0-9]+'))
+    state = GrammarState(compiled, tiny_engine.vocab_size)
+    logprobs = torch.randn(15, tiny_engine.vocab_size).log_softmax(-1)
+    tree = state.prune(best_first(0, logprobs, 24, state.children(logprobs, 24)))
+    logits = torch.randn(len(tree.tokens), tiny_engine.vocab_size)
+    masked = state.mask_rows(logits, tree.paths()).max(-1).indices.tolist()
+    assert [state.greedy(logits[i], p) for i, p in enumerate(tree.paths())] == masked
+    assert any(masked[i] != logits[i].argmax() for i in range(len(masked)))  # the masks did choose
+
+
 def _fills(compiled, paths: list[list[int]], vocab: int) -> list[bytes]:
     """Each path's bitmask, filled by a fresh matcher (none where the grammar ended)."""
     out = []

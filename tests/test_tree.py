@@ -73,3 +73,5 @@ def test_walk_follows_target_choices():
     choices = [1] + [0] * (len(t.tokens) - 1)
     path = t.walk(choices.__getitem__)
     assert path[1] == second and t.depths[path[-1]] == 2 and len(path) == 3
+    asked = []
+    assert t.walk(lambda node: asked.append(node) or choices[node]) == path and asked == path  # the path's only

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import time
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +40,20 @@ class GrammarCost:
     masks: int = 0
     fills: int = 0
     ms: float = 0.0
+
+
+class Stopwatch:
+    """The time spent inside its `with` blocks (never nested), in ms: cheaper than a generator's context."""
+    __slots__ = ("ms", "_t0")
+
+    def __init__(self) -> None:
+        self.ms, self._t0 = 0.0, 0.0
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.ms += 1000 * (time.perf_counter() - self._t0)
 
 
 class DraftRows:
@@ -148,28 +161,22 @@ class GrammarState:
         self.steer = steer  # drafts grown under the grammar; False: masked at the verify only (vLLM's way)
         self.vocab = vocab
         self.bitmask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
-        self.path: list[int] = []  # tokens the matcher holds past the committed output (the cursor)
+        self._bits = self.bitmask.numpy()[0]  # the same memory, as numpy reads it
+        self.path: tuple[int, ...] = ()  # tokens the matcher holds past the committed output (the cursor)
         self.free_from: int | None = None  # index in `path` where the grammar ended: no constraint past it
         self.masks: dict[tuple[int, ...], Mask | None] = {}  # this round's, by path
         self.shared: dict[bytes, Mask] = {}  # this round's, by bitmask
         self._nothing = np.zeros(vocab, dtype=np.float32)  # a row no mask takes from
         self._added, self._rows = np.zeros((0, vocab), dtype=np.float32), torch.empty(0)  # mask_rows' buffers
         self.cost = GrammarCost()
+        self._timed = Stopwatch()
 
     @property
     def ended(self) -> bool:
         """The committed output completed the grammar (its stop token accepted)."""
         return self.matcher.is_terminated() and not self.path
 
-    @contextmanager
-    def _timed(self) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.cost.ms += 1000 * (time.perf_counter() - t0)
-
-    def mask(self, path: list[int]) -> Mask | None:
+    def mask(self, path: Sequence[int]) -> Mask | None:
         """The legal set after the committed output and `path`; None: anything (the grammar ended before). Raises
         IllegalPath if the grammar refuses a token of `path` itself."""
         key = tuple(path)
@@ -192,7 +199,7 @@ class GrammarState:
     def mask_rows(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """`logits` with each row's illegal tokens at -inf; rows whose own path is illegal (a node the walk can
         never reach) are left as they are."""
-        with self._timed():
+        with self._timed:
             masks = [self._mask_or_none(p) for p in paths]
             if all(m is None for m in masks):
                 return logits
@@ -208,7 +215,7 @@ class GrammarState:
     def greedy(self, row: torch.Tensor, path: list[int]) -> int:
         """One row's greedy choice under the mask of `path` (as `mask_rows`, then the first max): the verify
         walks a tree's accepted path this way, masking only its rows."""
-        with self._timed():
+        with self._timed:
             mask = self._mask_or_none(path)
             if mask is not None:
                 row = row.float() + torch.from_numpy(mask.added).to(row.device)
@@ -217,13 +224,17 @@ class GrammarState:
     def children(self, logprobs: torch.Tensor, k: int) -> Children:
         """Each node's `k` likeliest legal tokens (Mask.best), for best-first growth under the grammar; nodes
         with the same legal set at the same depth share one list."""
-        with self._timed():
+        with self._timed:
             draft = DraftRows(logprobs, k)
 
+        paths: dict[int, tuple[int, ...]] = {0: ()}  # the growing tree's, each from its parent's
+
         def of(tree: DraftTree, node: int) -> Candidates:
-            with self._timed():
+            with self._timed:
+                if node not in paths:
+                    paths[node] = paths[tree.parents[node]] + (tree.tokens[node],)
                 try:
-                    mask = self.mask(tree.path(node))
+                    mask = self.mask(paths[node])
                 except IllegalPath:  # a grafted node past an illegal token: it grows nothing
                     return [], []
                 depth = tree.depths[node]
@@ -233,7 +244,7 @@ class GrammarState:
     def prune(self, tree: DraftTree) -> DraftTree:
         """The tree without the nodes the grammar refuses (and their subtrees): no verify row is spent on them.
         A node is tested against its parent's mask (grown nodes were drawn from it: only grafted ones can fail)."""
-        with self._timed():
+        with self._timed:
             paths, kept = tree.paths(), {0}
             for i in range(1, len(paths)):  # parents precede children: `kept` holds the parent if it stays
                 if tree.parents[i] in kept and self._allows(paths[tree.parents[i]], tree.tokens[i]):
@@ -242,14 +253,15 @@ class GrammarState:
 
     def advance(self, tokens: list[int]) -> None:
         """Commit `tokens` (a round's, chosen under the masks): the matcher's state from here on."""
-        with self._timed():
+        with self._timed:
             self._goto(tokens)
-            self.path, self.free_from = [], None  # held for good; past the grammar's end, nothing to hold
+            self.path, self.free_from = (), None  # held for good; past the grammar's end, nothing to hold
             self.masks.clear()
             self.shared.clear()
 
     def take_cost(self) -> GrammarCost:
         cost, self.cost = self.cost, GrammarCost()
+        cost.ms, self._timed.ms = self._timed.ms, 0.0
         return cost
 
     def _allows(self, path: list[int], token: int) -> bool:
@@ -270,30 +282,29 @@ class GrammarState:
             return None
         self.matcher.fill(self.bitmask)
         self.cost.fills += 1
-        bits = self.bitmask.numpy()[0]
-        key = bits.tobytes()
+        key = self._bits.tobytes()
         if key not in self.shared:
-            self.shared[key] = Mask(bits, self.vocab)
+            self.shared[key] = Mask(self._bits, self.vocab)
             self.cost.masks += 1
         return self.shared[key]
 
-    def _goto(self, path: list[int]) -> None:
+    def _goto(self, path: Sequence[int]) -> None:
         """Move the cursor to `path`: roll back to the prefix it shares with the current one, accept the rest."""
+        path = tuple(path)
         held = len(self.path) if self.free_from is None else self.free_from
-        shared = 0
-        while shared < min(held, len(path)) and self.path[shared] == path[shared]:
-            shared += 1
+        n = min(held, len(path))
+        shared = n if self.path[:n] == path[:n] else next(i for i in range(n) if self.path[i] != path[i])
         if held > shared:
             self.matcher.rollback(held - shared)
-        self.path, self.free_from = self.path[:shared], None
-        for token in path[shared:]:
-            if self.matcher.is_terminated():
-                self.free_from = len(self.path)
-                self.path += path[len(self.path):]
-                return
-            if not self.matcher.accept(token):
-                raise IllegalPath(token)
-            self.path.append(token)
+        self.free_from = None
+        for i in range(shared, len(path)):
+            if self.matcher.is_terminated():  # asked first: xgrammar logs a warning for each token past its end
+                self.free_from = i  # the grammar ended: the rest of the path is free
+                break
+            if not self.matcher.accept(path[i]):
+                self.path = path[:i]
+                raise IllegalPath(path[i])
+        self.path = path
 
 
 class IllegalPath(ValueError):
