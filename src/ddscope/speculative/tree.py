@@ -174,7 +174,7 @@ def grow(root: int, budget: int, depth_max: int, children: Children, score: Scor
         tree.scores.append(-neg)
         tree.ranks.append(rank)
         tree.logps.append(lists[parent][0][rank])
-        if enough is not None and enough(-neg):
+        if tree.size == budget or (enough is not None and enough(-neg)):  # the last node's children: never asked
             break
         offer(parent, rank + 1)
         lists.append(children(tree, tree.size) if depth < depth_max else ([], []))
