@@ -137,13 +137,18 @@ class Mask:
         return finite(draft.logp[depth, tokens] - math.log(mass), tokens)
 
     def _scanned(self, draft: DraftRows, depth: int, k: int) -> Candidates:
-        vals = draft.logp[depth, self.ids].astype(np.float64)
-        best = np.argpartition(-vals, k)[:k] if len(vals) > k else np.arange(len(vals))
-        order = best[np.argsort(-vals[best], kind="stable")]
-        peak = vals[order[0]] if len(order) else -math.inf
+        """The candidates of the whole legal set (small, or too little of it among the drafter's best)."""
+        ids = self.ids
+        vals = draft.logp[depth][ids]
+        if len(ids) > 4 * k:  # a large set: its k best found first, then ordered
+            best = np.argpartition(vals, len(vals) - k)[-k:]
+            order = best[np.argsort(-vals[best], kind="stable")]
+        else:
+            order = np.argsort(-vals, kind="stable")[:k]
+        peak = float(vals[order[0]]) if len(order) else -math.inf
         if not math.isfinite(peak):
             return [], []
-        return finite(vals[order] - (peak + math.log(np.exp(vals - peak).sum())), self.ids[order])
+        return finite(vals[order] - (peak + math.log(float(np.exp(vals - peak).sum()))), ids[order])
 
 
 def finite(vals: np.ndarray, tokens: np.ndarray) -> Candidates:
