@@ -179,6 +179,22 @@ def test_a_loop_that_lookup_drafts_whole_is_left_to_lookup():
     assert policy._drafting_pays(0, 0.5, 2)
 
 
+def test_a_seam_where_lookup_just_missed_brings_no_draft_back_while_plain_rounds_run_faster():
+    """JSON the demo target writes under a grammar: runs of whitespace lookup drafts whole, misses at the structure
+    between them. Drafted rounds commit 10 tokens in 4 ms; plain rounds, 8 in 1.2 ms then 1 in 0.5 ms, 5.3 a ms
+    over both. Just after a miss lookup's recent score is low and a plain round looks like one token; the
+    plain rounds' measured rate still says no draft. Without that measure, the seam would bring one back."""
+    policy = AutoBudget(cost(0.02))
+    for _ in range(8):
+        drafted(policy, committed=10, step_ms=4.0)
+    assert policy._drafting_pays(0, 0.2, 1)  # nothing measured of plain rounds but their cost
+    for _ in range(10):
+        policy.observe(RoundStats(0, 8, committed=8, verify_ms=1.2), path=[0])
+        policy.observe(RoundStats(0, 0, committed=1, verify_ms=0.5), path=[0])
+    assert not policy._drafting_pays(0, 0.2, 1)
+    assert policy.learned.plain_committed / policy.learned.plain_ms > 4
+
+
 def test_no_probe_while_plain_rounds_commit_nearly_a_block():
     """Plain rounds whose lookup branch commits whole blocks leave a draft (16 tokens at most) nothing to
     add: no probe then. A branch that commits 4 tokens leaves room: probes."""

@@ -24,6 +24,8 @@ PAUSE_REACH = 1024
 # Nodes grown past the best size so far before a lone sequence's growth stops: past its peak the expected tok/s
 # only falls (chances fall, costs rise), save for bumps in the measured cost curve.
 PAST_PEAK = 4
+# The weight of a plain round in the slow averages of what plain rounds commit and cost: about the last 10.
+PLAIN_WEIGHT = 0.1
 
 
 class Rates:
@@ -151,10 +153,16 @@ class AutoBudget:
         return rate > self.skip_below / (self.cost.at(ctx, 1) * (m.plain_ratio or m.cost.at(1)))
 
     def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
+        """Whether drafted rounds commit faster than plain ones would: this round's (its lookup branch as recent
+        rounds scored it), or plain rounds as measured over the stretches of text they ran on, whichever is the
+        faster (a branch that just missed at a seam of a repeating text is back at full length rounds later)."""
         m = self.learned
         tokens = 1 + lookup_len
         plain_ms = self.cost.at(ctx, tokens) * (m.plain_ratio or m.cost.at(tokens))
-        return m.committed / m.drafted_ms > self.skip_below * (1 + lookup_gain) / plain_ms
+        plain = (1 + lookup_gain) / plain_ms
+        if m.plain_committed is not None:
+            plain = max(plain, m.plain_committed / m.plain_ms)
+        return m.committed / m.drafted_ms > self.skip_below * plain
 
     def candidates(self) -> int:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
@@ -224,6 +232,8 @@ class AutoBudget:
         if not rnd.drafted:  # its cost is news (a prompt-lookup branch may have been verified)
             ratio = rnd.step_ms / self.cost.at(rnd.ctx_len, rnd.nodes + 1)
             m.plain_ratio = average(m.plain_ratio, clipped(ratio, m.plain_ratio))
+            m.plain_committed = average(m.plain_committed, rnd.committed, PLAIN_WEIGHT)
+            m.plain_ms = average(m.plain_ms, clipped(rnd.step_ms, m.plain_ms), PLAIN_WEIGHT)
             self.since_draft += 1
             return
         self.since_draft = 0

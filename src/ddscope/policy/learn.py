@@ -122,6 +122,10 @@ class Learned:
     draft_ms: float | None = None
     drafted_rounds: int = 0
     plain_ratio: float | None = None
+    # Plain rounds' tokens and ms, averaged slowly: what they commit a ms over a text's stretches, where a
+    # prompt-lookup branch's runs and the misses at their seams both count (None before the first).
+    plain_committed: float | None = None
+    plain_ms: float | None = None
     plain_evidence: float = 0.0  # plain rounds, decayed 0.95 a round
     probe_gap: int = 1  # plain rounds before the next probe, doubled per probe that did not pay
     law_top: list[float] | None = None  # the target's top-4 probabilities at a plain round's root, averaged
