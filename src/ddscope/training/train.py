@@ -167,5 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave(code: int) -> None:
+    """Exit a torchrun rank without the interpreter's teardown: gloo's sometimes aborts a rank there ("terminate
+    called without an active exception") after the ranks met, saved and destroyed their group, failing a run
+    whose work is done. Everything the run writes is closed by then; stdio is flushed here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "WORLD_SIZE" in os.environ:
+        leave(code)
+    sys.exit(code)
