@@ -23,7 +23,7 @@ class DraftRows:
     batched op costs about what two rows' cost alone."""
 
     def __init__(self, logprobs: torch.Tensor, k: int):
-        self.rows, self.size = logprobs.float().cpu(), min(logprobs.shape[1], k + 16)
+        self.rows, self.kept = logprobs.float().cpu(), min(logprobs.shape[1], k + 16)  # likeliest a depth
         self.logp = self.rows.numpy()
         self._top: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
@@ -37,7 +37,7 @@ class DraftRows:
 
     def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._top is None:
-            vals, ids = torch.topk(self.rows, self.size, dim=-1)
+            vals, ids = torch.topk(self.rows, self.kept, dim=-1)
             self._top = ids.numpy(), vals.numpy(), self.rows.exp().numpy()
         return self._top
 

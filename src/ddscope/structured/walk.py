@@ -80,12 +80,12 @@ class GrammarState:
             self.masks[key] = self._fill(path)
         return self.masks[key]
 
-    def allowed(self, path: list[int]) -> np.ndarray | None:
+    def allowed(self, path: Sequence[int]) -> np.ndarray | None:
         """Bool [vocab]: the tokens legal after `path` (None: anything); IllegalPath as `mask`."""
         mask = self.mask(path)
         return None if mask is None else mask.legal
 
-    def legal(self, path: list[int]) -> bool:
+    def legal(self, path: Sequence[int]) -> bool:
         try:
             self._goto(path)
             return True
@@ -108,7 +108,7 @@ class GrammarState:
                 return torch.add(logits.float(), torch.from_numpy(added), out=self._rows[:n])
             return logits.float() + torch.from_numpy(added).to(logits.device)
 
-    def greedy(self, row: torch.Tensor, path: list[int]) -> int:
+    def greedy(self, row: torch.Tensor, path: Sequence[int]) -> int:
         """One row's greedy choice under the mask of `path` (as `mask_rows`, then the first max): the verify
         walks a tree's accepted path this way, masking only its rows."""
         with self._timed:
@@ -160,18 +160,18 @@ class GrammarState:
         cost.ms, self._timed.ms = self._timed.ms, 0.0
         return cost
 
-    def _allows(self, path: list[int], token: int) -> bool:
+    def _allows(self, path: Sequence[int], token: int) -> bool:
         """Whether `token` may follow `path` (a legal path)."""
         mask = self.mask(path)
         return mask is None or bool(mask.legal[token])
 
-    def _mask_or_none(self, path: list[int]) -> Mask | None:
+    def _mask_or_none(self, path: Sequence[int]) -> Mask | None:
         try:
             return self.mask(path)
         except IllegalPath:
             return None
 
-    def _fill(self, path: list[int]) -> Mask | None:
+    def _fill(self, path: Sequence[int]) -> Mask | None:
         """The node's fill, and its Mask: the round's one for this bitmask if another node built it already."""
         self._goto(path)
         if self.matcher.is_terminated():
