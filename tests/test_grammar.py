@@ -198,6 +198,22 @@ def test_nodes_of_one_legal_set_share_one_mask_and_the_verify_fills_only_the_las
     assert (state.take_cost().fills, state.masks[()].legal.sum() > 0) == (1, True)
 
 
+def test_a_greedy_row_whose_best_token_is_legal_fills_nothing_and_a_refused_one_is_masked(tiny_engine):
+    """`ar` under a grammar, and a verify's last node: the row's own first max, checked, where the grammar admits
+    it; where it refuses it, the node's legal set is filled and the masked row's first max taken."""
+    state = GrammarState(tiny_engine.grammars.compile(Constraint("regex", '"[a-z]*"')), tiny_engine.vocab_size)
+    quote = int(torch.from_numpy(state.allowed(())).nonzero()[0])
+    state.advance([quote])
+    state.take_cost()
+    letters = torch.from_numpy(GrammarState(tiny_engine.grammars.compile(Constraint("regex", "[a-z]")),
+                                            tiny_engine.vocab_size).allowed(()).copy()).nonzero().flatten()
+    row = torch.zeros(tiny_engine.vocab_size)
+    row[letters[3]], row[letters[5]] = 10.0, 10.0  # a tie: the first is the masked row's choice too
+    assert state.greedy(row, []) == letters[3] and state.take_cost().fills == 0
+    row[1] = 50.0  # a special token, which no string admits, on top
+    assert state.greedy(row, []) == letters[3] and state.take_cost().fills == 1
+
+
 @pytest.mark.parametrize("constraint,message", [
     (Constraint("regex", "(unclosed"), "parenthesis"),
     (Constraint("json", '{"type": "nonsense"}'), "does not compile"),

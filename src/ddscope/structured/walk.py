@@ -11,7 +11,9 @@ Many nodes of a tree share a legal set: siblings inside a free string, a string'
 branches after the same key. A node's fill (the backend's, microseconds) reads its state; everything built from it
 (the token mask, the masked candidates at each depth, the verify's row) is built once per distinct bitmask in a
 round and shared by every node whose fill gave it. The verify reuses the masks the tree's growth built; greedy, it
-masks only the rows of the path it walks (`greedy`). The masks and their candidates: ddscope.structured.masks.
+reads only the rows of the path it walks (`greedy`), and a row whose best token the grammar admits (a check: an
+accept and a rollback, about a microsecond) takes it unmasked, so the last node, and every `ar` step, fills only
+where the target's choice is refused. The masks and their candidates: ddscope.structured.masks.
 """
 from __future__ import annotations
 
@@ -110,12 +112,29 @@ class GrammarState:
 
     def greedy(self, row: torch.Tensor, path: Sequence[int]) -> int:
         """One row's greedy choice under the mask of `path` (as `mask_rows`, then the first max): the verify
-        walks a tree's accepted path this way, masking only its rows."""
+        walks a tree's accepted path this way. The row's own first max, where legal, is the masked row's too
+        (it beats every legal token and precedes its ties), so only a refused one costs a fill."""
         with self._timed:
-            mask = self._mask_or_none(path)
+            key = tuple(path)
+            if key not in self.masks:
+                best = int(first_max(row))
+                if self.admits(key, best):
+                    return best
+            mask = self._mask_or_none(key)
             if mask is not None:
                 row = row.float() + torch.from_numpy(mask.added).to(row.device)
-        return int(first_max(row))
+            return int(first_max(row))
+
+    def admits(self, path: tuple[int, ...], token: int) -> bool:
+        """Whether `token` may follow `path` (a legal path): read off its mask where filled, else checked."""
+        mask = self.masks.get(path, False)
+        if mask is not False:
+            return mask is None or bool(mask.legal[token])
+        try:
+            self._goto(path + (token,))
+            return True
+        except IllegalPath:
+            return False
 
     def children(self, logprobs: torch.Tensor, k: int) -> Children:
         """Each node's `k` likeliest legal tokens (Mask.best), for best-first growth under the grammar; nodes
@@ -141,9 +160,9 @@ class GrammarState:
         """The tree without the nodes the grammar refuses (and their subtrees): no verify row is spent on them.
         A node is tested against its parent's mask (grown nodes were drawn from it: only grafted ones can fail)."""
         with self._timed:
-            paths, kept = tree.paths(), {0}
+            paths, kept = [tuple(p) for p in tree.paths()], {0}
             for i in range(1, len(paths)):  # parents precede children: `kept` holds the parent if it stays
-                if tree.parents[i] in kept and self._allows(paths[tree.parents[i]], tree.tokens[i]):
+                if tree.parents[i] in kept and self.admits(paths[tree.parents[i]], tree.tokens[i]):
                     kept.add(i)
         return tree.keep(sorted(kept))
 
@@ -159,11 +178,6 @@ class GrammarState:
         cost, self.cost = self.cost, GrammarCost()
         cost.ms, self._timed.ms = self._timed.ms, 0.0
         return cost
-
-    def _allows(self, path: Sequence[int], token: int) -> bool:
-        """Whether `token` may follow `path` (a legal path)."""
-        mask = self.mask(path)
-        return mask is None or bool(mask.legal[token])
 
     def _mask_or_none(self, path: Sequence[int]) -> Mask | None:
         try:
