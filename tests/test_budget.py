@@ -195,6 +195,25 @@ def test_a_seam_where_lookup_just_missed_brings_no_draft_back_while_plain_rounds
     assert policy.learned.plain_committed / policy.learned.plain_ms > 4
 
 
+def test_drafting_goes_on_near_break_even_but_resumes_only_where_it_clearly_pays():
+    """Drafted and plain rounds both commit 2.5 tokens a ms: drafting goes on (down to `skip_below` of plain rounds),
+    but once stopped it does not resume there (a resume restarts the probes' backoff: under a grammar it flapped,
+    journal 2026-12-07); drafted rounds at 1.2x plain rounds' rate bring it back."""
+    policy = AutoBudget(cost(0.02))
+    for _ in range(8):
+        drafted(policy, committed=10, step_ms=4.0)
+    for _ in range(20):
+        policy.observe(RoundStats(0, 0, committed=1, verify_ms=0.4), path=[0])
+    m = policy.learned
+    assert m.committed / m.drafted_ms == pytest.approx(m.plain_committed / m.plain_ms, rel=0.05)
+    m.drafting = True
+    assert policy._drafting_pays(0, 0.0, 0)
+    m.drafting = False
+    assert not policy._drafting_pays(0, 0.0, 0)
+    m.drafted_ms /= 1.2
+    assert policy._drafting_pays(0, 0.0, 0)
+
+
 def test_no_probe_while_plain_rounds_commit_nearly_a_block():
     """Plain rounds whose lookup branch commits whole blocks leave a draft (16 tokens at most) nothing to
     add: no probe then. A branch that commits 4 tokens leaves room: probes."""

@@ -26,6 +26,10 @@ PAUSE_REACH = 1024
 PAST_PEAK = 4
 # The weight of a plain round in the slow averages of what plain rounds commit and cost: about the last 10.
 PLAIN_WEIGHT = 0.1
+# Drafting, once stopped, resumes only where drafted rounds commit this much faster than plain ones (it goes on
+# down to `skip_below` of them): near break-even a resumed drafter flapped, and each resume restarted the probes'
+# backoff, a run of drafted rounds (docs/journal.md, 2026-12-07: auto flapped under a grammar).
+RESUME_ABOVE = 1.1
 
 
 class Rates:
@@ -108,8 +112,9 @@ class AutoBudget:
             return False  # a plain round now and then, so that what one costs is measured, not assumed
         # A measured drafter cannot pay where the target's own law rules any drafter out (until the next probe due).
         if m.drafted_rounds < self.warmup or (not m.ruled_out and self._drafting_pays(ctx, *lookup)):
-            m.probe_gap = 1
+            m.probe_gap, m.drafting = 1, True
             return True
+        m.drafting = False
         if self.since_draft >= m.probe_gap and 1 + lookup[0] < self.skip_below * self.block:
             m.probe_gap = min(2 * m.probe_gap, self.probe_every)
             m.ruled_out = not self._perfect_drafter_pays(ctx)
@@ -153,9 +158,9 @@ class AutoBudget:
         return rate > self.skip_below / (self.cost.at(ctx, 1) * (m.plain_ratio or m.cost.at(1)))
 
     def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
-        """Whether drafted rounds commit faster than plain ones would: this round's (its lookup branch as recent
-        rounds scored it), or plain rounds as measured over the stretches of text they ran on, whichever is the
-        faster (a branch that just missed at a seam of a repeating text is back at full length rounds later). Both
+        """Whether drafted rounds commit faster than plain ones would (down to `skip_below` of them while drafting
+        goes on, RESUME_ABOVE to resume it): this round's (its lookup branch as recent rounds scored it), or plain
+        rounds as measured over the stretches of text they ran on, whichever is the faster (a branch that just missed at a seam of a repeating text is back at full length rounds later). Both
         rates are learned across requests alike: what a drafted round commits is the text's as much."""
         m = self.learned
         tokens = 1 + lookup_len
@@ -163,7 +168,7 @@ class AutoBudget:
         plain = (1 + lookup_gain) / plain_ms
         if m.plain_ms:  # measured (and not on a clock that charged it nothing)
             plain = max(plain, m.plain_committed / m.plain_ms)
-        return m.committed / m.drafted_ms > self.skip_below * plain
+        return m.committed / m.drafted_ms > (self.skip_below if m.drafting else RESUME_ABOVE) * plain
 
     def candidates(self) -> int:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""

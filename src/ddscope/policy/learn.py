@@ -128,6 +128,7 @@ class Learned:
     plain_ms: float | None = None
     plain_evidence: float = 0.0  # plain rounds, decayed 0.95 a round
     probe_gap: int = 1  # plain rounds before the next probe, doubled per probe that did not pay
+    drafting: bool = True  # drafted rounds last chosen to pay (False: plain rounds, probes between them)
     law_top: list[float] | None = None  # the target's top-4 probabilities at a plain round's root, averaged
     ruled_out: bool = False  # the last probe due found that not even a drafter that knew the target would pay
 
