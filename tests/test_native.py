@@ -11,6 +11,7 @@ import torch
 
 from ddscope.models import kv_pool, layer_call, native, pages
 from ddscope.models.layers import RMSNorm, apply_rope, rope
+from ddscope.structured.masks import DraftRows, Mask
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="kernels.c did not build here")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -353,3 +354,26 @@ def test_rows_in_kernels_are_the_modules_bits(tmp_path, arch, pages, dtype):
     assert (a.run() is None) == (pages is not None)
     assert all(torch.equal(x.logits, y.logits) and torch.equal(x.features, y.features) for x, y in zip(fused, plain))
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+@pytest.mark.parametrize("vocab,density", [(8192, 0.02), (1000, 0.3), (50257, 0.002), (64, 1.0)])
+def test_a_small_legal_set_s_likeliest_tokens_are_its_numpy_twin_s(vocab, density):
+    """`legal_top_f32` (a grammar's node: its legal set's k best by the drafter, renormalised) against
+    `Mask.scanned`, numpy's: the same tokens in the same order (ties: the lower id first), -inf left out, on a
+    vocabulary whose last word is partial too."""
+    seeded = torch.Generator().manual_seed(vocab)
+    legal = torch.rand(vocab, generator=seeded) < density
+    logp = (3 * torch.randn(4, vocab, generator=seeded)).log_softmax(-1)
+    logp[1, ::7] = float("-inf")  # the drafter's law cut these
+    logp[2] = logp[2].round()  # ties
+    words = torch.zeros((vocab + 31) // 32 * 32, dtype=torch.bool)
+    words[:vocab] = legal
+    bits = (words.view(-1, 32).long() << torch.arange(32)).sum(-1).to(torch.int64)
+    key = bits.to(torch.int32, copy=True).numpy().astype("<u4").tobytes()
+    mask, draft = Mask(key, vocab), DraftRows(logp, 24)
+    assert mask.count == int(legal.sum()) and (mask.legal == legal.numpy()).all()
+    for depth in range(4):
+        for k in (1, 8, 24):
+            got_vals, got_ids = draft.legal_top(key, depth, k)
+            want_vals, want_ids = mask.scanned(draft.logp[depth], k)
+            assert got_ids == want_ids and got_vals == pytest.approx(want_vals, abs=1e-5)

@@ -40,7 +40,9 @@ _ROW = {"rms_norm": (_P, _P, _P, _I, _I, _F, _T), "norm_rope": (_P, _P, _P, _P, 
 _SIGNATURES = {**{f"{name}_{s}": args for name, args in _ROW.items() for s in DTYPES.values()},
                "tree_attend_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
                "causal_attend_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _T),
-               "fma_peak_f32": (_I, _P, _T), "read_peak_f32": (_P, _I, _P, _T)}
+               "fma_peak_f32": (_I, _P, _T), "read_peak_f32": (_P, _I, _P, _T),
+               "legal_top_f32": (_P, _P, _I, _I, _P, _P)}
+_COUNTS = ("legal_top_f32",)  # these return how many they wrote
 _RETURNS = {"kernels_isa": ctypes.c_char_p, "fma_peak_flops": ctypes.c_int64, "bf16_products": ctypes.c_int}
 _OPTIONAL = {"amx_peak_bf16": (_I, _P, _T), "dp_peak_bf16": (_I, _P, _T), "amx_ready": ()}  # AMX, AVX512-BF16 builds
 
@@ -108,6 +110,8 @@ def load(build: str) -> ctypes.CDLL | None:
         return None
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
+    for name in _COUNTS:
+        getattr(lib, name).restype = ctypes.c_int64
     for name, restype in _RETURNS.items():
         if hasattr(lib, name):  # an older kernels.c (benchmarks/floor/kernels_ab.py's A) may lack one
             getattr(lib, name).restype, getattr(lib, name).argtypes = restype, ()

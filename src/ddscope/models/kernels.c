@@ -869,6 +869,41 @@ void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *y, int64_t n,
   }
 }
 
+/* ---- structured outputs: a small legal set's likeliest tokens ---------------------------------------------
+ * The k tokens of a grammar's bitmask (token 32 w + i is bit i of word w) with the highest log-probs in `logp`,
+ * best first (a tie: the lower id first, as a stable sort), each minus the set's log-sum-exp (renormalised over
+ * it); -inf ones left out. Returns how many (at most k). It reads every legal token: for sets of a few hundred,
+ * in place of numpy's dozen calls a node (ddscope.structured.masks). */
+int64_t legal_top_f32(const int32_t *bits, const float *logp, int64_t vocab, int64_t k, int64_t *ids, float *vals) {
+  int64_t n = 0;
+  if (k <= 0) return 0;
+  for (int64_t w = 0; w * 32 < vocab; w++) {
+    for (uint32_t word = (uint32_t)bits[w]; word; word &= word - 1) {
+      int64_t t = w * 32 + __builtin_ctz(word);
+      float v = t < vocab ? logp[t] : -INFINITY;
+      if (!(v > -INFINITY) || (n == k && !(v > vals[k - 1]))) continue;
+      int64_t i = n < k ? n++ : k - 1; /* the new one's slot, then moved up past the lower ones */
+      for (; i > 0 && vals[i - 1] < v; i--) {
+        vals[i] = vals[i - 1];
+        ids[i] = ids[i - 1];
+      }
+      vals[i] = v;
+      ids[i] = t;
+    }
+  }
+  if (n == 0) return 0;
+  const double peak = vals[0];
+  double sum = 0.0;
+  for (int64_t w = 0; w * 32 < vocab; w++)
+    for (uint32_t word = (uint32_t)bits[w]; word; word &= word - 1) {
+      int64_t t = w * 32 + __builtin_ctz(word);
+      if (t < vocab) sum += exp((double)logp[t] - peak);
+    }
+  float lse = (float)(peak + log(sum));
+  for (int64_t i = 0; i < n; i++) vals[i] -= lse;
+  return n;
+}
+
 /* ---- rows through a layer: a decode row or a tree's rows in one call, or a decode row in two around the cache's
  * write ------------------------------------------------------------------------------------------------------
  * The same kernels in the same order as the layer's modules call them one by one (so the same bits), without

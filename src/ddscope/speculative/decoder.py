@@ -18,7 +18,7 @@ from ddscope.models.kv_pool import BLOCK
 from ddscope.models.target import ForwardOut, Segment, Target
 from ddscope.speculative.law import Law, LawApplier
 from ddscope.speculative.proposers import Proposer
-from ddscope.speculative.sampling import Noise, SamplingParams, TokenLogprob, token_logprobs
+from ddscope.speculative.sampling import Noise, SamplingParams, TokenLogprob, first_max, token_logprobs
 from ddscope.speculative.tree import DraftTree, Steer, root_only
 from ddscope.structured.walk import GrammarState
 
@@ -181,9 +181,10 @@ class Decoder:
             choices = self.choose(logits, tree)
             return tree.walk(choices.__getitem__), choices
         logits, choices = self._lawful(logits, tree), [-1] * len(tree.tokens)
+        firsts = first_max(logits).tolist()  # each row's own: where the grammar admits it, the masked row's too
 
         def choose(node: int) -> int:
-            choices[node] = self.grammar.greedy(logits[node], tree.path(node))
+            choices[node] = self.grammar.greedy(logits[node], tree.path(node), firsts[node])
             return choices[node]
         return tree.walk(choose), choices
 

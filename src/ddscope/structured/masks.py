@@ -1,13 +1,18 @@
 """A round's legal sets as the tree's growth reads them: each distinct bitmask unpacked once (`Mask`), and the
 `k` likeliest legal tokens after a node, the drafter's log-probs renormalised over the set (`Mask.best`), from the
-drafter's rows of the round (`DraftRows`). All of it numpy on the host: a torch call costs several microseconds
-before it does anything, as much as a node's whole fill."""
+drafter's rows of the round (`DraftRows`). All of it on the host: a torch call costs several microseconds before it
+does anything, as much as a node's whole fill; a small set's candidates are one call of kernels.c's
+(`legal_top_f32`, the same tokens as its numpy twin, which runs where kernels.c is not loaded), numpy's being a
+dozen calls of a microsecond each."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 import torch
+
+from ddscope.models import native
+from ddscope.speculative.sampling import first_max
 
 Candidates = tuple[list[float], list[int]]
 # A legal set this large reads its candidates off the drafter's likeliest tokens at a depth, found once a round;
@@ -23,9 +28,24 @@ class DraftRows:
     batched op costs about what two rows' cost alone."""
 
     def __init__(self, logprobs: torch.Tensor, k: int):
-        self.rows, self.kept = logprobs.float().cpu(), min(logprobs.shape[1], k + 16)  # likeliest a depth
+        self.rows, self.kept = logprobs.float().cpu().contiguous(), min(logprobs.shape[1], k + 16)  # likeliest a depth
         self.logp = self.rows.numpy()
         self._top: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._scan: tuple[np.ndarray, np.ndarray, int, int] | None = None  # legal_top_f32's outputs, their addresses
+
+    def legal_top(self, bits: bytes, depth: int, k: int) -> Candidates | None:
+        """kernels.c's `legal_top_f32`: the `k` likeliest tokens of the legal set `bits` (a grammar's bitmask) at
+        `depth`, renormalised over it; None where kernels.c is not loaded."""
+        lib = native.library()
+        if lib is None:
+            return None
+        if self._scan is None:
+            ids, vals = np.empty(self.kept, dtype=np.int64), np.empty(self.kept, dtype=np.float32)
+            self._scan = ids, vals, ids.ctypes.data, vals.ctypes.data
+        ids, vals, ids_at, vals_at = self._scan
+        row = self.rows.data_ptr() + depth * self.rows.stride(0) * 4
+        n = lib.legal_top_f32(bits, row, self.rows.shape[1], min(k, self.kept), ids_at, vals_at)
+        return vals[:n].tolist(), ids[:n].tolist()
 
     def top(self, depth: int) -> tuple[np.ndarray, np.ndarray]:
         """The depth's likeliest tokens, best first, and their log-probs."""
@@ -49,14 +69,35 @@ class DraftRows:
 class Mask:
     """One legal set of a round, shared by every node whose fill gave it."""
 
-    def __init__(self, bits: np.ndarray, vocab: int):
-        # bit i of word w is token 32 w + i: on a little-endian host, bit i % 8 of byte 4 w + i // 8
-        self.legal = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].view(bool)
-        self.count = int(np.count_nonzero(self.legal))
+    def __init__(self, bits: bytes, vocab: int):
+        self.bits, self.vocab = bits, vocab  # the fill's bitmask: bit i of word w is token 32 w + i
+        words = np.frombuffer(bits, dtype=np.uint32)
+        past = (int(words[-1]) >> vocab % 32).bit_count() if vocab % 32 else 0  # the last word's bits past vocab
+        self.count = int(np.bitwise_count(words).sum()) - past
+        self._legal: np.ndarray | None = None
         self._ids: np.ndarray | None = None
         self._weights: np.ndarray | None = None
         self._added: np.ndarray | None = None
         self.candidates: dict[int, Candidates] = {}  # by depth: the masked drafter's best
+
+    def first_max(self, row: torch.Tensor) -> int:
+        """The first max of a row of logits over this set: a small set's ids read on the host, a large one's row
+        masked by addition."""
+        if self.count < LARGE_SET and row.device.type == "cpu":
+            ids = self.ids
+            return int(ids[np.argmax(row.float().numpy()[ids])])
+        return int(first_max(row.float() + torch.from_numpy(self.added).to(row.device)))
+
+    def allows(self, token: int) -> bool:
+        return bool(self.bits[token >> 3] >> (token & 7) & 1)  # little-endian words: token's bit in byte token / 8
+
+    @property
+    def legal(self) -> np.ndarray:
+        """bool [vocab]: the legal tokens (on a little-endian host, token 32 w + i is bit i % 8 of byte 4 w + i // 8)."""
+        if self._legal is None:
+            self._legal = np.unpackbits(np.frombuffer(self.bits, dtype=np.uint8), bitorder="little")[:self.vocab]
+            self._legal = self._legal.view(bool)
+        return self._legal
 
     @property
     def added(self) -> np.ndarray:
@@ -97,14 +138,21 @@ class Mask:
         return finite(draft.logp[depth, tokens] - math.log(mass), tokens)
 
     def _scanned(self, draft: DraftRows, depth: int, k: int) -> Candidates:
-        """The candidates of the whole legal set (small, or too little of it among the drafter's best)."""
+        """The candidates of the whole legal set (small, or too little of it among the drafter's best): kernels.c's,
+        or its numpy twin."""
+        found = draft.legal_top(self.bits, depth, k)
+        return found if found is not None else self.scanned(draft.logp[depth], k)
+
+    def scanned(self, logp: np.ndarray, k: int) -> Candidates:
+        """`legal_top_f32`'s numpy twin over one row of log-probs."""
         ids = self.ids
-        vals = draft.logp[depth][ids]
-        if len(ids) > 4 * k:  # a large set: its k best found first, then ordered
-            best = np.argpartition(vals, len(vals) - k)[-k:]
-            order = best[np.argsort(-vals[best], kind="stable")]
-        else:
-            order = np.argsort(-vals, kind="stable")[:k]
+        vals = logp[ids]
+        best = np.arange(len(ids))
+        if len(ids) > 4 * k:  # a large set: its k best found first (a tie at the cut: the lower ids), then ordered
+            cut = vals[np.argpartition(vals, len(vals) - k)[len(vals) - k]]
+            above = np.flatnonzero(vals > cut)
+            best = np.concatenate([above, np.flatnonzero(vals == cut)[:k - len(above)]])
+        order = best[np.lexsort((best, -vals[best]))][:k]  # best first, a tie: the lower id
         peak = float(vals[order[0]]) if len(order) else -math.inf
         if not math.isfinite(peak):
             return [], []

@@ -110,26 +110,24 @@ class GrammarState:
                 return torch.add(logits.float(), torch.from_numpy(added), out=self._rows[:n])
             return logits.float() + torch.from_numpy(added).to(logits.device)
 
-    def greedy(self, row: torch.Tensor, path: Sequence[int]) -> int:
+    def greedy(self, row: torch.Tensor, path: Sequence[int], best: int | None = None) -> int:
         """One row's greedy choice under the mask of `path` (as `mask_rows`, then the first max): the verify
-        walks a tree's accepted path this way. The row's own first max, where legal, is the masked row's too
-        (it beats every legal token and precedes its ties), so only a refused one costs a fill."""
+        walks a tree's accepted path this way. The row's own first max (`best`, where found already: one call
+        over every row), where legal, is the masked row's too (it beats every legal token and precedes its ties),
+        so only a refused one costs a masked row, or a fill."""
         with self._timed:
             key = tuple(path)
-            if key not in self.masks:
-                best = int(first_max(row))
-                if self.admits(key, best):
-                    return best
+            best = int(first_max(row)) if best is None else best
+            if self.admits(key, best):
+                return best
             mask = self._mask_or_none(key)
-            if mask is not None:
-                row = row.float() + torch.from_numpy(mask.added).to(row.device)
-            return int(first_max(row))
+            return best if mask is None else mask.first_max(row)
 
     def admits(self, path: tuple[int, ...], token: int) -> bool:
         """Whether `token` may follow `path` (a legal path): read off its mask where filled, else checked."""
         mask = self.masks.get(path, False)
         if mask is not False:
-            return mask is None or bool(mask.legal[token])
+            return mask is None or mask.allows(token)
         try:
             self._goto(path + (token,))
             return True
@@ -194,7 +192,7 @@ class GrammarState:
         self.cost.fills += 1
         key = self._bits.tobytes()
         if key not in self.shared:
-            self.shared[key] = Mask(self._bits, self.vocab)
+            self.shared[key] = Mask(key, self.vocab)
             self.cost.masks += 1
         return self.shared[key]
 
