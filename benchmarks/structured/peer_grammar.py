@@ -11,6 +11,13 @@ with `budget` 32 sent per request. tok/s is completion tokens over the client's 
 user sees it. Prints a Markdown table of medians and the ratio:
 
     python benchmarks/structured/peer_grammar.py --rounds 3
+
+`--schemas DIR` runs the JSON schemas under DIR (each `*.json`, e.g. tests/fixtures/schemas: real-world-like
+ones) instead of the built-in workloads, and `--defaults` runs both servers at their own structured-outputs
+defaults (ddscope's whitespace bound, vLLM's unbounded whitespace; their texts may then part where the whitespace
+runs past ddscope's bound):
+
+    python benchmarks/structured/peer_grammar.py --rounds 2 --schemas tests/fixtures/schemas --defaults
 """
 from __future__ import annotations
 
@@ -57,27 +64,47 @@ def timed(client: httpx.Client, url: str, body: dict) -> tuple[str, int, int, fl
     return text, tokens, chunks, time.perf_counter() - t0
 
 
+def refusals(client: httpx.Client, arms: dict[str, tuple[str, dict]], prompt: list[int], so: dict) -> str:
+    """Which servers refuse the workload (a 4xx), and why; empty where both take it."""
+    said = {}
+    for arm in ("auto", "vllm"):
+        url, extra = arms[arm]
+        r = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                       "structured_outputs": so, **extra})
+        if 400 <= r.status_code < 500:
+            said["ddscope" if arm == "auto" else "vLLM"] = r.json().get("error", {}).get("message", r.text)[:120]
+    return "; ".join(f"{who}: {why}" for who, why in said.items())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="passes over the prompts (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--schemas", type=Path, help="a directory of JSON schemas (*.json) to run instead")
+    p.add_argument("--defaults", action="store_true", help="both servers at their structured-outputs defaults")
     args = p.parse_args()
+    workloads = WORKLOADS if args.schemas is None else {
+        f.stem: {"json": json.loads(f.read_text())} for f in sorted(args.schemas.rglob("*.json"))}
+    config = () if args.defaults else ("--structured-outputs-config", COMPACT)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
     logs = Path(tempfile.mkdtemp(prefix="peer-grammar-"))
-    with vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", logs / "vllm.log",
-                     extra=("--structured-outputs-config", COMPACT)) as theirs, \
-            serve_process(["--structured-outputs-config", COMPACT], logs / "ddscope.log") as ours, \
+    with vllm_server(DEMO_DIR / "target", DEMO_DIR / "drafter", logs / "vllm.log", extra=config) as theirs, \
+            serve_process(list(config), logs / "ddscope.log") as ours, \
             httpx.Client(timeout=600) as client:
         name = client.get(f"{theirs}/v1/models").json()["data"][0]["id"]
         tokenize = lambda text: client.post(f"{ours}/tokenize", json={"prompt": text}).json()["tokens"]
         print(f"CPU: {model}; demo pair, fp32, greedy, {args.max_tokens} tokens at most, c=1, "
-              f"{args.rounds} rounds x {len(PROMPTS)} prompts per workload\n")
+              f"{args.rounds} rounds x {len(PROMPTS)} prompts per workload, "
+              f"{'each server at its defaults' if args.defaults else 'both compact (xgrammar)'}\n")
         print("| workload | avg_commit: ddscope auto | budget 32 | vLLM DFlash (steps; drafts) | tok/s: ddscope auto | "
               "budget 32 | vLLM DFlash | auto / vLLM | 32 / vLLM | same text |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         arms = {"auto": (ours, {}), "b32": (ours, {"budget": 32}), "vllm": (theirs, {"model": name})}
-        for label, so in WORKLOADS.items():
+        for label, so in workloads.items():
+            if refused := refusals(client, arms, tokenize(PROMPTS[0]), so):
+                print(f"| {label} | refused: {refused} |" + " |" * 8)
+                continue
             rows: dict[str, list[tuple[int, float, float, float]]] = {k: [] for k in arms}
             same = 0
             for r in range(args.rounds):

@@ -28,7 +28,7 @@ PAST_PEAK = 4
 PLAIN_WEIGHT = 0.1
 # Drafting, once stopped, resumes only where drafted rounds commit this much faster than plain ones (it goes on
 # down to `skip_below` of them): near break-even a resumed drafter flapped, and each resume restarted the probes'
-# backoff, a run of drafted rounds (docs/journal.md, 2026-12-07: auto flapped under a grammar).
+# backoff, a run of drafted rounds (docs/journal.md, "auto's hysteresis", 2026-12-07).
 RESUME_ABOVE = 1.1
 
 
