@@ -13,6 +13,7 @@ import xgrammar as xgr
 
 from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.engine import Engine
+from ddscope.speculative.sampling import SamplingParams, first_max
 from ddscope.speculative.tree import best_first
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
@@ -166,7 +167,7 @@ def test_the_greedy_walk_masks_each_path_row_as_mask_rows_does(tiny_engine):
     tree = state.prune(best_first(0, logprobs, 24, state.children(logprobs, 24)))
     logits = torch.randn(len(tree.tokens), tiny_engine.vocab_size)
     masked = state.mask_rows(logits, tree.paths()).max(-1).indices.tolist()
-    assert [state.greedy(logits[i], p) for i, p in enumerate(tree.paths())] == masked
+    assert [state.first_legal_max(logits[i], p) for i, p in enumerate(tree.paths())] == masked
     assert any(masked[i] != logits[i].argmax() for i in range(len(masked)))  # the masks did choose
 
 
@@ -209,9 +210,28 @@ def test_a_greedy_row_whose_best_token_is_legal_fills_nothing_and_a_refused_one_
                                             tiny_engine.vocab_size).allowed(()).copy()).nonzero().flatten()
     row = torch.zeros(tiny_engine.vocab_size)
     row[letters[3]], row[letters[5]] = 10.0, 10.0  # a tie: the first is the masked row's choice too
-    assert state.greedy(row, []) == letters[3] and state.take_cost().fills == 0
+    assert state.first_legal_max(row, []) == letters[3] and state.take_cost().fills == 0
     row[1] = 50.0  # a special token, which no string admits, on top
-    assert state.greedy(row, []) == letters[3] and state.take_cost().fills == 1
+    assert state.first_legal_max(row, []) == letters[3] and state.take_cost().fills == 1
+
+
+def test_an_untruncated_sampler_s_draw_over_the_legal_set_is_the_row_s_own_where_legal(tiny_engine):
+    """A sampled verify under a grammar takes each row's own draw where the grammar admits it: for a sampler that
+    keeps every token, masking only shifts a row's log-probs, so its draw (the first max of log p - log E) over the
+    legal set is that one; where the sampler truncates (top-p here) the masked law is another, and the verify masks
+    every row first (`SamplingParams.untruncated` says which)."""
+    state = GrammarState(tiny_engine.grammars.compile(Constraint("regex", "[0-9]{1,4}")), tiny_engine.vocab_size)
+    seeded = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(64, tiny_engine.vocab_size, generator=seeded)
+    noise = torch.rand(64, tiny_engine.vocab_size, generator=seeded).neg_().log1p_().neg_()
+    differs = 0
+    for sampler in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)):
+        masked = first_max(sampler.log_probs(state.mask_rows(logits, [[]] * 64)) - noise.log()).tolist()
+        own = sampler.log_probs(logits) - noise.log()
+        got = [state.first_legal_max(row, []) for row in own]
+        assert sampler.untruncated == (got == masked)
+        differs += sum(a != b for a, b in zip(got, masked))
+    assert differs  # the truncated sampler's law did move under the mask
 
 
 @pytest.mark.parametrize("constraint,message", [

@@ -175,16 +175,21 @@ class Decoder:
         return new, path
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Lossless acceptance: draw the target's own choice at every node, then walk the tree. Greedy under a
-        grammar, only the path's nodes choose, each masking its own row (the rest are left at -1)."""
-        if self.grammar is None or not self.sampling.greedy:
+        """Lossless acceptance: draw the target's own choice at every node, then walk the tree. Under a grammar,
+        where the sampler's law does not depend on the legal set (greedy, or sampling untruncated), only the
+        path's nodes choose: each takes its row's own choice where the grammar admits it, which is the masked
+        row's choice too, else chooses over its masked row; the rest are left at -1."""
+        if self.grammar is None or not (self.sampling.greedy or self.sampling.untruncated):
             choices = self.choose(logits, tree)
             return tree.walk(choices.__getitem__), choices
-        logits, choices = self._lawful(logits, tree), [-1] * len(tree.tokens)
-        firsts = first_max(logits).tolist()  # each row's own: where the grammar admits it, the masked row's too
+        lawful = self._lawful(logits, tree)
+        if self._wants_law_top(tree):
+            self.law_top = self._law_top(self.grammar.mask_rows(lawful, [[]]))
+        scores = self._scores(lawful, tree)
+        firsts, choices = first_max(scores).tolist(), [-1] * len(tree.tokens)
 
         def choose(node: int) -> int:
-            choices[node] = self.grammar.greedy(logits[node], tree.path(node), firsts[node])
+            choices[node] = self.grammar.first_legal_max(scores[node], tree.path(node), firsts[node])
             return choices[node]
         return tree.walk(choose), choices
 
@@ -194,13 +199,26 @@ class Decoder:
         if self.grammar is not None:
             logits = self.grammar.mask_rows(logits, tree.paths())
         logits = self._lawful(logits, tree)
+        if self._wants_law_top(tree):
+            self.law_top = self._law_top(logits)
+        return first_max(self._scores(logits, tree)).tolist()
+
+    def _scores(self, lawful: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """What each node's choice is the first max of: its lawful logits (greedy), or its log-probs under the
+        sampler minus the log of its generated index's Exp(1) noise: an exponential race, argmax(log p - log E),
+        a Gumbel-max draw as vLLM's random_sample."""
         if self.sampling.greedy:
-            return self.sampling.choose(logits, None)
-        noise = self.noise.at(self._generated(tree), logits.shape[-1], logits.device)
-        log_probs = self.sampling.log_probs(logits)
-        if tree.size == 0 and self.proposer.wants_law_top:
-            self.law_top = log_probs[0].topk(4).values.exp().tolist()
-        return self.sampling.draw(log_probs, noise)
+            return lawful
+        noise = self.noise.at(self._generated(tree), lawful.shape[-1], lawful.device)
+        return self.sampling.log_probs(lawful) - noise.log()
+
+    def _wants_law_top(self, tree: DraftTree) -> bool:
+        return tree.size == 0 and self.proposer.wants_law_top and not self.sampling.greedy
+
+    def _law_top(self, lawful: torch.Tensor) -> list[float]:
+        """A plain round's root (its lawful row, masked under a grammar) under the sampler: its 4 likeliest
+        probabilities."""
+        return self.sampling.log_probs(lawful[:1])[0].topk(4).values.exp().tolist()
 
     def _generated(self, tree: DraftTree) -> list[int]:
         """The generated index each node chooses."""

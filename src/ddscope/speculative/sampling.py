@@ -27,6 +27,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def untruncated(self) -> bool:
+        """Whether this sampler keeps every token (no min-p, top-k or top-p): masking a row then only shifts its
+        log-probs, so a draw over a legal set is the row's own draw wherever that is legal."""
+        return self.min_p <= 0 and self.top_k <= 0 and self.top_p >= 1
+
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities of the distribution this sampler draws from (tempered, then filtered)."""
         logits = logits.float() / (self.temperature if not self.greedy else 1.0)
@@ -42,16 +48,6 @@ class SamplingParams:
             drop = cum - sorted_logits.softmax(-1) >= self.top_p  # keep the smallest set reaching top_p
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         return logits.log_softmax(-1)
-
-    def choose(self, logits: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
-        """One token per row: argmax when greedy, else an exponential race over this sampler's distribution,
-        argmax(log p - log E) with E ~ Exp(1) given by `noise` (a Gumbel-max draw, as vLLM's random_sample)."""
-        return first_max(logits).tolist() if self.greedy else self.draw(self.log_probs(logits), noise)
-
-    @staticmethod
-    def draw(log_probs: torch.Tensor, noise: torch.Tensor) -> list[int]:
-        """`choose` on this sampler's log-probabilities, already taken."""
-        return first_max(log_probs - noise.log()).tolist()
 
 
 class TokenLogprob(NamedTuple):

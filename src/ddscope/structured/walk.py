@@ -11,9 +11,10 @@ Many nodes of a tree share a legal set: siblings inside a free string, a string'
 branches after the same key. A node's fill (the backend's, microseconds) reads its state; everything built from it
 (the token mask, the masked candidates at each depth, the verify's row) is built once per distinct bitmask in a
 round and shared by every node whose fill gave it. The verify reuses the masks the tree's growth built; greedy, it
-reads only the rows of the path it walks (`greedy`), and a row whose best token the grammar admits (a check: an
-accept and a rollback, about a microsecond) takes it unmasked, so the last node, and every `ar` step, fills only
-where the target's choice is refused. The masks and their candidates: ddscope.structured.masks.
+reads only the rows of the path it walks (`first_legal_max`), as a sampled one does where its sampler keeps every
+token: a row whose own choice the grammar admits (a check: an accept and a rollback, about a microsecond) takes it
+unmasked, so the last node, and every `ar` step, fills only where the target's choice is refused. The masks and
+their candidates: ddscope.structured.masks.
 """
 from __future__ import annotations
 
@@ -110,18 +111,19 @@ class GrammarState:
                 return torch.add(logits.float(), torch.from_numpy(added), out=self._rows[:n])
             return logits.float() + torch.from_numpy(added).to(logits.device)
 
-    def greedy(self, row: torch.Tensor, path: Sequence[int], best: int | None = None) -> int:
-        """One row's greedy choice under the mask of `path` (as `mask_rows`, then the first max): the verify
-        walks a tree's accepted path this way. The row's own first max (`best`, where found already: one call
-        over every row), where legal, is the masked row's too (it beats every legal token and precedes its ties),
-        so only a refused one costs a masked row, or a fill."""
+    def first_legal_max(self, row: torch.Tensor, path: Sequence[int], first: int | None = None) -> int:
+        """A row's first max over the tokens legal after `path` (as `mask_rows`, then the first max): the verify
+        walks a tree's accepted path this way, its rows a greedy one's logits or a sampled one's scores (its
+        log-probs minus its noise's log). The row's own first max (`first`, where found already: one call over
+        every row), where legal, is the masked row's too (it beats every legal token and precedes its ties), so
+        only a refused one costs a masked row, or a fill."""
         with self._timed:
             key = tuple(path)
-            best = int(first_max(row)) if best is None else best
-            if self.admits(key, best):
-                return best
+            first = int(first_max(row)) if first is None else first
+            if self.admits(key, first):
+                return first
             mask = self._mask_or_none(key)
-            return best if mask is None else mask.first_max(row)
+            return first if mask is None else mask.first_max(row)
 
     def admits(self, path: tuple[int, ...], token: int) -> bool:
         """Whether `token` may follow `path` (a legal path): read off its mask where filled, else checked."""
