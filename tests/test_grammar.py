@@ -17,6 +17,7 @@ from ddscope.speculative.sampling import SamplingParams, first_max
 from ddscope.speculative.tree import best_first
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
+from ddscope.structured import masks
 from ddscope.structured.walk import GrammarState
 
 SCHEMA = {"type": "object", "properties": {
@@ -232,6 +233,20 @@ def test_an_untruncated_sampler_s_draw_over_the_legal_set_is_the_row_s_own_where
         assert sampler.untruncated == (got == masked)
         differs += sum(a != b for a, b in zip(got, masked))
     assert differs  # the truncated sampler's law did move under the mask
+
+
+@pytest.mark.parametrize("large", [False, True])  # the set read on the host, or the row masked by addition
+def test_a_row_whose_every_legal_token_the_law_refused_takes_the_grammar_s_first(tiny_engine, large, monkeypatch):
+    """A law against the grammar (min_tokens banning the stop where only the stop is legal) leaves every legal token
+    at -inf: the choice is the first legal token, whichever way the set is read, never an illegal one (here token
+    0, the stop, which the string's set does not admit: a masked row's plain first max would take it)."""
+    monkeypatch.setattr(masks, "LARGE_SET", 64 if large else 10**9)
+    state = GrammarState(tiny_engine.grammars.compile(Constraint("regex", '"[^"]*"')), tiny_engine.vocab_size)
+    path = [int(torch.from_numpy(state.allowed(())).nonzero()[0])]  # past the opening quote
+    legal = torch.from_numpy(state.allowed(path).copy())
+    assert not legal[0] and (state.mask(path).count >= masks.LARGE_SET) == large
+    row = torch.where(legal, float("-inf"), 1.0)
+    assert state.first_legal_max(row, path) == int(legal.nonzero()[0])
 
 
 @pytest.mark.parametrize("constraint,message", [

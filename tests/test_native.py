@@ -373,7 +373,7 @@ def test_a_small_legal_set_s_likeliest_tokens_are_its_numpy_twin_s(vocab, densit
     mask, draft = Mask(key, vocab), DraftRows(logp, 24)
     assert mask.count == int(legal.sum()) and (mask.legal == legal.numpy()).all()
     for depth in range(4):
-        for k in (1, 8, 24):
-            got_vals, got_ids = draft.legal_top(key, depth, k)
+        for k in (0, 1, 8, 24):
+            got_vals, got_ids = draft.legal_top(key, vocab, depth, k)
             want_vals, want_ids = mask.scanned(draft.logp[depth], k)
             assert got_ids == want_ids and got_vals == pytest.approx(want_vals, abs=1e-5)

@@ -33,9 +33,9 @@ class DraftRows:
         self._top: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._scan: tuple[np.ndarray, np.ndarray, int, int] | None = None  # legal_top_f32's outputs, their addresses
 
-    def legal_top(self, bits: bytes, depth: int, k: int) -> Candidates | None:
-        """kernels.c's `legal_top_f32`: the `k` likeliest tokens of the legal set `bits` (a grammar's bitmask) at
-        `depth`, renormalised over it; None where kernels.c is not loaded."""
+    def legal_top(self, bits: bytes, vocab: int, depth: int, k: int) -> Candidates | None:
+        """kernels.c's `legal_top_f32`: the `k` likeliest tokens of the legal set `bits` (a grammar's bitmask over
+        `vocab` tokens) at `depth`, renormalised over it; None where kernels.c is not loaded."""
         lib = native.library()
         if lib is None:
             return None
@@ -44,7 +44,7 @@ class DraftRows:
             self._scan = ids, vals, ids.ctypes.data, vals.ctypes.data
         ids, vals, ids_at, vals_at = self._scan
         row = self.rows.data_ptr() + depth * self.rows.stride(0) * 4
-        n = lib.legal_top_f32(bits, row, self.rows.shape[1], min(k, self.kept), ids_at, vals_at)
+        n = lib.legal_top_f32(bits, row, min(vocab, self.rows.shape[1]), min(k, self.kept), ids_at, vals_at)
         return vals[:n].tolist(), ids[:n].tolist()
 
     def top(self, depth: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,7 +86,10 @@ class Mask:
         if self.count < LARGE_SET and row.device.type == "cpu":
             ids = self.ids
             return int(ids[np.argmax(row.float().numpy()[ids])])
-        return int(first_max(row.float() + torch.from_numpy(self.added).to(row.device)))
+        best = int(first_max(row.float() + torch.from_numpy(self.added).to(row.device)))
+        # every legal token at -inf (a law against the grammar, e.g. min_tokens where only the stop is legal): the
+        # grammar's first legal token, as a small set's argmax gives
+        return best if self.allows(best) else int(self.ids[0])
 
     def allows(self, token: int) -> bool:
         return bool(self.bits[token >> 3] >> (token & 7) & 1)  # little-endian words: token's bit in byte token / 8
@@ -140,11 +143,13 @@ class Mask:
     def _scanned(self, draft: DraftRows, depth: int, k: int) -> Candidates:
         """The candidates of the whole legal set (small, or too little of it among the drafter's best): kernels.c's,
         or its numpy twin."""
-        found = draft.legal_top(self.bits, depth, k)
+        found = draft.legal_top(self.bits, self.vocab, depth, k)
         return found if found is not None else self.scanned(draft.logp[depth], k)
 
     def scanned(self, logp: np.ndarray, k: int) -> Candidates:
         """`legal_top_f32`'s numpy twin over one row of log-probs."""
+        if k <= 0:
+            return [], []
         ids = self.ids
         vals = logp[ids]
         best = np.arange(len(ids))
