@@ -56,7 +56,7 @@ def test_greedy_under_a_grammar_equals_ar_and_steered_drafts_are_accepted(oracle
         ref = oracle.generate(prompt, max_new_tokens=48, method="ar", constraint=constraint)
         assert ref.finish_reason == "stop" and ref.token_ids[-1] in oracle.eos_ids
         valid(ref.text)
-        for method, budget in (("dflash", None), ("ddtree", 8), ("ddtree", 32)):
+        for method, budget in (("dflash", None), ("ddtree", 8), ("ddtree", 32), ("ddtree", "auto")):
             for steer in (True, False):
                 out = oracle.generate(prompt, max_new_tokens=48, method=method, budget=budget, constraint=constraint,
                                       steer=steer)
@@ -76,7 +76,7 @@ def test_seeded_sampling_under_a_grammar_is_the_same_under_every_method(oracle):
     for seed, prompt in enumerate(PROMPTS):
         kw = dict(max_new_tokens=48, temperature=0.9, seed=seed, constraint=constraint)
         ref = oracle.generate(prompt, method="ar", **kw)
-        for method, budget in (("dflash", None), ("ddtree", 16)):
+        for method, budget in (("dflash", None), ("ddtree", 16), ("ddtree", "auto")):
             out = oracle.generate(prompt, method=method, budget=budget, **kw)
             assert out.token_ids == ref.token_ids
             committed, steps = committed + out.stats.committed_tokens, steps + out.stats.verify_steps
@@ -126,6 +126,25 @@ def test_rejected_branches_and_preemption_leave_the_grammar_in_step(tiny_engine)
     for (p, kw), ids in zip(requests, got):
         end = next(i for i, t in enumerate(ids) if t in small.eos_ids)
         assert _accepts(small.grammars, kw["constraint"], ids[:end + 1])
+
+
+def test_a_plain_round_takes_on_what_the_grammar_forces(tiny_engine):
+    """`forced`: each token the only one legal after those before it. `auto`'s plain rounds (here lookup is off and
+    the random drafter never pays) verify them with the root, so a round commits a forced run and the target's
+    next token at once, and the output is `ar`'s."""
+    regex = r'(\{"key": [0-9]\}\n){12}'
+    state = GrammarState(tiny_engine.grammars.compile(Constraint("regex", regex)), tiny_engine.vocab_size)
+    chain = state.forced(8)
+    assert chain
+    for i, token in enumerate(chain):
+        allowed = state.allowed(chain[:i])
+        assert allowed.sum() == 1 and allowed[token]
+    assert len(chain) == 8 or state.allowed(chain).sum() > 1
+    kw = dict(max_new_tokens=64, constraint=Constraint("regex", regex), lookup=False)
+    ref = tiny_engine.generate(PROMPTS[0], method="ar", **kw)
+    out = tiny_engine.generate(PROMPTS[0], method="ddtree", budget="auto", **kw)
+    assert out.token_ids == ref.token_ids
+    assert any(not r.drafted and r.committed > 1 for r in out.stats.rounds)
 
 
 def test_the_tree_grows_only_legal_tokens_and_a_forced_token_is_certain(tiny_engine):

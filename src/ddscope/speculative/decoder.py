@@ -22,6 +22,7 @@ from ddscope.speculative.sampling import Noise, SamplingParams, TokenLogprob, fi
 from ddscope.speculative.tree import DraftTree, Steer, root_only
 from ddscope.structured.walk import GrammarState
 
+FORCED_MAX = 8  # tokens a plain round takes on where the grammar forces them (within a proposer's max_nodes)
 SCORE_ROWS = 512  # prompt rows scored at a time (echo with logprobs): bounds the logits to 512 x vocab
 
 
@@ -147,6 +148,8 @@ class Decoder:
         if tree is None:
             tree = self.proposer.tree(self.tokens[-1], draft_logits, self.sampling, start, self.tokens, self.steer)
         if self.grammar is not None:
+            if draft_logits is None and self.proposer.uses_drafter:  # a plain round: what the grammar forces is certain
+                tree.graft(self.grammar.forced(FORCED_MAX))
             tree = self.grammar.prune(tree)
         tokens = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor(tree.depths, dtype=torch.long, device=self.device) + start

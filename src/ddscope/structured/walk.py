@@ -136,6 +136,15 @@ class GrammarState:
         except IllegalPath:
             return False
 
+    def forced(self, most: int) -> list[int]:
+        """The tokens the grammar forces next (each the only legal one after those before it), at most `most`:
+        certain, whatever the target, so a round verifies them without a drafter."""
+        path: list[int] = []
+        with self._timed:
+            while len(path) < most and (mask := self.mask(path)) is not None and mask.count == 1:
+                path.append(int(mask.ids[0]))
+        return path
+
     def children(self, logprobs: torch.Tensor, k: int) -> Children:
         """Each node's `k` likeliest legal tokens (Mask.best), for best-first growth under the grammar; nodes
         with the same legal set at the same depth share one list."""
