@@ -15,6 +15,7 @@ from ddscope.bench.synthetic_models import oracle_engine
 from ddscope.engine import Engine
 from ddscope.speculative.sampling import SamplingParams, first_max
 from ddscope.speculative.tree import best_first
+from ddscope.structured.backend import backend_class
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
 from ddscope.structured import masks
@@ -145,6 +146,17 @@ def test_a_plain_round_takes_on_what_the_grammar_forces(tiny_engine):
     out = tiny_engine.generate(PROMPTS[0], method="ddtree", budget="auto", **kw)
     assert out.token_ids == ref.token_ids
     assert any(not r.drafted and r.committed > 1 for r in out.stats.rounds)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_each_backend_says_cheaply_whether_the_next_bytes_are_forced(tiny_engine, backend):
+    """`forces`, the test before `forced`'s fills: true at a string's opening quote, false inside it."""
+    b = backend_class(backend)(tiny_engine.tokenizer, tiny_engine.vocab_size, list(tiny_engine.eos_ids))
+    b.ready()
+    m = b.compile(Constraint("regex", '"[a-z]*"')).matcher()
+    assert m.forces()
+    quote = next(t for t in range(tiny_engine.vocab_size) if tiny_engine.tokenizer.decode([t]) == '"')
+    assert m.accept(quote) and not m.forces()
 
 
 def test_the_tree_grows_only_legal_tokens_and_a_forced_token_is_certain(tiny_engine):

@@ -63,6 +63,9 @@ class GuidanceMatcher:
     def fill(self, bitmask: Any) -> None:
         self.m.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask[0].numel() * bitmask.element_size())
 
+    def forces(self) -> bool:
+        return not self.terminated and bool(self.m.compute_ff_bytes())
+
 
 class GuidanceBackend(Backend):
     name = "guidance"

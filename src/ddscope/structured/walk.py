@@ -141,6 +141,9 @@ class GrammarState:
         certain, whatever the target, so a round verifies them without a drafter."""
         path: list[int] = []
         with self._timed:
+            self._goto(())
+            if not self.matcher.forces():  # nothing forced: no fill (xgrammar's may take 100 us)
+                return path
             while len(path) < most and (mask := self.mask(path)) is not None and mask.count == 1:
                 path.append(int(mask.ids[0]))
         return path

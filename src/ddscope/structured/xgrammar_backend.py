@@ -91,6 +91,9 @@ class XGrammarMatcher:
     def fill(self, bitmask: Any) -> None:
         self.m.fill_next_token_bitmask(bitmask)
 
+    def forces(self) -> bool:
+        return bool(self.m.find_jump_forward_string())
+
 
 class XGrammarBackend(Backend):
     name = "xgrammar"
