@@ -108,7 +108,8 @@ def test_rejected_branches_and_preemption_leave_the_grammar_in_step(tiny_engine)
     recomputed: every constrained output equals its run alone, and matches its constraint up to its end (decoding
     goes on past it, ignore_eos, so that the load outgrows the pool)."""
     plans = [("json", "ddtree", 16), ("regex", "dflash", None), ("grammar", "ddtree", 8), ("json", "ar", None),
-             ("choice", "ddtree", 32), ("regex", "ddtree", 16), ("json", "dflash", None), ("grammar", "ddtree", 32)]
+             ("choice", "ddtree", 32), ("regex", "ddtree", 16), ("json", "dflash", None), ("grammar", "ddtree", 32),
+             ("json", "ddtree", "auto"), ("regex", "ddtree", "auto")]
     requests = [(PROMPTS[i % 3], dict(method=m, budget=b, max_new_tokens=100, ignore_eos=True,
                                       constraint=CONSTRAINTS[k][0])) for i, (k, m, b) in enumerate(plans * 2)]
     alone = oracle_engine(tiny_engine, accuracy=0.5)
@@ -150,13 +151,15 @@ def test_a_plain_round_takes_on_what_the_grammar_forces(tiny_engine):
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_each_backend_says_cheaply_whether_the_next_bytes_are_forced(tiny_engine, backend):
-    """`forces`, the test before `forced`'s fills: true at a string's opening quote, false inside it."""
+    """`forces`, the test before `forced`'s fills: true at a string's opening quote, false inside it, and false past
+    the grammar's stop token (ignore_eos decodes on there; xgrammar raises if asked)."""
     b = backend_class(backend)(tiny_engine.tokenizer, tiny_engine.vocab_size, list(tiny_engine.eos_ids))
     b.ready()
     m = b.compile(Constraint("regex", '"[a-z]*"')).matcher()
     assert m.forces()
     quote = next(t for t in range(tiny_engine.vocab_size) if tiny_engine.tokenizer.decode([t]) == '"')
     assert m.accept(quote) and not m.forces()
+    assert m.accept(quote) and m.accept(tiny_engine.eos_ids[0]) and m.is_terminated() and not m.forces()
 
 
 def test_the_tree_grows_only_legal_tokens_and_a_forced_token_is_certain(tiny_engine):

@@ -160,8 +160,9 @@ class AutoBudget:
     def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
         """Whether drafted rounds commit faster than plain ones would (down to `skip_below` of them while drafting
         goes on, RESUME_ABOVE to resume it): this round's (its lookup branch as recent rounds scored it), or plain
-        rounds as measured over the stretches of text they ran on, whichever is the faster (a branch that just missed at a seam of a repeating text is back at full length rounds later). Both
-        rates are learned across requests alike: what a drafted round commits is the text's as much."""
+        rounds as measured over the stretches of text they ran on, whichever is the faster (a branch that just
+        missed at a seam of a repeating text is back at full length rounds later). Both rates are learned across
+        requests alike: what a drafted round commits is the text's as much."""
         m = self.learned
         tokens = 1 + lookup_len
         plain_ms = self.cost.at(ctx, tokens) * (m.plain_ratio or m.cost.at(tokens))

@@ -96,7 +96,7 @@ class Mask:
 
     @property
     def legal(self) -> np.ndarray:
-        """bool [vocab]: the legal tokens (on a little-endian host, token 32 w + i is bit i % 8 of byte 4 w + i // 8)."""
+        """bool [vocab]: the legal tokens (little-endian words: token 32 w + i is bit i % 8 of byte 4 w + i // 8)."""
         if self._legal is None:
             self._legal = np.unpackbits(np.frombuffer(self.bits, dtype=np.uint8), bitorder="little")[:self.vocab]
             self._legal = self._legal.view(bool)

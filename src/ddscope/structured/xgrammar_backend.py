@@ -91,8 +91,8 @@ class XGrammarMatcher:
     def fill(self, bitmask: Any) -> None:
         self.m.fill_next_token_bitmask(bitmask)
 
-    def forces(self) -> bool:
-        return bool(self.m.find_jump_forward_string())
+    def forces(self) -> bool:  # xgrammar raises where asked past its stop token
+        return not self.m.is_terminated() and bool(self.m.find_jump_forward_string())
 
 
 class XGrammarBackend(Backend):
