@@ -331,8 +331,8 @@ def test_lookup_branches_compete_with_the_trees_for_the_batchs_rows():
     loop.lookup_hits, loop.lookup_misses = 6.0, 1.0  # each token right 6 times in 7
     history = [1, 2, 3, 4, 5, 6, 7] * 4
     good = loop.branch_chances(history)
-    assert len(good) == 13 and good == sorted(good, reverse=True)  # what it earned: 2 x 6 + 1
-    assert math.isclose(sum(math.exp(c) for c in good), 6.0 * (1 - (6 / 7) ** 13), rel_tol=1e-6)
+    assert len(good) == LOOKUP_MAX and good == sorted(good, reverse=True)  # lookup's whole proposal
+    assert math.isclose(sum(math.exp(c) for c in good), 6.0 * (1 - (6 / 7) ** LOOKUP_MAX), rel_tol=1e-6)
     poor = [k * math.log(0.05) for k in range(1, 4)]
     sizes, lengths = budget.sizes([tree, tree], [good, poor], [100, 100], [], draft_ms=2.0, commits=0)
     alone, _ = budget.sizes([tree, tree], [[], []], [100, 100], [], draft_ms=2.0, commits=0)
@@ -342,11 +342,27 @@ def test_lookup_branches_compete_with_the_trees_for_the_batchs_rows():
     assert plain[0] >= 8 and plain[1] == 0
     _, crowded = budget.sizes([[]] * 16, [good] * 16, [100] * 16, [], draft_ms=0.0, commits=0)
     assert all(0 < n < plain[0] for n in crowded)
-    # the length chosen is grafted, at most what the branch earned
+    # the length chosen is grafted; a fixed budget's drafted round grafts what the branch earned
     loop.branch = 3
     grafted = loop.tree(7, None, SamplingParams(), 27, history)
     assert grafted.tokens == [7, 1, 2, 3]
     assert len(loop.tree(7, None, SamplingParams(), 28, history + [1]).tokens) == 1 + loop._branch_length()
+
+
+def test_a_plain_round_takes_as_much_of_a_run_as_lookups_chances_pay_for_not_what_rounds_earned():
+    """Just past a seam (a miss cut the decayed score to about one token a round) lookup still has its run right
+    nine times in ten: a plain `auto` round verifies most of the proposal, not the two tokens the score earned
+    (a round scores only what it committed, so the score would take rounds to double back). Where lookup is
+    seldom right, the same round verifies nothing of it."""
+    policy = AutoBudget(_linear_cost(base=4.0, per_token=0.1))
+    proposer = DDTree(policy)
+    history = [5] * 40  # a run: lookup proposes LOOKUP_MAX more of it
+    proposer.lookup_gain, proposer.lookup_hits, proposer.lookup_misses = 0.6, 9.0, 1.0
+    assert proposer._propose(history) == 2  # what the rounds earned
+    tree = proposer.tree(5, None, SamplingParams(), 100, history)
+    assert tree.size >= 8 and tree.tokens == [5] * (1 + tree.size)
+    proposer.lookup_hits, proposer.lookup_misses = 0.2, 9.8  # right one time in fifty
+    assert proposer.tree(5, None, SamplingParams(), 100, history + [5]).size == 0
 
 
 def test_the_batch_stops_drafting_where_plain_steps_commit_faster_and_probes_now_and_then():

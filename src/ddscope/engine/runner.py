@@ -103,7 +103,7 @@ class Runner:
         lean = new_tokens >= LEAN_PREFILL and any(_first_token(s, n) for s, n in batch.prefills)
         auto_drafts = shared.drafts(len(batch.decodes)) and not lean if shared else False
         drafting = [s for s in batch.decodes if not (lean and s in auto) and (
-            auto_drafts if shared and s in auto else s.proposer.drafts(s.length))]
+            auto_drafts if shared and s in auto else s.proposer.drafts(s.length, s.tokens))]
         drafts = dict(zip(drafting, self._draft(drafting)))
         t1 = self.clock()
         if shared:

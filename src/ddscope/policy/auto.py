@@ -157,16 +157,16 @@ class AutoBudget:
         _, rate = self._best_prefix(perfect.scores[1:], ctx, self._draft_ms(ctx))
         return rate > self.skip_below / (self.cost.at(ctx, 1) * (m.plain_ratio or m.cost.at(1)))
 
-    def _drafting_pays(self, ctx: int, lookup_gain: float, lookup_len: int) -> bool:
+    def _drafting_pays(self, ctx: int, lookup_adds: float, lookup_len: int) -> bool:
         """Whether drafted rounds commit faster than plain ones would (down to `skip_below` of them while drafting
-        goes on, RESUME_ABOVE to resume it): this round's (its lookup branch as recent rounds scored it), or plain
+        goes on, RESUME_ABOVE to resume it): this round's (the lookup branch its chances would size), or plain
         rounds as measured over the stretches of text they ran on, whichever is the faster (a branch that just
         missed at a seam of a repeating text is back at full length rounds later). Both rates are learned across
         requests alike: what a drafted round commits is the text's as much."""
         m = self.learned
         tokens = 1 + lookup_len
         plain_ms = self.cost.at(ctx, tokens) * (m.plain_ratio or m.cost.at(tokens))
-        plain = (1 + lookup_gain) / plain_ms
+        plain = (1 + lookup_adds) / plain_ms
         if m.plain_ms:  # measured (and not on a clock that charged it nothing)
             plain = max(plain, m.plain_committed / m.plain_ms)
         return m.committed / m.drafted_ms > (self.skip_below if m.drafting else RESUME_ABOVE) * plain

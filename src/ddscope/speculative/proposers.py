@@ -45,8 +45,8 @@ class BudgetPolicy(Protocol):
 class Proposer(ABC):
     uses_drafter = True
 
-    def drafts(self, ctx_len: int) -> bool:
-        """Whether to run the drafter this round."""
+    def drafts(self, ctx_len: int, history: list[int] = ()) -> bool:
+        """Whether to run the drafter this round (`history`: the tokens so far, the last one the root)."""
         return self.uses_drafter
 
     @abstractmethod
@@ -102,11 +102,13 @@ class DDTree(Proposer):
     its first miss. So lookup is measured at no verify cost where it has stopped paying (sampling, text
     that does not repeat), and a loop the drafter already commits is seen within a round, not over the
     rounds a branch takes to grow. `auto` weighs the branch as what a round without the drafter would
-    commit, once `TRUSTED_AFTER` rounds have measured it, and in a round without the drafter verifies only
-    as much of it as its chances pay for (a verified token doubles what a plain round verifies). In a batch, the
-    branch competes with every tree's nodes for the step's rows (BatchBudget), and gets the length it wins there,
-    at most what it earned. In `auto`'s quiet rounds (its `quiet`: the target's own law ruled drafting out)
-    lookup neither proposes nor is scored.
+    commit, once `TRUSTED_AFTER` rounds have measured it. In a round without the drafter, and in a batch, it
+    sizes the branch itself: as much of lookup's whole proposal as its chances pay for in rows (alone: `branch`,
+    against a plain round's cost; in a batch: BatchBudget, against every tree's nodes), not what the last rounds
+    earned, since a round scores only as many tokens as it committed: a run of text lookup has right (a
+    newline run in JSON, a loop) is taken in one or two rounds, not over rounds that double the branch. In
+    `auto`'s quiet rounds (its `quiet`: the target's own law ruled drafting out) lookup neither proposes nor is
+    scored.
     """
 
     TRUSTED_AFTER = 4
@@ -137,24 +139,33 @@ class DDTree(Proposer):
             tree = self.policy.tree(root, sampling.log_probs(draft_logits), ctx_len, steer)
         self.rounds += 1
         if self.lookup is not None and history and not self._quiet:
-            earned = self._propose(history)
-            length = earned if self.branch is None else min(self.branch, earned)
-            if length and self.branch is None and draft_logits is None and self.policy is not None:
-                length = self.policy.branch(self.branch_chances(history), ctx_len)  # what its rows pay for
+            if self.branch is not None:  # a batch's budget chose it from branch_chances
+                length = self.branch
+            elif draft_logits is None and self.policy is not None:
+                length = self._plain_branch(history, ctx_len)[1]
+            else:
+                length = self._propose(history)
             if length:
                 tree.graft(self._proposal[:length])
         self.branch = None
         return tree
 
     def branch_chances(self, history: list[int]) -> list[float]:
-        """Log-chances of the branch's tokens (as long as recent rounds earned), for a batch's budget to size
-        against the trees' nodes (`branch` then set), and for `auto` to size a plain round's: each token in a
-        row right with lookup's chance p (`lookup_hits`), so the k-th has p^k."""
-        length = self._propose(history) if self.lookup is not None and history else 0
-        if not length:
+        """Log-chances of the tokens of lookup's whole proposal (none once lookup stopped paying), for a batch's
+        budget to size against the trees' nodes (`branch` then set), and for `auto` to size a plain round's:
+        each token in a row right with lookup's chance p (`lookup_hits`), so the k-th has p^k."""
+        if self.lookup is None or not history or not self._propose(history):
             return []
+        length = len(self._proposal)
         log_p = math.log(max(self.lookup_hits, 1e-9) / (self.lookup_hits + self.lookup_misses))
         return [k * log_p for k in range(1, length + 1)]
+
+    def _plain_branch(self, history: list[int], ctx_len: int) -> tuple[float, int]:
+        """A plain round's branch, as much of lookup's proposal as its rows pay for: (expected accepted tokens,
+        length)."""
+        chances = self.branch_chances(history)
+        n = self.policy.branch(chances, ctx_len) if chances else 0
+        return sum(math.exp(c) for c in chances[:n]), n
 
     def _propose(self, history: list[int]) -> int:
         """Lookup's continuation of `history` (once a round); returns the length of branch recent rounds earned."""
@@ -177,7 +188,7 @@ class DDTree(Proposer):
         """What recent rounds earned; 0 once lookup stopped paying (it is still scored, unverified)."""
         return 0 if self.lookup_gain < 0.2 else min(LOOKUP_MAX, int(2 * self.lookup_gain + 1))
 
-    def drafts(self, ctx_len: int) -> bool:
+    def drafts(self, ctx_len: int, history: list[int] = ()) -> bool:
         if self.policy is None:
             return True
         self._quiet = self.policy.quiet
@@ -185,7 +196,7 @@ class DDTree(Proposer):
             return False
         if self.lookup is None or self.rounds < self.TRUSTED_AFTER:
             return self.policy.drafts(ctx_len)
-        return self.policy.drafts(ctx_len, (self.lookup_gain, self._branch_length()))
+        return self.policy.drafts(ctx_len, self._plain_branch(history, ctx_len))
 
     def observe(self, rnd: RoundStats, path: list[int], committed: list[int]) -> None:
         if self._quiet:
