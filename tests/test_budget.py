@@ -198,7 +198,8 @@ def test_a_seam_where_lookup_just_missed_brings_no_draft_back_while_plain_rounds
 def test_drafting_goes_on_near_break_even_but_resumes_only_where_it_clearly_pays():
     """Drafted and plain rounds both commit 2.5 tokens a ms: drafting goes on (down to `skip_below` of plain rounds),
     but once stopped it does not resume there (a resume restarts the probes' backoff: under a grammar it flapped,
-    journal 2026-12-07); drafted rounds at 1.2x plain rounds' rate bring it back."""
+    journal 2026-12-07); drafted rounds at 1.2x plain rounds' rate bring it back, where the sequence's latest probe
+    (of the text at hand) did as well as the average (which remembers the texts before it)."""
     policy = AutoBudget(cost(0.02))
     for _ in range(8):
         drafted(policy, committed=10, step_ms=4.0)
@@ -211,7 +212,11 @@ def test_drafting_goes_on_near_break_even_but_resumes_only_where_it_clearly_pays
     m.drafting = False
     assert not policy._drafting_pays(0, 0.0, 0)
     m.drafted_ms /= 1.2
+    policy.probed = 1.2 * m.plain_committed / m.plain_ms
     assert policy._drafting_pays(0, 0.0, 0)
+    policy.probed /= 1.2  # this text's latest probe at par: the average alone brings no draft back
+    assert not policy._drafting_pays(0, 0.0, 0)
+    assert not AutoBudget(cost(0.02), m)._drafting_pays(0, 0.0, 0)  # nor in a sequence that has not probed
 
 
 def test_no_probe_while_plain_rounds_commit_nearly_a_block():

@@ -73,6 +73,7 @@ class AutoBudget:
         self.block = block  # the most a drafted round commits: the drafter's block
         self.learned = learned or Learned()
         self.since_draft = 0
+        self.probed: float | None = None  # this sequence's latest drafted round's tokens a ms (a probe of its text)
         # The drafter's reach back from a block (None: all context). Within it, features can be paused while the
         # target's law rules drafting out, and a probe waits until the reach holds fresh ones again.
         self.reach = reach if reach is not None and reach <= PAUSE_REACH else None
@@ -169,7 +170,10 @@ class AutoBudget:
         plain = (1 + lookup_adds) / plain_ms
         if m.plain_ms:  # measured (and not on a clock that charged it nothing)
             plain = max(plain, m.plain_committed / m.plain_ms)
-        return m.committed / m.drafted_ms > (self.skip_below if m.drafting else RESUME_ABOVE) * plain
+        if m.drafting:
+            return m.committed / m.drafted_ms > self.skip_below * plain
+        # A resume needs a probe of this text to pay too: the averages hold the texts drafting paid on before.
+        return self.probed is not None and min(m.committed / m.drafted_ms, self.probed) > RESUME_ABOVE * plain
 
     def candidates(self) -> int:
         """Nodes worth building: half again the last choice, so a growing optimum is found within rounds."""
@@ -247,6 +251,7 @@ class AutoBudget:
         m.drafted_rounds += 1
         m.committed = average(m.committed, rnd.committed)
         m.drafted_ms = average(m.drafted_ms, clipped(rnd.step_ms, m.drafted_ms))
+        self.probed = rnd.committed / rnd.step_ms if rnd.step_ms else None
         m.draft_ms = average(m.draft_ms, rnd.draft_ms)
         m.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self.cost.at(rnd.ctx_len, rnd.nodes + 1))
         self._observe_acceptance(path)

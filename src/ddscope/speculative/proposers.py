@@ -96,12 +96,12 @@ class DFlash(Proposer):
 class DDTree(Proposer):
     """The drafter's best-first tree, plus a prompt-lookup branch (ddscope.speculative.lookup) when the text has one.
 
-    The branch is as long as recent rounds earned: `2 x` the decayed mean of lookup's score, plus 1, up to
-    LOOKUP_MAX, so a loop gets whole blocks. A round scores lookup's whole proposal, grafted or not,
-    against the tokens it committed (the target's own, whatever the tree): the tokens it got right before
-    its first miss. So lookup is measured at no verify cost where it has stopped paying (sampling, text
-    that does not repeat), and a loop the drafter already commits is seen within a round, not over the
-    rounds a branch takes to grow. `auto` weighs the branch as what a round without the drafter would
+    Beside a drafted tree alone, the branch is as long as recent rounds earned: `2 x` the decayed mean of
+    lookup's score, plus 1, up to LOOKUP_MAX, so a loop gets whole blocks. A round scores lookup's whole
+    proposal, grafted or not, against the tokens it committed (the target's own, whatever the tree): the tokens
+    it got right before its first miss. So lookup is measured at no verify cost where it has stopped paying
+    (sampling, text that does not repeat), and a loop the drafter already commits is seen within a round, not
+    over the rounds a branch takes to grow. `auto` weighs the branch as what a round without the drafter would
     commit, once `TRUSTED_AFTER` rounds have measured it. In a round without the drafter, and in a batch, it
     sizes the branch itself: as much of lookup's whole proposal as its chances pay for in rows (alone: `branch`,
     against a plain round's cost; in a batch: BatchBudget, against every tree's nodes), not what the last rounds
