@@ -16,13 +16,15 @@ from ddscope.server.launch import serve_in_background
 from ddscope.server.state import Surface
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
-from ddscope.structured.schema import MAX_NESTING
+from ddscope.structured.schema import MAX_NESTING, exclusive
 
 FIXTURES = Path(__file__).parent / "fixtures" / "schemas"
 CODE = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
         "required": ["code"], "additionalProperties": False}
 ONE_OF = {"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 4}]}},
           "required": ["n"]}
+OVERLAPPING = {"type": "object", "properties": {"n": {"oneOf": [{"type": "integer", "minimum": 0},
+                                                                {"type": "number", "maximum": 9}]}}, "required": ["n"]}
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +46,62 @@ def test_pattern_with_a_length_is_enforced_by_guidance_or_refused_by_name(demo):
     assert not all(m.accept(t) for t in ids)  # the fourth letter is refused
 
 
-def test_one_of_is_refused_by_xgrammar_and_enforced_by_guidance(demo):
+def test_a_one_of_whose_branches_may_overlap_is_refused_by_name(demo):
+    """1 to 9 match both branches: xgrammar would read the oneOf as anyOf, and llguidance cannot tell them apart."""
     with pytest.raises(ConstraintError, match=re.escape("oneOf at $.properties.n is read as anyOf")):
-        demo.grammars.compile(json_c(ONE_OF), "xgrammar")
+        demo.grammars.compile(json_c(OVERLAPPING), "xgrammar")
+    with pytest.raises(ConstraintError, match=re.escape("oneOf at $.properties.n")):
+        demo.grammars.compile(json_c(OVERLAPPING), "auto")
+
+
+def test_a_one_of_of_exclusive_branches_compiles_under_both_backends_and_holds(demo):
+    """Branches no instance can match twice (apart types here) make oneOf anyOf exactly: xgrammar enforces it."""
     assert demo.grammars.compile(json_c(ONE_OF), "guidance").backend == "guidance"
+    m = demo.grammars.compile(json_c(ONE_OF), "xgrammar").matcher()
+
+    def takes(text: str) -> bool:
+        ids = demo.tokenizer.encode(text, add_special_tokens=False)
+        taken = 0
+        for t in ids:
+            if not m.accept(t):
+                break
+            taken += 1
+        m.rollback(taken)
+        return taken == len(ids)
+    assert takes('{"n":12}') and takes('{"n":"abcd"}')
+    assert not takes('{"n":"abcde"') and not takes('{"n":true')
+
+
+@pytest.mark.parametrize("branches, apart", [
+    ([{"type": "integer"}, {"type": "string"}], True),
+    ([{"type": "integer"}, {"type": "number"}], False),  # 1 is both
+    ([{"type": ["string", "null"]}, {"type": "null"}], False),
+    ([{"type": "string"}, {"minLength": 2}], False),  # a branch without a type allows every type
+    ([{"const": "a"}, {"enum": ["b", "c"]}], True),
+    ([{"enum": [1, "x"]}, {"const": 1.0}], False),  # 1 and 1.0 are one JSON number
+    ([{"const": True}, {"const": 1}], True),
+    ([{"type": "object", "required": ["kind"], "properties": {"kind": {"const": "a"}}},
+      {"type": "object", "required": ["kind", "x"], "properties": {"kind": {"enum": ["b"]}}}], True),
+    ([{"type": "object", "properties": {"kind": {"const": "a"}}},  # not required: {} matches both
+      {"type": "object", "required": ["kind"], "properties": {"kind": {"const": "b"}}}], False),
+    ([{"required": ["kind"], "properties": {"kind": {"const": "a"}}},  # not objects only: "s" matches both
+      {"required": ["kind"], "properties": {"kind": {"const": "b"}}}], False),
+    ([{"type": "object"}, {"const": False}], True),  # codecov's `comment`: a block, or false
+    ([{"type": "integer"}, {"enum": [2.0, "x"]}], False),
+    ([{"anyOf": [{"type": "object"}, {"type": "array"}]}, {"type": "string"}], True),
+    ([{"anyOf": [{"type": "object"}, {"minLength": 1}]}, {"type": "string"}], False),
+    ([{"allOf": [{"$ref": "#/$defs/s"}, {"minLength": 1}]}, {"type": "number"}], True),
+    ([{"type": "object", "properties": {"task": {}}, "required": ["task"], "additionalProperties": False},
+      {"type": "object", "properties": {"defer": {}}, "required": ["defer"]}], True),  # `defer` is not A's
+    ([{"type": "object", "properties": {"task": {}}, "required": ["task"]},  # open: {task, defer} matches both
+      {"type": "object", "properties": {"defer": {}}, "required": ["defer"]}], False),
+    ([{"$ref": "#/$defs/s"}, {"$ref": "#/$defs/n"}], True),
+    ([{"$ref": "#/$defs/s"}, {"$ref": "https://example.com/n.json"}], False),
+    ([{"$ref": "#/$defs/loop"}, {"type": "string"}], False),
+])
+def test_one_of_branches_read_as_exclusive_only_where_no_instance_can_match_two(branches, apart):
+    root = {"$defs": {"s": {"type": "string"}, "n": {"type": "number"}, "loop": {"$ref": "#/$defs/loop"}}}
+    assert exclusive(branches, root) is apart
 
 
 @pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])
@@ -135,13 +189,42 @@ def test_the_backend_is_chosen_by_the_structured_outputs_config(demo, backend, s
         StructuredOutputsConfig.parse('{"backend": "outlines"}')
 
 
-def test_the_coverage_benchmark_runs_on_the_fixture_corpus():
+def coverage_bench():
+    """benchmarks/structured/schema_coverage.py, imported."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("schema_coverage", Path(__file__).parents[1] / "benchmarks" /
                                                   "structured" / "schema_coverage.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bfcl_parameters_become_the_json_schema_its_openai_handlers_send(tmp_path):
+    """BFCL writes Python-ish types (`dict`, `float`, `tuple`, none at all); the corpus holds what its OpenAI
+    handlers send instead, which compiles and validates as JSON Schema."""
+    import jsonschema
+
+    bench = coverage_bench()
+    params = {"type": "dict", "required": ["point", "scale"], "properties": {
+        "point": {"type": "tuple", "items": {"type": "float"}, "description": "x, y"},
+        "scale": {"type": "float", "description": "a factor"},
+        "meta": {"type": "dict", "properties": {"tag": {"description": "no type"}, "n": {"type": "long"}}}}}
+    schema = bench.openai_parameters(params)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["type"] == "object" and schema["properties"]["point"] == {
+        "type": "array", "items": {"type": "number", "format": "float"}, "description": "x, y"}
+    assert schema["properties"]["scale"] == {"type": "number", "format": "float", "description": "a factor"}
+    assert schema["properties"]["meta"]["properties"] == {"tag": {"type": "string", "description": "no type"},
+                                                          "n": {"type": "integer"}}
+    assert params["type"] == "dict"  # the record itself untouched
+    jsonschema.validate({"point": [1.5, 2], "scale": 0.5, "meta": {"tag": "a"}}, schema)
+    engine = Engine.load()
+    assert bench.compile_one(engine, schema, "auto")[0] is not None
+
+
+def test_the_coverage_benchmark_runs_on_the_fixture_corpus():
+    bench = coverage_bench()
     rows = bench.main([str(FIXTURES), "--backends", "xgrammar,auto", "--sample", "2", "--max-tokens", "64"])
     by = {(r["backend"], Path(r["schema"]).stem): r for r in rows}
     assert not by["xgrammar", "pattern_maxlength"]["compiled"] and by["auto", "pattern_maxlength"]["by"] == "guidance"

@@ -5,6 +5,7 @@ Only the keywords that hold schemas are walked into, so a property named like a 
 {"additionalProperties": false}`) is a property, never the keyword."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +119,94 @@ def rebuild(node: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
         if isinstance(node.get(key), dict):
             out[key] = rebuild(node[key], fn)
     return fn(out)
+
+
+def exclusive(branches: list[Any], root: Any) -> bool:
+    """Whether no instance can match two of `branches`, so that oneOf means what anyOf does: each pair allows
+    apart JSON types (named, or those of its const/enum values, its anyOf's or its allOf's), or apart const/enum
+    values, or, objects both, requires a property whose const/enum values are apart (a discriminator), or a
+    property the other, closed, does not name. Only what it can read counts: a branch without a type, or behind a
+    $ref outside the document, overlaps every other."""
+    read = [_target(b, root) for b in branches]
+    return all(_apart(a, b, root) for i, a in enumerate(read) for b in read[i + 1:])
+
+
+def _target(node: Any, root: Any) -> dict[str, Any]:
+    """The subschema a local $ref leads to (followed while it leads on; an external or unknown one: {}, any
+    instance). Under draft 7 a $ref's siblings are ignored, and later drafts only narrow them, so the target
+    bounds both."""
+    seen: set[str] = set()
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        ref = node["$ref"]
+        if ref in seen or not ref.startswith("#/"):
+            return {}
+        seen.add(ref)
+        node = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
+def _apart(a: dict[str, Any], b: dict[str, Any], root: Any) -> bool:
+    ka, kb = _kinds(a, root), _kinds(b, root)
+    if ka and kb and not any(_overlap(x, y) for x in ka for y in kb):
+        return True
+    if _allowed(a) is not None and _allowed(b) is not None and not _allowed(a) & _allowed(b):
+        return True
+    if not types(a) == types(b) == {"object"}:  # `required` binds objects only: a string would match both
+        return False
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    ra, rb = set(a.get("required") or ()), set(b.get("required") or ())
+    if (_closed(a) and rb - set(pa)) or (_closed(b) and ra - set(pb)):
+        return True
+    return any(isinstance(pa.get(k), dict) and isinstance(pb.get(k), dict) and _allowed(pa[k]) is not None
+               and _allowed(pb[k]) is not None and not _allowed(pa[k]) & _allowed(pb[k]) for k in ra & rb)
+
+
+def _kinds(node: dict[str, Any], root: Any, depth: int = 0) -> set[str]:
+    """The JSON types an instance of `node` can have, as far as it says (empty: any)."""
+    if types(node) or depth > 8:
+        return types(node)
+    if (values := _allowed(node)) is not None:
+        return {kind for kind, _ in values}
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and node[key]:
+            found = [_kinds(_target(b, root), root, depth + 1) for b in node[key]]
+            if all(found):
+                return set().union(*found)
+    known = [k for b in node.get("allOf") or () if (k := _kinds(_target(b, root), root, depth + 1))]
+    return set.intersection(*known) if known else set()
+
+
+def _closed(node: dict[str, Any]) -> bool:
+    """An object that takes no property but those it names."""
+    return node.get("additionalProperties") is False and not node.get("patternProperties")
+
+
+def _overlap(x: str, y: str) -> bool:
+    return x == y or {x, y} == {"integer", "number"}
+
+
+def _allowed(node: dict[str, Any]) -> set[tuple[str, str]] | None:
+    """The values a subschema's const or enum allows, each as (its JSON type, itself as JSON compares it: 1 ==
+    1.0, true != 1); None: not bounded so."""
+    if "const" in node:
+        found = [node["const"]]
+    elif isinstance(node.get("enum"), list):
+        found = node["enum"]
+    else:
+        return None
+    return {_value(v) for v in found}
+
+
+def _value(v: Any) -> tuple[str, str]:
+    if isinstance(v, bool):
+        return "boolean", json.dumps(v)
+    if isinstance(v, (int, float)):
+        return ("integer" if float(v).is_integer() else "number"), repr(float(v))
+    kind = {str: "string", list: "array", dict: "object", type(None): "null"}.get(type(v), "string")
+    return kind, json.dumps(v, sort_keys=True)
 
 
 def is_object(node: dict[str, Any]) -> bool:

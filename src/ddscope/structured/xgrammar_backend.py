@@ -13,7 +13,7 @@ from typing import Any
 
 from ddscope.structured.backend import Backend, Compiled, Matcher
 from ddscope.structured.constraint import Constraint, ConstraintError, first_line
-from ddscope.structured.schema import Gap, is_object, rebuild, subschemas, types
+from ddscope.structured.schema import Gap, exclusive, is_object, rebuild, subschemas, types
 
 # Accepted by xgrammar and not enforced: an output that breaks them is served as valid.
 IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired",
@@ -26,14 +26,16 @@ LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # fsm_builder.cc: "Lookahead asse
 
 def schema_gaps(schema: Any) -> list[Gap]:
     """Every keyword of `schema` xgrammar would drop, with its path."""
-    return [gap for node, path in subschemas(schema) for gap in _node_gaps(node, path)]
+    return [gap for node, path in subschemas(schema) for gap in _node_gaps(node, path, schema)]
 
 
-def _node_gaps(node: dict[str, Any], path: str) -> list[Gap]:
+def _node_gaps(node: dict[str, Any], path: str, root: Any) -> list[Gap]:
     out = [Gap(k, path) for k in IGNORED if k in node]
-    for key, why in (("oneOf", "is read as anyOf"), ("allOf", "is only partly enforced")):
-        if isinstance(node.get(key), list) and len(node[key]) > 1:
-            out.append(Gap(key, path, why))
+    branches = node.get("oneOf")
+    if isinstance(branches, list) and len(branches) > 1 and not exclusive(branches, root):
+        out.append(Gap("oneOf", path, "is read as anyOf, and its branches may overlap"))
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        out.append(Gap("allOf", path, "is only partly enforced"))
     ref = node.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         out.append(Gap("$ref", path, f"{ref!r} is external and is not fetched"))
