@@ -95,6 +95,8 @@ def test_a_one_of_of_exclusive_branches_compiles_under_both_backends_and_holds(d
       {"type": "object", "properties": {"defer": {}}, "required": ["defer"]}], True),  # `defer` is not A's
     ([{"type": "object", "properties": {"task": {}}, "required": ["task"]},  # open: {task, defer} matches both
       {"type": "object", "properties": {"defer": {}}, "required": ["defer"]}], False),
+    ([{"type": "object", "required": ["defer"], "properties": {"defer": {"$ref": "#/$defs/s"}}},  # taskfile's
+      {"type": "object", "required": ["defer"], "properties": {"defer": {"type": "object"}}}], True),
     ([{"$ref": "#/$defs/s"}, {"$ref": "#/$defs/n"}], True),
     ([{"$ref": "#/$defs/s"}, {"$ref": "https://example.com/n.json"}], False),
     ([{"$ref": "#/$defs/loop"}, {"type": "string"}], False),

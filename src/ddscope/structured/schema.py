@@ -124,11 +124,11 @@ def rebuild(node: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
 def exclusive(branches: list[Any], root: Any) -> bool:
     """Whether no instance can match two of `branches`, so that oneOf means what anyOf does: each pair allows
     apart JSON types (named, or those of its const/enum values, its anyOf's or its allOf's), or apart const/enum
-    values, or, objects both, requires a property whose const/enum values are apart (a discriminator), or a
-    property the other, closed, does not name. Only what it can read counts: a branch without a type, or behind a
+    values, or, objects both, requires a property whose values are apart so (a discriminator), or a property the
+    other, closed, does not name. Only what it can read counts: a branch without a type, or behind a
     $ref outside the document, overlaps every other."""
     read = [_target(b, root) for b in branches]
-    return all(_apart(a, b, root) for i, a in enumerate(read) for b in read[i + 1:])
+    return all(_apart(a, b, root, 0) for i, a in enumerate(read) for b in read[i + 1:])
 
 
 def _target(node: Any, root: Any) -> dict[str, Any]:
@@ -148,7 +148,7 @@ def _target(node: Any, root: Any) -> dict[str, Any]:
     return node if isinstance(node, dict) else {}
 
 
-def _apart(a: dict[str, Any], b: dict[str, Any], root: Any) -> bool:
+def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, depth: int) -> bool:
     ka, kb = _kinds(a, root), _kinds(b, root)
     if ka and kb and not any(_overlap(x, y) for x in ka for y in kb):
         return True
@@ -160,8 +160,8 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any) -> bool:
     ra, rb = set(a.get("required") or ()), set(b.get("required") or ())
     if (_closed(a) and rb - set(pa)) or (_closed(b) and ra - set(pb)):
         return True
-    return any(isinstance(pa.get(k), dict) and isinstance(pb.get(k), dict) and _allowed(pa[k]) is not None
-               and _allowed(pb[k]) is not None and not _allowed(pa[k]) & _allowed(pb[k]) for k in ra & rb)
+    return depth < 4 and any(_apart(_target(pa.get(k), root), _target(pb.get(k), root), root, depth + 1)
+                             for k in ra & rb)
 
 
 def _kinds(node: dict[str, Any], root: Any, depth: int = 0) -> set[str]:
