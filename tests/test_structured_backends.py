@@ -36,6 +36,18 @@ def json_c(schema: object) -> Constraint:
     return Constraint("json", json.dumps(schema), any_whitespace=False)
 
 
+def takes(demo: Engine, matcher: object, text: str) -> bool:
+    """Whether the matcher accepts every token of `text` (left as it was)."""
+    ids = demo.tokenizer.encode(text, add_special_tokens=False)
+    taken = 0
+    for t in ids:
+        if not matcher.accept(t):
+            break
+        taken += 1
+    matcher.rollback(taken)
+    return taken == len(ids)
+
+
 def test_pattern_with_a_length_is_enforced_by_guidance_or_refused_by_name(demo):
     with pytest.raises(ConstraintError, match=re.escape("maxLength at $.properties.code")):
         demo.grammars.compile(json_c(CODE), "xgrammar")
@@ -58,18 +70,27 @@ def test_a_one_of_of_exclusive_branches_compiles_under_both_backends_and_holds(d
     """Branches no instance can match twice (apart types here) make oneOf anyOf exactly: xgrammar enforces it."""
     assert demo.grammars.compile(json_c(ONE_OF), "guidance").backend == "guidance"
     m = demo.grammars.compile(json_c(ONE_OF), "xgrammar").matcher()
+    assert takes(demo, m, '{"n":12}') and takes(demo, m, '{"n":"abcd"}')
+    assert not takes(demo, m, '{"n":"abcde"') and not takes(demo, m, '{"n":true')
 
-    def takes(text: str) -> bool:
-        ids = demo.tokenizer.encode(text, add_special_tokens=False)
-        taken = 0
-        for t in ids:
-            if not m.accept(t):
-                break
-            taken += 1
-        m.rollback(taken)
-        return taken == len(ids)
-    assert takes('{"n":12}') and takes('{"n":"abcd"}')
-    assert not takes('{"n":"abcde"') and not takes('{"n":true')
+
+@pytest.mark.parametrize("values, kept", [
+    ({"type": "array", "items": {"type": "string"}, "enum": ["a", "b"]}, None),  # BFCL's extract_parameters_v1
+    ({"type": "string", "enum": ["a", 1]}, '"a"'),
+    ({"type": "integer", "const": 1.5}, None),
+])
+def test_values_a_type_does_not_allow_are_never_served(demo, values, kept):
+    """xgrammar takes an enum's values and drops the type beside them: each such schema goes to guidance, which
+    keeps the values of the type (or refuses, when none is), or is refused by name."""
+    schema = {"type": "object", "properties": {"m": values}, "required": ["m"]}
+    with pytest.raises(ConstraintError, match=r"(enum|const) at \$.properties.m holds a value its type does not"):
+        demo.grammars.compile(json_c(schema), "xgrammar")
+    if kept is None:
+        with pytest.raises(ConstraintError):
+            demo.grammars.compile(json_c(schema), "auto")
+        return
+    m = demo.grammars.compile(json_c(schema), "auto").matcher()
+    assert takes(demo, m, f'{{"m":{kept}}}') and not takes(demo, m, '{"m":1}')
 
 
 @pytest.mark.parametrize("branches, apart", [

@@ -164,6 +164,14 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, depth: int) -> bool:
                              for k in ra & rb)
 
 
+def off_type(node: dict[str, Any]) -> bool:
+    """Whether a subschema's const or enum holds a value of a JSON type its `type` does not allow (that value can
+    never validate; where it is the only one, nothing can)."""
+    named = types(node)
+    return bool(named) and any(not (kind in named or (kind == "integer" and "number" in named))
+                               for kind, _ in _allowed(node) or ())
+
+
 def _kinds(node: dict[str, Any], root: Any, depth: int = 0) -> set[str]:
     """The JSON types an instance of `node` can have, as far as it says (empty: any)."""
     if types(node) or depth > 8:

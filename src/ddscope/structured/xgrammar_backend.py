@@ -13,7 +13,7 @@ from typing import Any
 
 from ddscope.structured.backend import Backend, Compiled, Matcher
 from ddscope.structured.constraint import Constraint, ConstraintError, first_line
-from ddscope.structured.schema import Gap, exclusive, is_object, rebuild, subschemas, types
+from ddscope.structured.schema import Gap, exclusive, is_object, off_type, rebuild, subschemas, types
 
 # Accepted by xgrammar and not enforced: an output that breaks them is served as valid.
 IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired",
@@ -36,6 +36,8 @@ def _node_gaps(node: dict[str, Any], path: str, root: Any) -> list[Gap]:
         out.append(Gap("oneOf", path, "is read as anyOf, and its branches may overlap"))
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         out.append(Gap("allOf", path, "is only partly enforced"))
+    if off_type(node):  # xgrammar takes the listed values and drops the type
+        out.append(Gap("const" if "const" in node else "enum", path, "holds a value its type does not allow"))
     ref = node.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         out.append(Gap("$ref", path, f"{ref!r} is external and is not fetched"))
