@@ -16,7 +16,7 @@ from ddscope.server.launch import serve_in_background
 from ddscope.server.state import Surface
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
-from ddscope.structured.schema import MAX_NESTING, exclusive
+from ddscope.structured.schema import MAX_NESTING, exclusive, self_contained
 
 FIXTURES = Path(__file__).parent / "fixtures" / "schemas"
 CODE = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
@@ -58,6 +58,21 @@ def test_pattern_with_a_length_is_enforced_by_guidance_or_refused_by_name(demo):
     assert not all(m.accept(t) for t in ids)  # the fourth letter is refused
 
 
+def test_a_ref_beside_other_keywords_is_a_gap_for_xgrammar_but_where_the_draft_ignores_them(demo):
+    """xgrammar follows a $ref and drops what stands beside it: azure-pipelines' `"enum": [...]` beside `"$ref":
+    "#/definitions/string"` let any string through. Drafts after 7 apply both, so that is a gap (guidance applies
+    both); draft 7 ignores a $ref's siblings, as xgrammar does."""
+    schema = {"type": "object", "properties": {"m": {"$ref": "#/$defs/s", "enum": ["a", "b"]}}, "required": ["m"],
+              "$defs": {"s": {"type": "string"}}}
+    with pytest.raises(ConstraintError, match=re.escape("$ref at $.properties.m beside other keywords")):
+        demo.grammars.compile(json_c(schema), "xgrammar")
+    m = demo.grammars.compile(json_c(schema), "auto").matcher()
+    assert takes(demo, m, '{"m":"a"}') and not takes(demo, m, '{"m":"c"')
+    seven = demo.grammars.compile(json_c({**schema, "$schema": "http://json-schema.org/draft-07/schema#"}),
+                                  "xgrammar").matcher()
+    assert takes(demo, seven, '{"m":"c"}')
+
+
 def test_a_one_of_whose_branches_may_overlap_is_refused_by_name(demo):
     """1 to 9 match both branches: xgrammar would read the oneOf as anyOf, and llguidance cannot tell them apart."""
     with pytest.raises(ConstraintError, match=re.escape("oneOf at $.properties.n is read as anyOf")):
@@ -78,12 +93,14 @@ def test_a_one_of_of_exclusive_branches_compiles_under_both_backends_and_holds(d
     ({"type": "array", "items": {"type": "string"}, "enum": ["a", "b"]}, None),  # BFCL's extract_parameters_v1
     ({"type": "string", "enum": ["a", 1]}, '"a"'),
     ({"type": "integer", "const": 1.5}, None),
+    ({"type": "integer", "enum": [1, 5], "minimum": 3}, "5"),
+    ({"allOf": [{"type": "string"}], "enum": ["a", 1]}, '"a"'),
 ])
-def test_values_a_type_does_not_allow_are_never_served(demo, values, kept):
-    """xgrammar takes an enum's values and drops the type beside them: each such schema goes to guidance, which
-    keeps the values of the type (or refuses, when none is), or is refused by name."""
+def test_values_the_rest_of_their_schema_refuses_are_never_served(demo, values, kept):
+    """xgrammar takes a const's or an enum's values and drops every keyword beside them (its type, a minimum):
+    each such schema goes to guidance, which keeps the values the rest allows (or refuses, when none is)."""
     schema = {"type": "object", "properties": {"m": values}, "required": ["m"]}
-    with pytest.raises(ConstraintError, match=r"(enum|const) at \$.properties.m holds a value its type does not"):
+    with pytest.raises(ConstraintError, match=r"(enum|const) at \$.properties.m holds a value its type or"):
         demo.grammars.compile(json_c(schema), "xgrammar")
     if kept is None:
         with pytest.raises(ConstraintError):
@@ -118,13 +135,33 @@ def test_values_a_type_does_not_allow_are_never_served(demo, values, kept):
       {"type": "object", "properties": {"defer": {}}, "required": ["defer"]}], False),
     ([{"type": "object", "required": ["defer"], "properties": {"defer": {"$ref": "#/$defs/s"}}},  # taskfile's
       {"type": "object", "required": ["defer"], "properties": {"defer": {"type": "object"}}}], True),
+    ([{"enum": [[1]]}, {"enum": [[1.0]]}], False),  # inside arrays and objects too
+    ([{"const": {"a": 1}}, {"const": {"a": 1.0}}], False),
+    ([{"const": 0}, {"const": -0.0}], False),
+    ([{"const": 10 ** 400}, {"const": 1}], True),
+    ([{"allOf": [{"type": ["number", "string"]}, {"type": ["integer", "string"]}]}, {"type": "integer"}], False),
+    ([{"$ref": "#/$defs/a%20b"}, {"type": "string"}], False),  # the pointer's percent-escapes decoded: "a b"
+    ([{"type": "object", "required": [["a"]]}, {"type": "object", "required": [["a"]]}], False),  # malformed
+    ([{"type": "object", "properties": [], "required": ["a"], "additionalProperties": False},
+      {"type": "object", "required": ["b"]}], False),
     ([{"$ref": "#/$defs/s"}, {"$ref": "#/$defs/n"}], True),
     ([{"$ref": "#/$defs/s"}, {"$ref": "https://example.com/n.json"}], False),
     ([{"$ref": "#/$defs/loop"}, {"type": "string"}], False),
 ])
 def test_one_of_branches_read_as_exclusive_only_where_no_instance_can_match_two(branches, apart):
-    root = {"$defs": {"s": {"type": "string"}, "n": {"type": "number"}, "loop": {"$ref": "#/$defs/loop"}}}
-    assert exclusive(branches, root) is apart
+    root = {"$defs": {"s": {"type": "string"}, "n": {"type": "number"}, "loop": {"$ref": "#/$defs/loop"},
+                      "a b": {"type": "string"}, "a%20b": {"type": "integer"}}}
+    assert exclusive(branches, root, self_contained(root)) is apart
+
+
+def test_refs_in_a_document_with_resources_of_its_own_are_not_read():
+    """Below an `$id`, `#/...` points into that resource, not the root: no branch behind such a $ref is read."""
+    inner = {"$id": "https://example.com/inner", "$defs": {"x": {"type": "string"}},
+             "oneOf": [{"$ref": "#/$defs/x"}, {"type": "integer"}]}
+    root = {"$defs": {"x": {"type": "string"}}, "properties": {"in": inner}}
+    assert not self_contained(root) and not exclusive(inner["oneOf"], root, self_contained(root))
+    alone = {"$defs": {"x": {"type": "string"}}}
+    assert exclusive(inner["oneOf"], alone, self_contained(alone))
 
 
 @pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])

