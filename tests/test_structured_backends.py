@@ -73,6 +73,21 @@ def test_a_ref_beside_other_keywords_is_a_gap_for_xgrammar_but_where_the_draft_i
     assert takes(demo, seven, '{"m":"c"}')
 
 
+def test_a_ref_inside_a_resource_of_its_own_is_a_gap_for_xgrammar(demo):
+    """Inside a subschema with its own `$id`, `#/$defs/x` is that resource's x (a string here); xgrammar reads it
+    against the document's root (an integer) and served 1. An `$id` that is a plain fragment is an anchor, not a
+    resource."""
+    inner = {"$id": "https://example.com/inner", "$defs": {"x": {"type": "string"}}, "type": "object",
+             "properties": {"v": {"$ref": "#/$defs/x"}}, "required": ["v"]}
+    schema = {"$defs": {"x": {"type": "integer"}}, "type": "object", "properties": {"in": inner}, "required": ["in"]}
+    with pytest.raises(ConstraintError, match=re.escape("$ref at $.properties.in.properties.v inside a resource")):
+        demo.grammars.compile(json_c(schema), "xgrammar")
+    m = demo.grammars.compile(json_c(schema), "auto").matcher()
+    assert takes(demo, m, '{"in":{"v":"a"}}') and not takes(demo, m, '{"in":{"v":1')
+    anchored = {**schema, "properties": {"in": {**inner, "$id": "#inner"}}}
+    assert demo.grammars.compile(json_c(anchored), "xgrammar").backend == "xgrammar"
+
+
 def test_a_one_of_whose_branches_may_overlap_is_refused_by_name(demo):
     """1 to 9 match both branches: xgrammar would read the oneOf as anyOf, and llguidance cannot tell them apart."""
     with pytest.raises(ConstraintError, match=re.escape("oneOf at $.properties.n is read as anyOf")):

@@ -137,9 +137,20 @@ def exclusive(branches: list[Any], root: Any, local: bool) -> bool:
 
 
 def self_contained(root: Any) -> bool:
-    """Whether `#/...` refs anywhere in the document point into the root: no resources of its own (`$id`s) below
-    it."""
-    return not any("$id" in n or "id" in n for n, path in subschemas(root) if path != "$")
+    """Whether `#/...` refs anywhere in the document point into the root: no resources of its own below it."""
+    return not resources(root)
+
+
+def resources(root: Any) -> list[str]:
+    """The paths of the subschemas below the root that are resources of their own: an `$id` (draft 4: `id`) that
+    is a URI, not a plain fragment (`#name`, an anchor), so `#/...` refs inside them point into them."""
+    return [path for n, path in subschemas(root) if path != "$" and any(
+        isinstance(n.get(k), str) and not n[k].startswith("#") for k in ("$id", "id"))]
+
+
+def inside(path: str, resource: str) -> bool:
+    """Whether the subschema at `path` lies in the one at `resource` (itself included)."""
+    return path == resource or path.startswith((resource + ".", resource + "["))
 
 
 def _target(node: Any, root: Any, local: bool) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from typing import Any
 
 from ddscope.structured.backend import Backend, Compiled, Matcher
 from ddscope.structured.constraint import Constraint, ConstraintError, first_line
-from ddscope.structured.schema import (Gap, exclusive, is_object, loose_values, ref_beside, refs_alone, rebuild,
-                                       self_contained, subschemas, types)
+from ddscope.structured.schema import (Gap, exclusive, inside, is_object, loose_values, ref_beside, refs_alone,
+                                       rebuild, resources, subschemas, types)
 
 # Accepted by xgrammar and not enforced: an output that breaks them is served as valid.
 IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired",
@@ -27,8 +27,11 @@ LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # fsm_builder.cc: "Lookahead asse
 
 def schema_gaps(schema: Any) -> list[Gap]:
     """Every keyword of `schema` xgrammar would drop, with its path."""
-    local, alone = self_contained(schema), refs_alone(schema)
-    return [gap for node, path in subschemas(schema) for gap in _node_gaps(node, path, schema, local, alone)]
+    nested, alone = resources(schema), refs_alone(schema)
+    out = [gap for node, path in subschemas(schema) for gap in _node_gaps(node, path, schema, not nested, alone)]
+    return out + [Gap("$ref", path, "inside a resource with its own $id is read against the document's root")
+                  for node, path in subschemas(schema) if str(node.get("$ref", "")).startswith("#")
+                  and any(inside(path, r) for r in nested)]
 
 
 def _node_gaps(node: dict[str, Any], path: str, root: Any, local: bool, alone: bool) -> list[Gap]:
