@@ -16,7 +16,7 @@ from ddscope.server.launch import serve_in_background
 from ddscope.server.state import Surface
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
-from ddscope.structured.schema import MAX_NESTING, exclusive, self_contained
+from ddscope.structured.schema import MAX_NESTING, exclusive, resources
 
 FIXTURES = Path(__file__).parent / "fixtures" / "schemas"
 CODE = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
@@ -166,7 +166,7 @@ def test_values_the_rest_of_their_schema_refuses_are_never_served(demo, values, 
 def test_one_of_branches_read_as_exclusive_only_where_no_instance_can_match_two(branches, apart):
     root = {"$defs": {"s": {"type": "string"}, "n": {"type": "number"}, "loop": {"$ref": "#/$defs/loop"},
                       "a b": {"type": "string"}, "a%20b": {"type": "integer"}}}
-    assert exclusive(branches, root, self_contained(root)) is apart
+    assert exclusive(branches, root, not resources(root)) is apart
 
 
 def test_refs_in_a_document_with_resources_of_its_own_are_not_read():
@@ -174,9 +174,9 @@ def test_refs_in_a_document_with_resources_of_its_own_are_not_read():
     inner = {"$id": "https://example.com/inner", "$defs": {"x": {"type": "string"}},
              "oneOf": [{"$ref": "#/$defs/x"}, {"type": "integer"}]}
     root = {"$defs": {"x": {"type": "string"}}, "properties": {"in": inner}}
-    assert not self_contained(root) and not exclusive(inner["oneOf"], root, self_contained(root))
+    assert resources(root) == ["$.properties.in"] and not exclusive(inner["oneOf"], root, False)
     alone = {"$defs": {"x": {"type": "string"}}}
-    assert exclusive(inner["oneOf"], alone, self_contained(alone))
+    assert not resources(alone) and exclusive(inner["oneOf"], alone, True)
 
 
 @pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])

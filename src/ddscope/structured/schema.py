@@ -128,17 +128,12 @@ def exclusive(branches: list[Any], root: Any, local: bool) -> bool:
     values, or, objects both, requires a property whose values are apart so (a discriminator), or a property the
     other, closed, does not name. Only what it can read counts: a branch without a type, behind a $ref outside the
     document (or inside one with resources of its own, `$id`s below the root), or malformed, overlaps every
-    other. `local`: self_contained(root)."""
+    other. `local`: the document holds no resources below its root (`resources`)."""
     try:
         read = [_target(b, root, local) for b in branches]
         return all(_apart(a, b, root, local, 0) for i, a in enumerate(read) for b in read[i + 1:])
     except (TypeError, AttributeError, ValueError, RecursionError):  # not JSON Schema as read here
         return False
-
-
-def self_contained(root: Any) -> bool:
-    """Whether `#/...` refs anywhere in the document point into the root: no resources of its own below it."""
-    return not resources(root)
 
 
 def resources(root: Any) -> list[str]:
@@ -174,7 +169,8 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, local: bool, depth: 
     ka, kb = _kinds(a, root, local), _kinds(b, root, local)
     if ka and kb and not any(_overlap(x, y) for x in ka for y in kb):
         return True
-    if _allowed(a) is not None and _allowed(b) is not None and not _allowed(a) & _allowed(b):
+    va, vb = _allowed(a), _allowed(b)
+    if va is not None and vb is not None and not va & vb:
         return True
     if not types(a) == types(b) == {"object"}:  # `required` binds objects only: a string would match both
         return False

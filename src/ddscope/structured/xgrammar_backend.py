@@ -28,29 +28,28 @@ LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # fsm_builder.cc: "Lookahead asse
 def schema_gaps(schema: Any) -> list[Gap]:
     """Every keyword of `schema` xgrammar would drop, with its path."""
     nested, alone = resources(schema), refs_alone(schema)
-    out = [gap for node, path in subschemas(schema) for gap in _node_gaps(node, path, schema, not nested, alone)]
-    return out + [Gap("$ref", path, "inside a resource with its own $id is read against the document's root")
-                  for node, path in subschemas(schema) if str(node.get("$ref", "")).startswith("#")
-                  and any(inside(path, r) for r in nested)]
+    return [gap for node, path in subschemas(schema) for gap in _node_gaps(node, path, schema, nested, alone)]
 
 
-def _node_gaps(node: dict[str, Any], path: str, root: Any, local: bool, alone: bool) -> list[Gap]:
+def _node_gaps(node: dict[str, Any], path: str, root: Any, nested: list[str], alone: bool) -> list[Gap]:
     if "$ref" in node and alone:  # draft 7 and before: the $ref alone, as xgrammar reads it
         node = {"$ref": node["$ref"]}
     out = [Gap(k, path) for k in IGNORED if k in node]
     if ref_beside(node):  # xgrammar follows the $ref and drops them
         out.append(Gap("$ref", path, "beside other keywords is followed alone"))
     branches = node.get("oneOf")
-    if isinstance(branches, list) and len(branches) > 1 and not exclusive(branches, root, local):
+    if isinstance(branches, list) and len(branches) > 1 and not exclusive(branches, root, not nested):
         out.append(Gap("oneOf", path, "is read as anyOf, and its branches may overlap"))
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         out.append(Gap("allOf", path, "is only partly enforced"))
-    if loose_values(node) and "$ref" not in node:  # xgrammar takes the listed values and drops every keyword beside them
+    if loose_values(node) and "$ref" not in node:  # xgrammar takes the values and drops every keyword beside
         out.append(Gap("const" if "const" in node else "enum", path,
                        "holds a value its type or the keywords beside it may refuse"))
     ref = node.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         out.append(Gap("$ref", path, f"{ref!r} is external and is not fetched"))
+    elif isinstance(ref, str) and any(inside(path, r) for r in nested):
+        out.append(Gap("$ref", path, "inside a resource with its own $id is read against the document's root"))
     text = not types(node) or "string" in types(node)
     shaped = "pattern" in node or "format" in node
     out += [Gap(k, path, "beside pattern or format is not enforced") for k in ("minLength", "maxLength")
