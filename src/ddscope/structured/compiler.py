@@ -9,6 +9,7 @@ thread of its own and is bounded in time: one past COMPILE_TIMEOUT_S is refused,
 again, while it runs on."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from typing import Any
 from ddscope.structured.backend import BACKENDS, CHOICES, Backend, Compiled, backend_class
 from ddscope.structured.constraint import Constraint, ConstraintError
 from ddscope.structured.schema import MAX_NESTING, nesting
+from ddscope.structured.unique import Tokens, UniqueCompiled, enforced
 
 COMPILE_TIMEOUT_S = 10.0  # vLLM bounds a regex's at 5 s (VLLM_REGEX_COMPILATION_TIMEOUT_S) and nothing else
 MAX_RUNAWAY = 4  # compiles past their time still running: beyond this, new ones wait for them to end
@@ -37,6 +39,7 @@ class Grammars:
         self.running: dict[Key, threading.Thread] = {}  # compiles past their time, still going
         self.lock = threading.Lock()
         self.building = threading.Lock()  # held while a backend is built: about a second, so not `lock`
+        self._tokens: Tokens | None = None
 
     def compile(self, c: Constraint, backend: str | None = None) -> Compiled:
         """The compiled grammar (cached); ConstraintError if no backend asked for enforces it, or it does not
@@ -52,7 +55,8 @@ class Grammars:
             if len(self.running) >= MAX_RUNAWAY:
                 raise ConstraintError("the server is still compiling constraints that ran past their time limit")
         order = [self.backend_named(n) for n in self.order(key[0], c)]  # made ready here, outside the time limit
-        compiled = self._bounded(key, lambda: self._first(order, c))
+        tokens = self.tokens() if c.kind == "json" and "uniqueItems" in c.spec else None  # and so is this
+        compiled = self._bounded(key, lambda: self._first(order, c, tokens))
         with self.lock:
             self.cache[key] = compiled
             while len(self.cache) > CACHE_ENTRIES:
@@ -67,6 +71,16 @@ class Grammars:
                 backend.ready()
                 self.backends[name] = backend
             return self.backends[name]
+
+    def tokens(self) -> Tokens:
+        """Each token's bytes, as the uniqueItems scanner reads them: once per engine."""
+        with self.building:
+            if self._tokens is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._tokens = Tokens(info.decoded_vocab)
+            return self._tokens
 
     @staticmethod
     def order(backend: str, c: Constraint) -> list[str]:
@@ -99,14 +113,20 @@ class Grammars:
         return result["grammar"]
 
     @staticmethod
-    def _first(order: list[Backend], c: Constraint) -> Compiled:
-        """The first backend's grammar that enforces all of `c`; else the refusal of the last one tried (the most
-        capable), with the gaps of those before it."""
+    def _first(order: list[Backend], c: Constraint, tokens: Tokens | None) -> Compiled:
+        """The first backend's grammar that enforces all of `c` (uniqueItems kept beside it where a scanner can:
+        ddscope.structured.unique); else the refusal of the last one tried (the most capable), with the gaps of
+        those before it."""
+        plan, given = None, c
         if c.kind == "json":
             try:
-                check_nesting(json.loads(c.spec))
+                schema = json.loads(c.spec)
             except json.JSONDecodeError as e:
                 raise ConstraintError(f"the json constraint is not JSON: {e}") from None
+            check_nesting(schema)
+            stripped, plan = enforced(schema)
+            if stripped is not schema:
+                c = dataclasses.replace(c, spec=json.dumps(stripped))
         refusals = []
         for backend in order:
             try:
@@ -114,7 +134,11 @@ class Grammars:
                 if gaps:
                     raise ConstraintError(f"{gaps[0]} by {backend.name}" + (f" (and {len(gaps) - 1} more)"
                                                                            if len(gaps) > 1 else ""))
-                return backend.compile(c)
+                compiled = backend.compile(c)
+                if plan is None:
+                    return compiled
+                assert tokens is not None  # built wherever the spec names uniqueItems
+                return UniqueCompiled(given, compiled, plan, tokens)
             except ConstraintError as e:
                 refusals.append(str(e))
         raise ConstraintError("; ".join(reversed(refusals)))

@@ -130,7 +130,7 @@ def exclusive(branches: list[Any], root: Any, local: bool) -> bool:
     document (or inside one with resources of its own, `$id`s below the root), or malformed, overlaps every
     other. `local`: the document holds no resources below its root (`resources`)."""
     try:
-        read = [_target(b, root, local) for b in branches]
+        read = [resolved(b, root, local) for b in branches]
         return all(_apart(a, b, root, local, 0) for i, a in enumerate(read) for b in read[i + 1:])
     except (TypeError, AttributeError, ValueError, RecursionError):  # not JSON Schema as read here
         return False
@@ -148,7 +148,7 @@ def inside(path: str, resource: str) -> bool:
     return path == resource or path.startswith((resource + ".", resource + "["))
 
 
-def _target(node: Any, root: Any, local: bool) -> dict[str, Any]:
+def resolved(node: Any, root: Any, local: bool) -> dict[str, Any]:
     """The subschema a $ref into this document leads to (followed while it leads on); {} (any instance) where it
     leads elsewhere, or where the document holds resources of its own (not `local`). Under draft 7 a $ref's
     siblings are ignored, and later drafts only narrow them, so the target bounds both."""
@@ -180,7 +180,7 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, local: bool, depth: 
     ra, rb = set(a.get("required") or ()), set(b.get("required") or ())
     if (_closed(a) and rb - set(pa)) or (_closed(b) and ra - set(pb)):
         return True
-    return depth < 4 and any(_apart(_target(pa.get(k), root, local), _target(pb.get(k), root, local), root, local,
+    return depth < 4 and any(_apart(resolved(pa.get(k), root, local), resolved(pb.get(k), root, local), root, local,
                                     depth + 1) for k in ra & rb)
 
 
@@ -220,11 +220,11 @@ def _kinds(node: dict[str, Any], root: Any, local: bool, depth: int = 0) -> set[
         return {kind for kind, _ in values}
     for key in ("anyOf", "oneOf"):
         if isinstance(node.get(key), list) and node[key]:
-            found = [_kinds(_target(b, root, local), root, local, depth + 1) for b in node[key]]
+            found = [_kinds(resolved(b, root, local), root, local, depth + 1) for b in node[key]]
             if all(found):
                 return set().union(*found)
     known = [k | ({"integer"} if "number" in k else set())  # every integer is a number
-             for b in node.get("allOf") or () if (k := _kinds(_target(b, root, local), root, local, depth + 1))]
+             for b in node.get("allOf") or () if (k := _kinds(resolved(b, root, local), root, local, depth + 1))]
     return set.intersection(*known) if known else set()
 
 
@@ -246,18 +246,18 @@ def _allowed(node: dict[str, Any]) -> set[tuple[str, str]] | None:
         found = node["enum"]
     else:
         return None
-    return {(_kind(v), json.dumps(_canonical(v), sort_keys=True)) for v in found}
+    return {(_kind(v), json.dumps(canonical(v), sort_keys=True)) for v in found}
 
 
-def _canonical(v: Any) -> Any:
+def canonical(v: Any) -> Any:
     """`v` with every number as JSON compares numbers: an integral one as an int (1.0 and -0.0 too), others as
     floats."""
     if isinstance(v, bool) or not isinstance(v, (int, float, list, dict)):
         return v
     if isinstance(v, list):
-        return [_canonical(x) for x in v]
+        return [canonical(x) for x in v]
     if isinstance(v, dict):
-        return {k: _canonical(x) for k, x in v.items()}
+        return {k: canonical(x) for k, x in v.items()}
     return int(v) if isinstance(v, int) or v.is_integer() else v
 
 
@@ -265,7 +265,7 @@ def _kind(v: Any) -> str:
     if isinstance(v, bool):
         return "boolean"
     if isinstance(v, (int, float)):
-        return "integer" if isinstance(_canonical(v), int) else "number"
+        return "integer" if isinstance(canonical(v), int) else "number"
     return {str: "string", list: "array", dict: "object", type(None): "null"}.get(type(v), "string")
 
 
