@@ -16,7 +16,8 @@ from ddscope.server.launch import serve_in_background
 from ddscope.server.state import Surface
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
-from ddscope.structured.schema import MAX_NESTING, exclusive, resources
+from ddscope.structured.schema import MAX_NESTING, combined_beside, exclusive, loose_values, resources, subschemas
+from ddscope.structured.xgrammar_backend import prepared
 
 FIXTURES = Path(__file__).parent / "fixtures" / "schemas"
 CODE = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
@@ -112,17 +113,17 @@ def test_a_one_of_of_exclusive_branches_compiles_under_both_backends_and_holds(d
     ({"allOf": [{"type": "string"}], "enum": ["a", 1]}, '"a"'),
 ])
 def test_values_the_rest_of_their_schema_refuses_are_never_served(demo, values, kept):
-    """xgrammar takes a const's or an enum's values and drops every keyword beside them (its type, a minimum):
-    each such schema goes to guidance, which keeps the values the rest allows (or refuses, when none is)."""
+    """xgrammar takes a const's or an enum's values and drops every keyword beside them (its type, a minimum): it
+    is given the values the rest allows instead, and where none is, the refusal names where nothing matches."""
     schema = {"type": "object", "properties": {"m": values}, "required": ["m"]}
-    with pytest.raises(ConstraintError, match=r"(enum|const) at \$.properties.m holds a value its type or"):
-        demo.grammars.compile(json_c(schema), "xgrammar")
     if kept is None:
-        with pytest.raises(ConstraintError):
-            demo.grammars.compile(json_c(schema), "auto")
+        for backend in ("xgrammar", "auto"):
+            with pytest.raises(ConstraintError, match=re.escape("nothing matches $.properties.m")):
+                demo.grammars.compile(json_c(schema), backend)
         return
-    m = demo.grammars.compile(json_c(schema), "auto").matcher()
-    assert takes(demo, m, f'{{"m":{kept}}}') and not takes(demo, m, '{"m":1}')
+    for backend in ("xgrammar", "guidance"):
+        m = demo.grammars.compile(json_c(schema), backend).matcher()
+        assert takes(demo, m, f'{{"m":{kept}}}') and not takes(demo, m, '{"m":1}')
 
 
 @pytest.mark.parametrize("branches, apart", [
@@ -307,3 +308,42 @@ def test_the_coverage_benchmark_runs_on_the_fixture_corpus():
     assert by["xgrammar", "additional_properties_named"]["compiled"]
     sampled = [r for r in rows if "finished" in r]
     assert sampled and all(r["valid"] for r in sampled if r["finished"])
+
+
+EQUIVALENT = [  # (schema, instances): what xgrammar is given must accept exactly what the schema does
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "anyOf": [{"required": ["b"]}, {"properties": {"c": {"type": "string"}}}]},
+     [{"a": 1}, {"a": 1, "b": 2}, {"a": 1, "c": 2}, {"a": 1, "c": "x"}, {"c": "x"}, 5]),
+    ({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": 0}]}, [7, -1, 3, "s", 2.5]),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False},
+                {"properties": {"b": {"type": "integer"}}}]}, [{"a": "x"}, {"b": 1}, {}, {"a": "x", "c": 1}, []]),
+    ({"type": "string", "enum": ["ab", "b", 1], "pattern": "^a"}, ["ab", "b", 1, "a"]),
+    ({"type": "array", "anyOf": [{"type": "object"}]}, [[], {}, 1]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "oneOf": [{"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"const": 2}}, "required": ["k"]}]},
+     [{"a": 1, "k": 1}, {"k": 1}, {"a": 1, "k": 3}, {"a": "x", "k": 2}, {"a": 1}]),
+    ({"anyOf": [{"type": "object", "properties": {"t": {"enum": ["x"], "pattern": "^y"}}, "required": ["t"]},
+                {"type": "string"}]}, [{"t": "x"}, "s", {}]),
+]
+
+
+@pytest.mark.parametrize("schema, instances", EQUIVALENT)
+def test_what_xgrammar_is_given_means_what_the_schema_does_and_asserts_nothing_beside_a_combinator(schema, instances):
+    """xgrammar reads a combinator alone and a const's or enum's values alone: the schema it is given has the
+    keywords beside them written into them, and must accept exactly the instances the schema does."""
+    import jsonschema
+
+    given = prepared(schema)
+    for instance in instances:
+        assert jsonschema.Draft202012Validator(given).is_valid(instance) == \
+            jsonschema.Draft202012Validator(schema).is_valid(instance), (instance, given)
+    assert not [path for node, path in subschemas(given) if combined_beside(node) or loose_values(node)]
+
+
+def test_keywords_beside_a_combinator_are_enforced_by_xgrammar(demo):
+    schema = {"type": "object", "properties": {"n": {"type": "string", "anyOf": [{"minLength": 2}, {"maxLength": 0}]}},
+              "required": ["n"]}
+    m = demo.grammars.compile(json_c(schema), "xgrammar").matcher()
+    assert takes(demo, m, '{"n":"ab"}') and takes(demo, m, '{"n":""}')
+    assert not takes(demo, m, '{"n":5') and not takes(demo, m, '{"n":"a"}')

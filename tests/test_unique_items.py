@@ -137,8 +137,9 @@ def test_a_unique_array_behind_a_ref_and_an_any_of_is_kept_and_others_are_not(de
     assert reads(demo, m, '{"a":null,"b":["x","x"]}')
 
 
-@pytest.mark.parametrize("items", [{"type": "object"}, {}, {"type": "string", "maxLength": 3}, {"type": "integer",
-                                   "maximum": 9}, {"type": "number", "minimum": -5}, {"anyOf": [{"type": "string"}, {"type": "array"}]}])
+@pytest.mark.parametrize("items", [{"type": "object"}, {}, {"type": "string", "maxLength": 3},
+                                   {"type": "integer", "maximum": 9}, {"type": "number", "minimum": -5},
+                                   {"anyOf": [{"type": "string"}, {"type": "array"}]}])
 def test_items_a_veto_cannot_steer_keep_unique_items_refused_by_name(demo, items):
     schema = {"type": "object", "properties": {"tags": {"type": "array", "items": items, "uniqueItems": True}}}
     with pytest.raises(ConstraintError, match=re.escape("uniqueItems at $.properties.tags")):

@@ -7,14 +7,16 @@ xgrammar 0.2.9 logs and drops what it does not enforce (its json_schema_converte
 here schema by schema): `gaps` names each of those before a compile, so that nothing is loosened silently."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
 
 from ddscope.structured.backend import Backend, Compiled, Matcher
 from ddscope.structured.constraint import Constraint, ConstraintError, first_line
-from ddscope.structured.schema import (Gap, exclusive, inside, is_object, loose_values, ref_beside, refs_alone,
-                                       rebuild, resources, subschemas, types)
+from ddscope.structured.schema import (Gap, combined_beside, distributed, exclusive, impossible, inside, is_object,
+                                       loose_values, narrowed, ref_beside, refs_alone, rebuild, resources, subschemas,
+                                       types)
 
 # Accepted by xgrammar and not enforced: an output that breaks them is served as valid.
 IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired",
@@ -22,6 +24,7 @@ IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains"
            "$recursiveRef")
 # Formats a validator checks that xgrammar lets any string through for (others it enforces, or nobody checks).
 LOOSE_FORMATS = ("idn-email", "idn-hostname", "iri", "iri-reference", "regex")
+PASSES = 4  # of `prepared` at most
 LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # fsm_builder.cc: "Lookahead assertion ... is ignored"
 
 
@@ -37,6 +40,8 @@ def _node_gaps(node: dict[str, Any], path: str, root: Any, nested: list[str], al
     out = [Gap(k, path) for k in IGNORED if k in node]
     if ref_beside(node):  # xgrammar follows the $ref and drops them
         out.append(Gap("$ref", path, "beside other keywords is followed alone"))
+    if (branched := combined_beside(node)) is not None:  # xgrammar reads the branches and drops the rest
+        out.append(Gap(branched, path, "beside other keywords is read alone"))
     branches = node.get("oneOf")
     if isinstance(branches, list) and len(branches) > 1 and not exclusive(branches, root, not nested):
         out.append(Gap("oneOf", path, "is read as anyOf, and its branches may overlap"))
@@ -64,6 +69,28 @@ def _node_gaps(node: dict[str, Any], path: str, root: Any, nested: list[str], al
         out += [Gap("false", f"{path}.properties.{name}", "in an object open to other properties is not enforced")
                 for name, s in (node.get("properties") or {}).items() if s is False]
     return out
+
+
+@functools.lru_cache(maxsize=8)  # read by the gaps, then by the compile: a large schema's takes a second
+def prepared_text(spec: str) -> Any:
+    return prepared(json.loads(spec))
+
+
+def prepared(schema: Any) -> Any:
+    """The schema as xgrammar is given it: what a subschema asserts beside its combinators written into them
+    (`schema.distributed`), since xgrammar reads a combinator alone, and a const or enum beside other assertions as
+    the values that pass them (`schema.narrowed`), since xgrammar takes the values alone."""
+    local, draft = not resources(schema), schema.get("$schema") if isinstance(schema, dict) else None
+
+    def one(node: dict[str, Any]) -> Any:
+        out = distributed(node, schema, local)
+        return narrowed(out, draft) if isinstance(out, dict) else out
+    for _ in range(PASSES):  # a merge can leave a combinator beside keywords one level down: the next pass takes it
+        done = rebuild(schema, one)
+        if done == schema:
+            break
+        schema = done
+    return schema
 
 
 def without_false_properties(schema: Any) -> Any:
@@ -120,7 +147,7 @@ class XGrammarBackend(Backend):
 
     def gaps(self, c: Constraint) -> list[Gap]:
         if c.kind == "json":
-            return schema_gaps(json.loads(c.spec))
+            return schema_gaps(prepared_text(c.spec))
         if c.kind == "regex" and LOOKAROUND.search(c.spec):
             return [Gap("regex", "$", "with a lookaround is not enforced")]
         if c.kind == "structural_tag":
@@ -132,7 +159,10 @@ class XGrammarBackend(Backend):
         try:
             return XGrammarCompiled(c, self._compile(c))
         except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own InvalidJSONError
-            raise ConstraintError(f"the {c.kind} constraint does not compile: {first_line(e)}") from None
+            where = impossible(prepared_text(c.spec)) if c.kind == "json" else None
+            why = f" (nothing matches {where}: its values or branches and the keywords beside them exclude each " \
+                "other)" if where else ""
+            raise ConstraintError(f"the {c.kind} constraint does not compile: {first_line(e)}{why}") from None
 
     @property
     def compiler(self) -> Any:
@@ -147,7 +177,7 @@ class XGrammarBackend(Backend):
     def _compile(self, c: Constraint) -> Any:
         comp = self.compiler
         if c.kind in ("json", "json_object"):
-            schema = json.dumps(without_false_properties(json.loads(c.spec))) if c.kind == "json" \
+            schema = json.dumps(without_false_properties(prepared_text(c.spec))) if c.kind == "json" \
                 else '{"type": "object"}'
             if c.whitespace is not None:
                 return comp.compile_grammar(json_with_whitespace(schema, c.whitespace))
