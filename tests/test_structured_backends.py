@@ -16,6 +16,7 @@ from ddscope.server.launch import serve_in_background
 from ddscope.server.state import Surface
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
+from ddscope.structured.rewrite import without_not
 from ddscope.structured.schema import MAX_NESTING, combined_beside, exclusive, loose_values, resources, subschemas
 from ddscope.structured.xgrammar_backend import prepared
 
@@ -347,3 +348,43 @@ def test_keywords_beside_a_combinator_are_enforced_by_xgrammar(demo):
     m = demo.grammars.compile(json_c(schema), "xgrammar").matcher()
     assert takes(demo, m, '{"n":"ab"}') and takes(demo, m, '{"n":""}')
     assert not takes(demo, m, '{"n":5') and not takes(demo, m, '{"n":"a"}')
+
+
+INSTANCES = [None, True, False, 0, 1, 2.5, "", "a", [], [1], {}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"a": "x"}]
+NEGATIONS = [
+    {"type": "object", "properties": {"a": {"not": {}}}},  # bitbucket's forbidden property
+    {"not": {"required": ["a"]}},  # circle-ci's
+    {"not": {"type": "object", "required": ["a", "b"]}},  # github-workflows': not both
+    {"type": "object", "not": {"properties": {"a": {}}, "required": ["a"]}},  # dependabot's
+    {"not": {"type": "string"}},
+    {"not": {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}},
+    {"not": {"enum": [None]}},
+    {"not": {"const": True}},
+    {"not": {"type": "object", "properties": {"a": {"type": "string"}}}},
+]
+
+
+@pytest.mark.parametrize("schema", NEGATIONS)
+def test_a_not_is_written_as_the_subschema_it_leaves(schema):
+    import jsonschema
+
+    given = without_not(schema)
+    assert "'not'" not in str(given)
+    for instance in INSTANCES:
+        assert jsonschema.Draft202012Validator(given).is_valid(instance) == \
+            jsonschema.Draft202012Validator(schema).is_valid(instance), (instance, given)
+
+
+@pytest.mark.parametrize("schema", [{"not": {"type": "integer"}}, {"type": "string", "not": {"enum": ["x"]}},
+                                    {"not": {"pattern": "^a"}}])
+def test_a_not_no_subschema_can_write_is_refused_by_name(demo, schema):
+    assert without_not(schema) == schema
+    with pytest.raises(ConstraintError, match=re.escape("not at $")):
+        demo.grammars.compile(json_c({"type": "object", "properties": {"m": schema}}))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_forbidden_property_is_left_out_by_both_backends(demo, backend):
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"not": {}}}, "required": ["a"]}
+    m = demo.grammars.compile(json_c(schema), backend).matcher()
+    assert takes(demo, m, '{"a":"x"}') and not takes(demo, m, '{"a":"x","b"')
