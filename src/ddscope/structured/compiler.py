@@ -17,7 +17,7 @@ from typing import Any
 
 from ddscope.structured.backend import BACKENDS, CHOICES, Backend, Compiled, backend_class
 from ddscope.structured.constraint import Constraint, ConstraintError
-from ddscope.structured.rewrite import without_not
+from ddscope.structured.rewrite import portable
 from ddscope.structured.schema import MAX_NESTING, nesting
 from ddscope.structured.unique import Tokens, UniqueCompiled, enforced
 
@@ -117,7 +117,7 @@ class Grammars:
     def _first(order: list[Backend], c: Constraint, tokens: Tokens | None) -> Compiled:
         """The first backend's grammar that enforces all of `c`; else the refusal of the last one tried (the most
         capable), with the gaps of those before it. A `not` is written as what it leaves, where it can be
-        (rewrite.without_not), and uniqueItems is kept beside the backend, where a scanner can (unique.enforced)."""
+        (rewrite.portable), and uniqueItems is kept beside the backend, where a scanner can (unique.enforced)."""
         plan, given = None, c
         if c.kind == "json":
             try:
@@ -125,7 +125,7 @@ class Grammars:
             except json.JSONDecodeError as e:
                 raise ConstraintError(f"the json constraint is not JSON: {e}") from None
             check_nesting(schema)
-            stripped, plan = enforced(without_not(schema))
+            stripped, plan = enforced(portable(schema))
             if stripped != schema:
                 c = dataclasses.replace(c, spec=json.dumps(stripped))
         refusals = []

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ddscope.structured.schema import ASSERTIONS, combined_beside, overlap, rebuild, resolved, subschemas, types
+from ddscope.structured.schema import (ASSERTIONS, combined_beside, exclusive, overlap, rebuild, resolved, resources,
+                                       subschemas, types)
 
 MINS = ("minimum", "minLength", "minItems", "minProperties")  # merged: the larger bound
 MAXES = ("maximum", "maxLength", "maxItems", "maxProperties")
+MAX_BRANCHES = 64  # two anyOfs merged: at most this many pairs
+MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complements
 
 
 def distributed(node: dict[str, Any], root: Any, local: bool, depth: int = 0) -> dict[str, Any]:
@@ -96,11 +99,9 @@ def _never(node: Any) -> bool:
 
 
 def _inlined(branch: Any, root: Any, local: bool) -> Any:
-    """A branch that is a $ref alone, as its target where that holds no $ref of its own (no loop to unroll)."""
+    """A branch that is a $ref alone, as its target (one level: the $refs inside it still point where they did)."""
     if isinstance(branch, dict) and set(branch) == {"$ref"}:
-        target = resolved(branch, root, local)
-        if target and "$ref" not in json.dumps(target):
-            return target
+        return resolved(branch, root, local) or branch
     return branch
 
 
@@ -129,6 +130,11 @@ def merged(a: Any, b: Any) -> Any:
             out[k] = sorted(set(v) | set(b[k]))
         elif k in MINS or k in MAXES:
             out[k] = (max if k in MINS else min)(v, b[k])
+        elif k == "anyOf" and isinstance(v, list) and isinstance(b[k], list) and len(v) * len(b[k]) <= MAX_BRANCHES:
+            pairs = [merged(x, y) for x in v for y in b[k]]  # (x1 or x2) and (y1 or y2): each pair, one of them
+            if any(p is None for p in pairs):
+                return None
+            out[k] = [p for p in pairs if p is not False] or [False]
         elif k in ("properties", "items", "additionalProperties"):
             if (m := _merged_map(k, v, b[k])) is None:
                 return None
@@ -166,10 +172,15 @@ TYPES = ("array", "boolean", "null", "number", "object", "string")
 NOTES = {"description", "title", "$comment", "examples", "default", "markdownDescription", "deprecated"}
 
 
-def without_not(schema: Any) -> Any:
-    """`schema` with each `not` written as the subschema it leaves (`complement`), where it can be; a `not` that
-    cannot be stays, for the backends to refuse."""
+def portable(schema: Any) -> Any:
+    """`schema` in keywords both backends read: each `not` written as the subschema it leaves (`complement`), each
+    oneOf as an anyOf (`_one_of_out`), where they can be, and each property dependency (`dependencies`, `dependentRequired`, `dependentSchemas`) as an anyOf
+    of the property left out or present with what it brings. A `not` that cannot be written stays, for the
+    backends to refuse."""
+    local = not resources(schema)
+
     def one(node: dict[str, Any]) -> Any:
+        node = _one_of_out(_dependencies_out(node), schema, local)
         other = complement(node["not"]) if "not" in node else None
         if other is None:
             return node
@@ -178,6 +189,42 @@ def without_not(schema: Any) -> Any:
             return other if not isinstance(other, dict) else {**rest, **other}
         return {**rest, "allOf": [*(rest.get("allOf") or []), other]}
     return rebuild(schema, one)
+
+
+def _one_of_out(node: dict[str, Any], root: Any, local: bool) -> dict[str, Any]:
+    """`node` with its oneOf as an anyOf: as it is where no instance can match two branches (`exclusive`), else
+    each branch with the complements of the others (exactly one of them), where those can be written."""
+    branches = node.get("oneOf")
+    if not isinstance(branches, list) or not branches:
+        return node
+    rest = {k: v for k, v in node.items() if k != "oneOf"}
+    if len(branches) == 1 or exclusive(branches, root, local):
+        either: list[Any] = branches
+    else:
+        others = [complement(_inlined(b, root, local)) for b in branches]
+        if len(branches) > MAX_ONE_OF or any(c is None for c in others):
+            return node
+        either = [{"allOf": [b, *(c for j, c in enumerate(others) if j != i)]} for i, b in enumerate(branches)]
+    if "anyOf" in rest:
+        return {**rest, "allOf": [*(rest.get("allOf") or []), {"anyOf": either}]}
+    return {**rest, "anyOf": either}
+
+
+def _dependencies_out(node: dict[str, Any]) -> dict[str, Any]:
+    """`node` with its property dependencies as allOf branches: each an anyOf of the property left out, or present
+    with the properties it requires or the subschema it brings (exact: both pass what is no object)."""
+    found = [(k, node[k]) for k in ("dependencies", "dependentRequired", "dependentSchemas")
+             if isinstance(node.get(k), dict)]
+    if not found:
+        return node
+    branches = []
+    for _, entries in found:
+        for name, need in entries.items():
+            present: Any = {"required": [name, *need]} if isinstance(need, list) else \
+                {"allOf": [{"required": [name]}, need]}
+            branches.append({"anyOf": [{"properties": {name: False}}, present]})
+    rest = {k: v for k, v in node.items() if k not in dict(found)}
+    return {**rest, "allOf": [*(rest.get("allOf") or []), *branches]}
 
 
 def complement(node: Any) -> Any:

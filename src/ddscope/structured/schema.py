@@ -172,6 +172,8 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, local: bool, depth: 
     va, vb = _allowed(a), _allowed(b)
     if va is not None and vb is not None and not va & vb:
         return True
+    if _refuses(b, a, root, local) or _refuses(a, b, root, local):
+        return True
     if not types(a) == types(b) == {"object"}:  # `required` binds objects only: a string would match both
         return False
     pa, pb = a.get("properties", {}), b.get("properties", {})
@@ -182,6 +184,22 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, local: bool, depth: 
         return True
     return depth < 4 and any(_apart(resolved(pa.get(k), root, local), resolved(pb.get(k), root, local), root, local,
                                     depth + 1) for k in ra & rb)
+
+
+def _refuses(values: dict[str, Any], other: dict[str, Any], root: Any, local: bool) -> bool:
+    """Whether `other` refuses every value `values`'s const or enum allows (checked by jsonschema, its refs read
+    against the root)."""
+    found = [values["const"]] if "const" in values else values.get("enum")
+    if not isinstance(found, list) or not local:
+        return False
+    import jsonschema
+
+    try:
+        kind = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+        check = kind(root).evolve(schema=other)
+        return not any(check.is_valid(v) for v in found)
+    except Exception:  # noqa: BLE001 - a schema jsonschema cannot read here: not proved apart
+        return False
 
 
 def loose_values(node: dict[str, Any]) -> bool:
