@@ -173,10 +173,10 @@ NOTES = {"description", "title", "$comment", "examples", "default", "markdownDes
 
 
 def portable(schema: Any) -> Any:
-    """`schema` in keywords both backends read: each `not` written as the subschema it leaves (`complement`), each
-    oneOf as an anyOf (`_one_of_out`), where they can be, and each property dependency (`dependencies`, `dependentRequired`, `dependentSchemas`) as an anyOf
-    of the property left out or present with what it brings. A `not` that cannot be written stays, for the
-    backends to refuse."""
+    """`schema` in keywords both backends read, where they can be written: each `not` as the subschema it leaves
+    (`complement`), each oneOf as an anyOf (`_one_of_out`), each property dependency (`dependencies`,
+    `dependentRequired`, `dependentSchemas`) as an anyOf of the property left out or present with what it brings.
+    What cannot be written stays, for the backends to refuse."""
     local = not resources(schema)
 
     def one(node: dict[str, Any]) -> Any:
