@@ -352,7 +352,8 @@ def test_keywords_beside_a_combinator_are_enforced_by_xgrammar(demo):
     assert not takes(demo, m, '{"n":5') and not takes(demo, m, '{"n":"a"}')
 
 
-INSTANCES = [None, True, False, 0, 1, 2.5, "", "a", [], [1], {}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"a": "x"}]
+INSTANCES = [None, True, False, 0, 1, 2.5, "", "a", [], [1], {}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"a": "x"},
+             {"a": "x", "b": 1}, {"a": 2, "b": 1}, {"a": 2}]
 NEGATIONS = [
     {"type": "object", "properties": {"a": {"not": {}}}},  # bitbucket's forbidden property
     {"not": {"required": ["a"]}},  # circle-ci's
@@ -367,15 +368,19 @@ NEGATIONS = [
     {"oneOf": [{"type": "string"}, {"type": ["string", "null"]}]},  # a string matches two: only null passes
     {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "dependencies": {"a": ["b"]}},
     {"type": "object", "dependentSchemas": {"a": {"properties": {"b": {"type": "string"}}}}},
+    {"type": "object", "properties": {"a": {"enum": [1, 2, "x"]}, "b": {}},  # github-issue-forms' conditions
+     "allOf": [{"if": {"properties": {"a": {"const": "x"}}}, "then": {"required": ["b"]}},
+               {"if": {"properties": {"a": {"const": 1}}, "required": ["a"]}, "else": {"properties": {"b": False}}}]},
+    {"if": {"type": "string"}, "then": {"const": "a"}, "else": {"type": "object", "required": ["a"]}},
 ]
 
 
 @pytest.mark.parametrize("schema", NEGATIONS)
-def test_a_not_a_one_of_and_dependencies_are_written_in_keywords_both_backends_read(schema):
+def test_not_one_of_conditions_and_dependencies_are_written_in_keywords_both_backends_read(schema):
     import jsonschema
 
     given = portable(schema)
-    assert not {"not", "oneOf", "dependencies", "dependentSchemas"} & {k for n, _ in subschemas(given) for k in n}
+    assert not {"not", "oneOf", "dependencies", "dependentSchemas", "if"} & {k for n, _ in subschemas(given) for k in n}
     for instance in INSTANCES:
         read = jsonschema.validators.validator_for(schema)  # dependencies: drafts up to 7 (later ones ignore it)
         assert read(given).is_valid(instance) == read(schema).is_valid(instance), (instance, given)

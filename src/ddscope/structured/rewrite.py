@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ddscope.structured.schema import (ASSERTIONS, combined_beside, exclusive, overlap, rebuild, resolved, resources,
-                                       subschemas, types)
+from ddscope.structured.schema import (ASSERTIONS, canonical, combined_beside, exclusive, overlap, rebuild, resolved,
+                                       resources, subschemas, types)
 
 MINS = ("minimum", "minLength", "minItems", "minProperties")  # merged: the larger bound
 MAXES = ("maximum", "maxLength", "maxItems", "maxProperties")
@@ -139,8 +139,14 @@ def merged(a: Any, b: Any) -> Any:
             if (m := _merged_map(k, v, b[k])) is None:
                 return None
             out[k] = m
-        elif k in ASSERTIONS | {"const", "enum"}:
+        elif k in ASSERTIONS:
             return None
+    if _values(a) is not None and _values(b) is not None:  # both bound the values: those of both
+        theirs = {value_key(v) for v in _values(b)}  # type: ignore[union-attr]
+        both = [v for v in _values(a) if value_key(v) in theirs]  # type: ignore[union-attr]
+        if not both:
+            return False
+        out = {k: v for k, v in out.items() if k != "const"} | {"enum": both}
     return _closed_over(a, b, out)
 
 
@@ -180,7 +186,7 @@ def portable(schema: Any) -> Any:
     local = not resources(schema)
 
     def one(node: dict[str, Any]) -> Any:
-        node = _one_of_out(_dependencies_out(node), schema, local)
+        node = _one_of_out(_dependencies_out(_conditions_out(node)), schema, local)
         other = complement(node["not"]) if "not" in node else None
         if other is None:
             return node
@@ -189,6 +195,26 @@ def portable(schema: Any) -> Any:
             return other if not isinstance(other, dict) else {**rest, **other}
         return {**rest, "allOf": [*(rest.get("allOf") or []), other]}
     return rebuild(schema, one)
+
+
+def _conditions_out(node: dict[str, Any]) -> dict[str, Any]:
+    """`node` with its if/then/else, and those of its allOf's branches, as anyOfs: the condition with `then`, or
+    its complement with `else`. The condition's complement reads `node`'s properties for the values a property
+    may hold (a const among an enum's), where it can be written."""
+    found = [node] + [b for b in node.get("allOf") or () if isinstance(b, dict) and "if" in b]
+    if not any("if" in n for n in found):
+        return node
+    rest = {k: v for k, v in node.items() if k not in ("if", "then", "else", "allOf")}
+    branches = []
+    for n in found[1:] if "if" not in node else found:
+        other = complement(n["if"], node)
+        if other is None:
+            return node
+        either = {"anyOf": [{"allOf": [n["if"], n.get("then", {})]}, {"allOf": [other, n.get("else", {})]}]}
+        beside = {k: v for k, v in n.items() if k not in ("if", "then", "else")} if n is not node else {}
+        branches.append({"allOf": [beside, either]} if beside else either)
+    kept = [b for b in node.get("allOf") or () if not (isinstance(b, dict) and "if" in b)]
+    return {**rest, "allOf": kept + branches}
 
 
 def _one_of_out(node: dict[str, Any], root: Any, local: bool) -> dict[str, Any]:
@@ -227,11 +253,12 @@ def _dependencies_out(node: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "allOf": [*(rest.get("allOf") or []), *branches]}
 
 
-def complement(node: Any) -> Any:
+def complement(node: Any, within: Any = None) -> Any:
     """A subschema matching exactly what `node` does not, or None where none is written here: of an empty one
     (false), of a type, of required properties and the schemas of present ones (an object that lacks one, or
     holds one its schema refuses, or is no object), of an anyOf (all of the complements), of values that are only
-    true, false and null."""
+    true, false and null. `within`: a subschema the instance also matches (its enum or const), so that values can
+    be complemented among its own."""
     if node is True or node is False:
         return not node
     if not isinstance(node, dict):
@@ -243,28 +270,43 @@ def complement(node: Any) -> Any:
         left = [t for t in TYPES if t not in types(node)]
         return {"type": left} if left else False
     if keys <= {"anyOf"} and isinstance(node["anyOf"], list):
-        parts = [complement(b) for b in node["anyOf"]]
+        parts = [complement(b, within) for b in node["anyOf"]]
         return None if any(p is None for p in parts) else {"allOf": parts}
     if keys <= {"type", "required", "properties"} and types(node) <= {"object"}:
-        return _not_object(node)
-    values = node.get("enum") if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else []
+        return _not_object(node, within)
+    values = _values(node)
     if keys in ({"enum"}, {"const"}) and values and all(v is None or isinstance(v, bool) for v in values):
         left = [v for v in (True, False, None) if not any(v is x for x in values)]
         others = {"type": [t for t in TYPES if t not in ("boolean", "null")]}
         return {"anyOf": [others, {"enum": left}]} if left else others
+    among = _values(within) if isinstance(within, dict) else None
+    if keys in ({"enum"}, {"const"}) and values is not None and among is not None:  # the others of `within`'s
+        shut = {value_key(v) for v in values}
+        left = [v for v in among if value_key(v) not in shut]
+        return {"enum": left} if left else False
     return None
 
 
-def _not_object(node: dict[str, Any]) -> Any:
+def _values(node: dict[str, Any]) -> list[Any] | None:
+    """A subschema's const or enum values; None: it has neither."""
+    return node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else None
+
+
+def value_key(v: Any) -> str:
+    """A value as JSON compares it (1 == 1.0, keys in any order)."""
+    return json.dumps(canonical(v), sort_keys=True)
+
+
+def _not_object(node: dict[str, Any], within: Any) -> Any:
     """Not (an object holding every required property, each present one as its schema says)."""
-    props = node.get("properties") or {}
+    props, known = node.get("properties") or {}, (within or {}).get("properties") or {}
     required = node.get("required") or []
     if not isinstance(props, dict) or not isinstance(required, list):
         return None
     branches: list[Any] = [{"type": [t for t in TYPES if t != "object"]}] if types(node) else []  # untyped: they match
     branches += [{"type": "object", "properties": {name: False}} for name in required]
     for name, sub in props.items():
-        other = complement(sub)
+        other = complement(sub, known.get(name) if isinstance(known, dict) else None)
         if other is None:
             return None
         if other is not False:
