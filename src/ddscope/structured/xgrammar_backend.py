@@ -14,7 +14,7 @@ from typing import Any
 
 from ddscope.structured.backend import Backend, Compiled, Matcher
 from ddscope.structured.constraint import Constraint, ConstraintError, first_line
-from ddscope.structured.rewrite import distributed, impossible, narrowed
+from ddscope.structured.rewrite import distributed, impossible, narrowed, portable
 from ddscope.structured.schema import (Gap, combined_beside, exclusive, inside, is_object, loose_values, ref_beside,
                                        refs_alone, rebuild, resources, subschemas, types)
 
@@ -151,7 +151,7 @@ class XGrammarBackend(Backend):
         if c.kind == "regex" and LOOKAROUND.search(c.spec):
             return [Gap("regex", "$", "with a lookaround is not enforced")]
         if c.kind == "structural_tag":
-            return [Gap(g.keyword, where + g.path[1:], g.why) for s, where in _tag_schemas(json.loads(c.spec), "$")
+            return [Gap(g.keyword, where + g.path[1:], g.why) for s, where in _tag_schemas(tag_prepared(c.spec), "$")
                     for g in schema_gaps(s)]
         return []
 
@@ -204,17 +204,31 @@ def _tag_schemas(tag: Any, path: str) -> list[tuple[Any, str]]:
                     for s in _tag_schemas(v, f"{path}.{k}")]
 
 
+@functools.lru_cache(maxsize=8)
+def tag_prepared(spec: str) -> Any:
+    """A structural tag with each of its schemas as xgrammar is given them (`prepared`, after the rewrites both
+    backends read: rewrite.portable)."""
+    def walk(tag: Any) -> Any:
+        if isinstance(tag, list):
+            return [walk(v) for v in tag]
+        if not isinstance(tag, dict):
+            return tag
+        return {k: without_false_properties(prepared(portable(v))) if k in ("json_schema", "schema") and isinstance(
+            v, (dict, bool)) else walk(v) for k, v in tag.items()}
+    return walk(json.loads(spec))
+
+
 def compile_structural_tag(comp: Any, spec: str) -> Any:
     """The current format as xgrammar reads it, or the legacy {"structures": [{begin, schema, end}], "triggers"}
     as vLLM converts it (backend_xgrammar.py:173-189)."""
     import xgrammar as xgr
 
-    tag = json.loads(spec)
+    tag = tag_prepared(spec)
     if isinstance(tag, dict) and "structures" in tag:
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
                  for s in tag["structures"]]
         return comp.compile_structural_tag(items, tag["triggers"])
-    return comp.compile_structural_tag(spec)
+    return comp.compile_structural_tag(json.dumps(tag))
 
 
 FREE_SPACE = "[ \\n\\r\\t]*"  # JSON's whitespace, as xgrammar writes it with any_whitespace
