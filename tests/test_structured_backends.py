@@ -16,8 +16,9 @@ from ddscope.server.launch import serve_in_background
 from ddscope.server.state import Surface
 from ddscope.structured.compiler import Grammars
 from ddscope.structured.constraint import Constraint, ConstraintError
+from ddscope.structured.exclusive import exclusive
 from ddscope.structured.rewrite import portable
-from ddscope.structured.schema import MAX_NESTING, combined_beside, exclusive, loose_values, resources, subschemas
+from ddscope.structured.schema import MAX_NESTING, combined_beside, loose_values, resources, subschemas
 from ddscope.structured.xgrammar_backend import prepared
 
 FIXTURES = Path(__file__).parent / "fixtures" / "schemas"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from decimal import Decimal
 
 import jsonschema
 import pytest
@@ -12,7 +13,9 @@ import torch
 
 from ddscope.engine import Engine
 from ddscope.structured.constraint import Constraint, ConstraintError
-from ddscope.structured.unique import Plan, UniqueCompiled, enforced
+from ddscope.structured.json_scan import Scan, Tokens, UniqueCompiled, Veto, scan
+from ddscope.structured.schema import value_key
+from ddscope.structured.unique import Plan, enforced
 
 STRINGS = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
 EVENTS = {"type": "array", "items": {"enum": ["push", "pull", "tag"]}, "uniqueItems": True, "minItems": 2}
@@ -163,3 +166,66 @@ def test_the_rule_is_read_where_the_output_reaches_it():
     assert plan.rule(("other",)) is None
     mixed = Plan({"anyOf": [EVENTS, {"type": "array", "items": {"type": "integer"}}]}).rule(())
     assert mixed.open == {"string", "number", "literal"}  # the other branch's items need no partial checked
+
+
+U = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+
+
+def test_a_recursive_ref_to_the_root_is_followed_and_refs_the_plan_cannot_follow_keep_unique_items_refused(demo):
+    m = compiled(demo, {"type": "object", "properties": {"u": U, "c": {"$ref": "#"}}}).matcher()
+    assert reads(demo, m, '{"c":{"u":["x","y"]}}') and not reads(demo, m, '{"c":{"u":["x","x"')
+    for schema in ({"$defs": {"u": U, "o": {"$id": "https://x.org/o", "type": "string"}}, "type": "object",
+                    "properties": {"a": {"$ref": "#/$defs/u"}}},
+                   {"$defs": {"u": {**U, "$anchor": "uu"}}, "type": "object", "properties": {"a": {"$ref": "#uu"}}},
+                   {"type": "array", "uniqueItems": True, "items": {"$ref": "#/$defs/x"},  # a loop in the items
+                    "$defs": {"x": {"anyOf": [{"$ref": "#/$defs/x"}, {"type": "string"}]}}},
+                   {"type": "array", "prefixItems": [{"enum": ["a", "b"]}, {"enum": ["a"]}],
+                    "items": {"type": "string"}, "uniqueItems": True, "minItems": 2},  # limits outside its `items`
+                   {"allOf": [U, {"items": {"maxLength": 1}}]}):
+        with pytest.raises(ConstraintError, match="uniqueItems"):
+            compiled(demo, schema)
+
+
+def test_a_whitespace_pattern_beyond_json_whitespace_keeps_unique_items_refused(demo):
+    loose = Constraint("json", json.dumps(U), whitespace=r"\s*")
+    with pytest.raises(ConstraintError, match="whitespace_pattern"):
+        demo.grammars.compile(loose)
+    assert demo.grammars.compile(Constraint("json", json.dumps(U), whitespace=r"[ \n]*"))
+
+
+def test_a_scalar_after_a_key_is_checked_as_an_item(demo, backend):
+    schema = {"type": "object", "properties": {"k": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                                     "uniqueItems": True}}}
+    m = compiled(demo, schema, backend).matcher()
+    assert not reads(demo, m, '{"k":[0,0') and reads(demo, m, '{"k":[0,1,10]}')
+    for tok in ids(demo, '{"k":[0,'):
+        assert m.accept(tok)
+    fill_agrees_with_accept(demo, m)
+
+
+def test_an_escaped_keyword_name_is_kept(demo):
+    spec = '{"type": "array", "items": {"type": "string"}, "unique\\u0049tems": true}'
+    m = demo.grammars.compile(Constraint("json", spec, any_whitespace=False)).matcher()
+    assert not reads(demo, m, '["a","a"')
+
+
+def test_partial_items_that_can_only_repeat_one_are_stuck():
+    strings = Plan({}).item_rule({"items": {"enum": ["x\ny", "x\nz"]}})
+    used = frozenset({value_key("x\ny")})
+    assert strings.stuck(used, b'"x\\ny') and not strings.stuck(used, b'"x\\n') and not strings.stuck(used, b'"x\\')
+    ints = Plan({}).item_rule({"items": {"anyOf": [{"type": "integer", "minimum": 0}, {"const": 1.5}]}})
+    assert ints.stuck(frozenset({value_key(1.5)}), b"1.") and not ints.stuck(frozenset(), b"1.")
+    numbers = Plan({}).item_rule({"items": {"type": "number", "minimum": 0}})
+    assert numbers.stuck(frozenset({value_key(0)}), b"0e") and not numbers.stuck(frozenset({value_key(0)}), b"0.")
+    tiny = Plan({}).item_rule({"items": {"enum": [1e-07, "z"]}})
+    assert not tiny.stuck(frozenset({value_key("z")}), b"0.00000")  # guidance writes 1e-07 as 0.0000001
+
+
+def test_numbers_are_compared_exactly_at_any_size():
+    plan = Plan({"type": "array", "items": {"type": "number"}, "uniqueItems": True})
+    assert value_key(Decimal("1e400")) != value_key(Decimal("2e400"))
+    assert value_key(Decimal("1.0")) == value_key(1) == value_key(Decimal("1E0"))
+    state = scan(Scan(), b"[" + b"1" * 4400 + b",", bytearray(), plan)  # past Python's int digit limit
+    with pytest.raises(Veto):
+        scan(state, b"1" * 4400 + b"]", bytearray(b"[" + b"1" * 4400 + b","), plan)
+    assert Tokens([b"[0,0,", b"x"]).opening.tolist() == [True, False]  # one token may open a kept array and repeat

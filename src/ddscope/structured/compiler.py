@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import string
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from ddscope.structured.backend import BACKENDS, CHOICES, Backend, Compiled, backend_class
 from ddscope.structured.constraint import Constraint, ConstraintError
+from ddscope.structured.json_scan import Tokens, UniqueCompiled
 from ddscope.structured.rewrite import portable
-from ddscope.structured.schema import MAX_NESTING, nesting
-from ddscope.structured.unique import Tokens, UniqueCompiled, enforced
+from ddscope.structured.schema import MAX_NESTING, locate, nesting
+from ddscope.structured.unique import enforced
 
 COMPILE_TIMEOUT_S = 10.0  # vLLM bounds a regex's at 5 s (VLLM_REGEX_COMPILATION_TIMEOUT_S) and nothing else
 MAX_RUNAWAY = 4  # compiles past their time still running: beyond this, new ones wait for them to end
@@ -56,7 +59,7 @@ class Grammars:
             if len(self.running) >= MAX_RUNAWAY:
                 raise ConstraintError("the server is still compiling constraints that ran past their time limit")
         order = [self.backend_named(n) for n in self.order(key[0], c)]  # made ready here, outside the time limit
-        tokens = self.tokens() if c.kind == "json" and "uniqueItems" in c.spec else None  # and so is this
+        tokens = self.tokens() if c.kind == "json" and _names_unique(c.spec) else None  # and so is this
         compiled = self._bounded(key, lambda: self._first(order, c, tokens))
         with self.lock:
             self.cache[key] = compiled
@@ -126,6 +129,9 @@ class Grammars:
                 raise ConstraintError(f"the json constraint is not JSON: {e}") from None
             check_nesting(schema)
             stripped, plan = enforced(portable(schema))
+            if plan is not None and c.whitespace is not None and not json_space_only(c.whitespace):
+                raise ConstraintError(f"uniqueItems at {locate(schema, 'uniqueItems')} is not enforced beside a "
+                                      "whitespace_pattern that matches more than JSON's whitespace")
             if stripped != schema:
                 c = dataclasses.replace(c, spec=json.dumps(stripped))
         refusals = []
@@ -138,11 +144,27 @@ class Grammars:
                 compiled = backend.compile(c)
                 if plan is None:
                     return compiled
-                assert tokens is not None  # built wherever the spec names uniqueItems
+                assert tokens is not None  # built wherever the parsed spec names uniqueItems
                 return UniqueCompiled(given, compiled, plan, tokens)
             except ConstraintError as e:
                 refusals.append(str(e))
         raise ConstraintError("; ".join(reversed(refusals)))
+
+
+def _names_unique(spec: str) -> bool:
+    try:
+        return "uniqueItems" in json.dumps(json.loads(spec))  # as parsed: "unique\\u0049tems" names it too
+    except ValueError:
+        return False
+
+
+def json_space_only(pattern: str) -> bool:
+    """Whether a whitespace regex matches no character but JSON's four (the uniqueItems scanner reads only those)."""
+    probe = string.printable.translate({ord(c): None for c in " \t\n\r"}) + "\x85\xa0\u2028\u3000"
+    try:
+        return not any(re.fullmatch(pattern, c) for c in probe)
+    except re.error:
+        return False
 
 
 def check_nesting(schema: Any) -> None:

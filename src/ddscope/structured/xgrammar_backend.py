@@ -14,9 +14,11 @@ from typing import Any
 
 from ddscope.structured.backend import Backend, Compiled, Matcher
 from ddscope.structured.constraint import Constraint, ConstraintError, first_line
-from ddscope.structured.rewrite import distributed, impossible, narrowed, portable
-from ddscope.structured.schema import (Gap, combined_beside, exclusive, inside, is_object, loose_values, ref_beside,
-                                       refs_alone, rebuild, resources, subschemas, types)
+from ddscope.structured.exclusive import exclusive
+from ddscope.structured.merge import distributed, impossible, narrowed
+from ddscope.structured.rewrite import portable
+from ddscope.structured.schema import (Gap, combined_beside, inside, is_object, loose_values, rebuild, ref_beside,
+                                       refs_alone, resources, subschemas, types)
 
 # Accepted by xgrammar and not enforced: an output that breaks them is served as valid.
 IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired",
