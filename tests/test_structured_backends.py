@@ -353,8 +353,8 @@ def test_keywords_beside_a_combinator_are_enforced_by_xgrammar(demo):
     assert not takes(demo, m, '{"n":5') and not takes(demo, m, '{"n":"a"}')
 
 
-INSTANCES = [None, True, False, 0, 1, 2.5, "", "a", [], [1], {}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"a": "x"},
-             {"a": "x", "b": 1}, {"a": 2, "b": 1}, {"a": 2}]
+INSTANCES = [None, True, False, 0, 1, 2.5, "", "a", "ab", "abc", "b", "x.y", "xzy", "a\n", [], [1], {}, {"a": 1},
+             {"b": 1}, {"a": 1, "b": 2}, {"a": "x"}, {"a": "x", "b": 1}, {"a": 2, "b": 1}, {"a": 2}]
 NEGATIONS = [
     {"type": "object", "properties": {"a": {"not": {}}}},  # bitbucket's forbidden property
     {"not": {"required": ["a"]}},  # circle-ci's
@@ -373,6 +373,8 @@ NEGATIONS = [
      "allOf": [{"if": {"properties": {"a": {"const": "x"}}}, "then": {"required": ["b"]}},
                {"if": {"properties": {"a": {"const": 1}}, "required": ["a"]}, "else": {"properties": {"b": False}}}]},
     {"if": {"type": "string"}, "then": {"const": "a"}, "else": {"type": "object", "required": ["a"]}},
+    {"type": "string", "not": {"enum": ["a", "ab", "x.y", ""]}},  # Snowplow's: any string but these
+    {"not": {"enum": ["a", None, True]}},
 ]
 
 
@@ -387,8 +389,8 @@ def test_not_one_of_conditions_and_dependencies_are_written_in_keywords_both_bac
         assert read(given).is_valid(instance) == read(schema).is_valid(instance), (instance, given)
 
 
-@pytest.mark.parametrize("schema", [{"not": {"type": "integer"}}, {"type": "string", "not": {"enum": ["x"]}},
-                                    {"not": {"pattern": "^a"}}])  # a string or an integer's complement: no type
+@pytest.mark.parametrize("schema", [{"not": {"type": "integer"}}, {"not": {"enum": [1, 2]}},
+                                    {"not": {"pattern": "^a"}}])  # an integer's or a pattern's complement: no type
 def test_a_not_no_subschema_can_write_is_refused_by_name(demo, schema):
     assert portable(schema) == schema
     with pytest.raises(ConstraintError, match=re.escape("not at $")):
@@ -400,3 +402,11 @@ def test_a_forbidden_property_is_left_out_by_both_backends(demo, backend):
     schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"not": {}}}, "required": ["a"]}
     m = demo.grammars.compile(json_c(schema), backend).matcher()
     assert takes(demo, m, '{"a":"x"}') and not takes(demo, m, '{"a":"x","b"')
+
+
+def test_a_string_none_of_some_values_is_enforced_by_both_backends(demo):
+    schema = json.loads((FIXTURES / "Snowplow" / "not.json").read_text())
+    for backend in ("xgrammar", "guidance"):
+        m = demo.grammars.compile(json_c(schema), backend).matcher()
+        assert not takes(demo, m, '{"kind":"internal"}')
+        assert takes(demo, m, '{"kind":"internals"}') and takes(demo, m, '{"kind":"intern"}')

@@ -93,8 +93,8 @@ def _dependencies_out(node: dict[str, Any]) -> dict[str, Any]:
 def complement(node: Any, within: Any = None) -> Any:
     """A subschema matching exactly what `node` does not, or None where none is written here: of an empty one
     (false), of a type, of required properties and the schemas of present ones (an object that lacks one, or
-    holds one its schema refuses, or is no object), of an anyOf (all of the complements), of values that are only
-    true, false and null. `within`: a subschema the instance also matches (its enum or const), so that values can
+    holds one its schema refuses, or is no object), of an anyOf (all of the complements), of values that are
+    strings, true, false or null. `within`: a subschema the instance also matches (its enum or const), so that values can
     be complemented among its own."""
     if node is True or node is False:
         return not node
@@ -111,17 +111,52 @@ def complement(node: Any, within: Any = None) -> Any:
         return None if any(p is None for p in parts) else {"allOf": parts}
     if keys <= {"type", "required", "properties"} and types(node) <= {"object"}:
         return _not_object(node, within)
-    values = fixed_values(node)
-    if keys in ({"enum"}, {"const"}) and values and all(v is None or isinstance(v, bool) for v in values):
-        left = [v for v in (True, False, None) if not any(v is x for x in values)]
-        others = {"type": [t for t in TYPES if t not in ("boolean", "null")]}
-        return {"anyOf": [others, {"enum": left}]} if left else others
+    values = fixed_values(node) if keys in ({"enum"}, {"const"}) else None
     among = fixed_values(within) if isinstance(within, dict) else None
-    if keys in ({"enum"}, {"const"}) and values is not None and among is not None:  # the others of `within`'s
+    if values is not None and among is not None:  # the others of `within`'s
         shut = {value_key(v) for v in values}
         left = [v for v in among if value_key(v) not in shut]
         return {"enum": left} if left else False
+    if values is not None and all(v is None or isinstance(v, (bool, str)) for v in values):
+        return _not_values(values)
     return None
+
+
+def _not_values(values: list[Any]) -> Any:
+    """Anything but `values` (strings, true, false, null): another type, another literal, or a string none of them
+    is (`not_strings`)."""
+    literals = [v for v in (True, False, None) if not any(v is x for x in values)]
+    words = [v for v in values if isinstance(v, str)]
+    kinds = ("boolean", "null") + (("string",) if words else ())
+    branches: list[Any] = [{"type": [t for t in TYPES if t not in kinds]}]
+    branches += [{"enum": literals}] if literals else []
+    branches += [{"type": "string", "pattern": not_strings(words)}] if words else []
+    return {"anyOf": branches}
+
+
+def not_strings(words: list[str]) -> str:
+    """A regex (anchored, no lookaround: both backends read it) matching every string but `words`: by their trie,
+    a string that stops short of a word, leaves the trie at some character, or goes on past a word's end."""
+    trie: dict[str, Any] = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a word ends here
+
+    def rest(node: dict[str, Any]) -> str:
+        kids = sorted(k for k in node if k)
+        other = "[^" + "".join(_escaped(k) for k in kids) + "]" if kids else ANY_CHAR
+        parts = ([] if "" in node else [""]) + [other + ANY_CHAR + "*"] + [_escaped(k) + rest(node[k]) for k in kids]
+        return "(?:" + "|".join(parts) + ")"
+    return "^" + rest(trie) + "$"
+
+
+ANY_CHAR = "[\\s\\S]"
+
+
+def _escaped(ch: str) -> str:
+    return "\\" + ch if ch in "\\^-]$.|?*+()[]{}/" else ch
 
 
 def _not_object(node: dict[str, Any], within: Any) -> Any:
