@@ -94,8 +94,8 @@ def complement(node: Any, within: Any = None) -> Any:
     """A subschema matching exactly what `node` does not, or None where none is written here: of an empty one
     (false), of a type, of required properties and the schemas of present ones (an object that lacks one, or
     holds one its schema refuses, or is no object), of an anyOf (all of the complements), of values that are
-    strings, true, false or null. `within`: a subschema the instance also matches (its enum or const), so that values can
-    be complemented among its own."""
+    strings, true, false or null. `within`: a subschema the instance also matches (its enum or const), so that
+    values can be complemented among its own."""
     if node is True or node is False:
         return not node
     if not isinstance(node, dict):
