@@ -19,7 +19,7 @@ from ddscope.structured.constraint import Constraint, ConstraintError
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.rewrite import portable
 from ddscope.structured.schema import MAX_NESTING, combined_beside, loose_values, resources, subschemas
-from ddscope.structured.xgrammar_backend import prepared
+from ddscope.structured.xgrammar_backend import prepared, schema_gaps
 
 FIXTURES = Path(__file__).parent / "fixtures" / "schemas"
 CODE = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
@@ -410,3 +410,38 @@ def test_a_string_none_of_some_values_is_enforced_by_both_backends(demo):
         m = demo.grammars.compile(json_c(schema), backend).matcher()
         assert not takes(demo, m, '{"kind":"internal"}')
         assert takes(demo, m, '{"kind":"internals"}') and takes(demo, m, '{"kind":"intern"}')
+
+
+LOOSE_IF_MERGED = [  # (schema, instances): merged naively, each let an instance through that the schema refuses
+    ({"type": "object", "allOf": [{"patternProperties": {"^x": {}}}, {"additionalProperties": False}]},
+     [{"x": 1}, {}, {"y": 1}]),
+    ({"type": "array", "allOf": [{"prefixItems": [{"type": "string"}]}, {"items": {"type": "integer"}}]},
+     [["a"], [1], []]),
+    ({"const": 1, "enum": [1, 2], "type": "integer"}, [1, 2]),
+    ({"components": {"A": {"$ref": "#/components/B", "minimum": 5}, "B": {"type": "integer"}},
+      "allOf": [{"$ref": "#/components/A"}, {"maximum": 10}]}, [1, 7, 11]),
+    ({"type": "array", "allOf": [{"contains": {"type": "string"}}, {"contains": {"type": "string"}, "minContains": 0}]},
+     [[1], ["a"]]),
+]
+
+
+@pytest.mark.parametrize("schema, instances", LOOSE_IF_MERGED)
+def test_what_xgrammar_is_given_never_takes_more_than_the_schema(schema, instances):
+    """A merge that cannot be written exactly is left undone, and the node stays a gap."""
+    import jsonschema
+
+    given = prepared(portable(schema))
+    if schema_gaps(given):
+        return
+    for instance in instances:
+        assert jsonschema.Draft202012Validator(given).is_valid(instance) <= \
+            jsonschema.Draft202012Validator(schema).is_valid(instance), (instance, given)
+
+
+def test_odd_but_valid_schemas_are_rewritten_without_a_crash_and_draft_4_values_are_not_read_as_later():
+    assert portable({"properties": {"a": True}, "if": {"properties": {"a": {"required": ["b"]}}},
+                     "then": {"required": ["a"]}})
+    assert prepared({"anyOf": [{"type": "object", "properties": {}, "required": [["x"]]}]})
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#"}
+    assert not exclusive([{"type": "integer"}, {"enum": [1.0]}], draft4, True)
+    assert not exclusive([{"const": 1}, {"const": 2}], draft4, True)  # draft 4 has no const: both match anything

@@ -14,6 +14,8 @@ def exclusive(branches: list[Any], root: Any, local: bool) -> bool:
     other, closed, does not name. Only what it can read counts: a branch without a type, behind a $ref outside the
     document (or inside one with resources of its own, `$id`s below the root), or malformed, overlaps every
     other. `local`: the document holds no resources below its root (`resources`)."""
+    if isinstance(root, dict) and any(f"draft-0{n}" in str(root.get("$schema", "")) for n in (3, 4)):
+        return False  # draft 4 has no const, and its integer refuses 1.0: values are not read as later drafts do
     try:
         read = [resolved(b, root, local) for b in branches]
         return all(_apart(a, b, root, local, 0) for i, a in enumerate(read) for b in read[i + 1:])

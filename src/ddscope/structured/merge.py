@@ -9,7 +9,8 @@ import json
 from typing import Any
 
 from ddscope.structured.exclusive import overlap
-from ddscope.structured.schema import ASSERTIONS, combined_beside, fixed_values, resolved, subschemas, types, value_key
+from ddscope.structured.schema import (ASSERTIONS, combined_beside, fixed_values, pointed, subschemas, types,
+                                       value_key)
 
 MINS = ("minimum", "minLength", "minItems", "minProperties")  # merged: the larger bound
 MAXES = ("maximum", "maxLength", "maxItems", "maxProperties")
@@ -60,9 +61,9 @@ def impossible(schema: Any) -> str | None:
     if schema is False:
         return "$"
     for node, path in subschemas(schema):
-        props = node.get("properties")
-        for name in node.get("required") or () if isinstance(props, dict) else ():
-            if props.get(name) is False:
+        props, required = node.get("properties"), node.get("required")
+        for name in required if isinstance(props, dict) and isinstance(required, list) else ():
+            if isinstance(name, str) and props.get(name) is False:
                 return f"{path}.properties.{name}"
     return None
 
@@ -71,9 +72,10 @@ def narrowed(node: dict[str, Any], draft: Any) -> Any:
     """A const or enum beside other assertions as the values among them that pass the rest (exact: an instance is
     one of them); `false` where none does. Checked by jsonschema under the document's draft (`draft`: its
     `$schema`), formats included; as it was where the rest holds a $ref or does not read."""
-    values = node.get("enum") if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else None
+    values = fixed_values(node)
     rest = {k: v for k, v in node.items() if k in ASSERTIONS | {"type"}}
-    if values is None or not rest or "$ref" in json.dumps(rest):
+    both = "const" in node and "enum" in node  # xgrammar would read the enum alone
+    if values is None or not (rest or both) or "$ref" in json.dumps(rest):
         return node
     import jsonschema
 
@@ -92,15 +94,17 @@ def _never(node: Any) -> bool:
     """Nothing matches it: `false`, or an object that must hold a property nothing matches."""
     if not isinstance(node, dict):
         return node is False
-    props = node.get("properties")
-    return types(node) == {"object"} and isinstance(props, dict) and any(
-        props.get(name) is False for name in node.get("required") or ())
+    props, required = node.get("properties"), node.get("required")
+    return types(node) == {"object"} and isinstance(props, dict) and isinstance(required, list) and any(
+        isinstance(name, str) and props.get(name) is False for name in required)
 
 
 def inlined(branch: Any, root: Any, local: bool) -> Any:
-    """A branch that is a $ref alone, as its target (one level: the $refs inside it still point where they did)."""
-    if isinstance(branch, dict) and set(branch) == {"$ref"}:
-        return resolved(branch, root, local) or branch
+    """A branch that is a local $ref alone, as its target where that is no $ref itself (one hop: a chain's middle
+    $ref may carry siblings, which later drafts apply; the $refs inside the target still point where they did)."""
+    if isinstance(branch, dict) and set(branch) == {"$ref"} and local and str(branch["$ref"]).startswith("#/"):
+        target = pointed(branch["$ref"], root)
+        return target if isinstance(target, dict) and "$ref" not in target else branch
     return branch
 
 
@@ -114,7 +118,7 @@ def merged(a: Any, b: Any) -> Any:
         return False
     if not isinstance(a, dict) or not isinstance(b, dict) or "$ref" in a or "$ref" in b:
         return None
-    if ("patternProperties" in a or "patternProperties" in b) and ("properties" in a or "properties" in b):
+    if not _mergeable(a, b) or not _mergeable(b, a):
         return None
     out = {**a, **b}
     for k, v in a.items():
@@ -147,6 +151,25 @@ def merged(a: Any, b: Any) -> Any:
             return False
         out = {k: v for k, v in out.items() if k != "const"} | {"enum": both}
     return _closed_over(a, b, out)
+
+
+def _mergeable(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether a keyword of `a` reads `b`'s in a way one node cannot hold: additionalProperties against the other's
+    patterns, items against the other's prefixItems, contains counts, unevaluated*, a draft 4 exclusive bound."""
+    def differs(k: str) -> bool:
+        return k in b and a.get(k) != b.get(k)
+    if a.get("patternProperties") and (differs("patternProperties") or b.get("additionalProperties", True) is not True
+                                       or "properties" in b):
+        return False
+    if any(k in a for k in ("prefixItems", "additionalItems")) or isinstance(a.get("items"), list):
+        if any(differs(k) or k in b and k not in a for k in ("prefixItems", "additionalItems", "items")):
+            return False
+    if any(k in a and (differs(k) or k not in b) for k in ("contains", "minContains", "maxContains")) and any(
+            k in b for k in ("contains", "minContains", "maxContains")):
+        return False
+    if any(k in a or k in b for k in ("unevaluatedProperties", "unevaluatedItems")) and a != b:
+        return False
+    return not any(isinstance(a.get(k), bool) for k in ("exclusiveMinimum", "exclusiveMaximum"))
 
 
 def _merged_map(key: str, v: Any, w: Any) -> Any:

@@ -4,6 +4,7 @@ schema accepts exactly the instances the original does; what cannot be written s
 refuse."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ddscope.structured.exclusive import exclusive
@@ -11,6 +12,7 @@ from ddscope.structured.merge import inlined
 from ddscope.structured.schema import fixed_values, rebuild, resources, types, value_key
 
 MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complements
+DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 TYPES = ("array", "boolean", "null", "number", "object", "string")
 NOTES = {"description", "title", "$comment", "examples", "default", "markdownDescription", "deprecated"}
 
@@ -19,10 +21,20 @@ def portable(schema: Any) -> Any:
     """`schema` in keywords both backends read, where they can be written: each `not` as the subschema it leaves
     (`complement`), each oneOf as an anyOf (`_one_of_out`), each property dependency (`dependencies`,
     `dependentRequired`, `dependentSchemas`) as an anyOf of the property left out or present with what it brings.
-    What cannot be written stays, for the backends to refuse."""
-    local = not resources(schema)
+    What cannot be written stays, for the backends to refuse, and so does a document with `unevaluated*` (which
+    reads what the rewrites would add) or keywords its draft does not know: `dependencies` after draft 7 (and
+    where no draft is named: 2020-12 ignores it, draft 7 applies it), `dependentRequired`/`dependentSchemas` and
+    `if` before it."""
+    text = json.dumps(schema)
+    if '"unevaluatedProperties"' in text or '"unevaluatedItems"' in text:
+        return schema
+    local, draft = not resources(schema), str(schema.get("$schema", "")) if isinstance(schema, dict) else ""
+    early = any(f"draft-0{n}" in draft for n in (3, 4, 6, 7))
+    kinds = ("dependencies",) if early else ("dependentRequired", "dependentSchemas")  # no draft named: 2020-12
 
     def one(node: dict[str, Any]) -> Any:
+        if any(k in node for k in DEPENDENCIES if k not in kinds) or early and "if" in node and "draft-07" not in draft:
+            return node
         node = _one_of_out(_dependencies_out(_conditions_out(node)), schema, local)
         other = complement(node["not"]) if "not" in node else None
         if other is None:
@@ -76,8 +88,7 @@ def _one_of_out(node: dict[str, Any], root: Any, local: bool) -> dict[str, Any]:
 def _dependencies_out(node: dict[str, Any]) -> dict[str, Any]:
     """`node` with its property dependencies as allOf branches: each an anyOf of the property left out, or present
     with the properties it requires or the subschema it brings (exact: both pass what is no object)."""
-    found = [(k, node[k]) for k in ("dependencies", "dependentRequired", "dependentSchemas")
-             if isinstance(node.get(k), dict)]
+    found = [(k, node[k]) for k in DEPENDENCIES if isinstance(node.get(k), dict)]
     if not found:
         return node
     branches = []
@@ -161,7 +172,7 @@ def _escaped(ch: str) -> str:
 
 def _not_object(node: dict[str, Any], within: Any) -> Any:
     """Not (an object holding every required property, each present one as its schema says)."""
-    props, known = node.get("properties") or {}, (within or {}).get("properties") or {}
+    props, known = node.get("properties") or {}, (within if isinstance(within, dict) else {}).get("properties") or {}
     required = node.get("required") or []
     if not isinstance(props, dict) or not isinstance(required, list):
         return None

@@ -14,7 +14,8 @@ from urllib.parse import unquote
 
 MAX_NESTING = 64  # objects and arrays the output nests, as vLLM's (sampling_params.py:39)
 
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",  # name -> schema
+               "dependencies")  # (draft 7's: a schema, or a list of names, which is no schema)
 SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")  # [schema]
 SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
               "contains", "not", "if", "then", "else", "propertyNames")
@@ -145,11 +146,17 @@ def resolved(node: Any, root: Any, local: bool) -> dict[str, Any]:
         if ref in seen or not ref.startswith("#/") or not local:
             return {}
         seen.add(ref)
-        node = root
-        for part in ref[2:].split("/"):
-            part = unquote(part).replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
+        node = pointed(ref, root)
     return node if isinstance(node, dict) else {}
+
+
+def pointed(ref: str, root: Any) -> Any:
+    """What a `#/...` JSON pointer points to in `root` (None: nothing)."""
+    node = root
+    for part in ref[2:].split("/"):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def loose_values(node: dict[str, Any]) -> bool:
@@ -246,5 +253,9 @@ def value_key(v: Any) -> str:
 
 
 def fixed_values(node: dict[str, Any]) -> list[Any] | None:
-    """A subschema's const or enum values; None: it has neither."""
-    return node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else None
+    """The values a subschema's const and enum allow (both: those of both); None: it has neither."""
+    found = node["enum"] if isinstance(node.get("enum"), list) else None
+    if "const" in node:
+        found = [node["const"]] if found is None or any(value_key(v) == value_key(node["const"]) for v in found) \
+            else []
+    return found
