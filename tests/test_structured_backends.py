@@ -445,3 +445,20 @@ def test_odd_but_valid_schemas_are_rewritten_without_a_crash_and_draft_4_values_
     draft4 = {"$schema": "http://json-schema.org/draft-04/schema#"}
     assert not exclusive([{"type": "integer"}, {"enum": [1.0]}], draft4, True)
     assert not exclusive([{"const": 1}, {"const": 2}], draft4, True)  # draft 4 has no const: both match anything
+
+
+def test_property_names_apply_to_the_properties_named_beside_them(demo):
+    """xgrammar checks propertyNames only on properties the schema does not name: a named one whose name fails is
+    left out, and a closed object, or an open one whose names need only a pattern, no longer needs the keyword."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ab": {"type": "integer"}, "AB": {"type": "integer"}},
+              "propertyNames": {"pattern": "^[a-z]+$"}}
+    given = portable(schema)
+    assert "propertyNames" not in json.dumps(given)
+    for instance in [{}, {"ab": 1}, {"AB": 1}, {"abc": 1}, {"Zz": 2}, 1]:
+        assert jsonschema.Draft202012Validator(given).is_valid(instance) == \
+            jsonschema.Draft202012Validator(schema).is_valid(instance), instance
+    for backend in ("xgrammar", "guidance"):
+        m = demo.grammars.compile(json_c(schema), backend).matcher()
+        assert takes(demo, m, '{"ab":1}') and not takes(demo, m, '{"AB":1}')

@@ -9,7 +9,7 @@ from typing import Any
 
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.merge import inlined
-from ddscope.structured.schema import fixed_values, rebuild, resources, types, value_key
+from ddscope.structured.schema import fixed_values, names_refused, rebuild, resources, types, value_key
 
 MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complements
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
@@ -35,7 +35,7 @@ def portable(schema: Any) -> Any:
     def one(node: dict[str, Any]) -> Any:
         if any(k in node for k in DEPENDENCIES if k not in kinds) or early and "if" in node and "draft-07" not in draft:
             return node
-        node = _one_of_out(_dependencies_out(_conditions_out(node)), schema, local)
+        node = _one_of_out(_dependencies_out(_conditions_out(_names_out(node, draft))), schema, local)
         other = complement(node["not"]) if "not" in node else None
         if other is None:
             return node
@@ -44,6 +44,25 @@ def portable(schema: Any) -> Any:
             return other if not isinstance(other, dict) else {**rest, **other}
         return {**rest, "allOf": [*(rest.get("allOf") or []), other]}
     return rebuild(schema, one)
+
+
+def _names_out(node: dict[str, Any], draft: str) -> dict[str, Any]:
+    """`node` with its propertyNames applied to the properties it names (one whose name fails is left out:
+    xgrammar checks only the others' names), and gone where nothing else is left to check: a closed object, or an
+    open one whose names need only a pattern (then a patternProperty, beside no other property)."""
+    names, props = node.get("propertyNames"), node.get("properties") or {}
+    failing = names_refused(node, draft)
+    if failing is None:
+        return node
+    if failing:
+        node = {**node, "properties": {**props, **{k: False for k in failing}}}
+    extra, rest = node.get("additionalProperties", True), {k: v for k, v in node.items() if k != "propertyNames"}
+    if names is True or names == {} or extra is False and not node.get("patternProperties"):
+        return rest
+    if isinstance(names, dict) and set(names) - NOTES <= {"pattern", "type"} and types(names) <= {"string"} and \
+            isinstance(names.get("pattern"), str) and extra in (True, {}) and "patternProperties" not in node:
+        return {**rest, "patternProperties": {names["pattern"]: {}}, "additionalProperties": False}
+    return node
 
 
 def _conditions_out(node: dict[str, Any]) -> dict[str, Any]:

@@ -159,6 +159,21 @@ def pointed(ref: str, root: Any) -> Any:
     return node
 
 
+def names_refused(node: dict[str, Any], draft: str) -> list[str] | None:
+    """The properties a subschema names whose names its propertyNames refuses (checked by jsonschema under the
+    document's draft `draft`); None where it has no propertyNames or it cannot be read here."""
+    names, props = node.get("propertyNames"), node.get("properties") or {}
+    if not isinstance(names, (dict, bool)) or not isinstance(props, dict) or "$ref" in json.dumps(names):
+        return None
+    import jsonschema
+
+    try:
+        check = jsonschema.validators.validator_for({"$schema": draft}, default=jsonschema.Draft202012Validator)(names)
+        return [k for k, v in props.items() if v is not False and not check.is_valid(k)]
+    except Exception:  # noqa: BLE001 - a names schema jsonschema cannot read (a bad pattern)
+        return None
+
+
 def loose_values(node: dict[str, Any]) -> bool:
     """Whether a const or enum holds a value the rest of its subschema may refuse (a reading that takes the values
     alone lets it through): one of a JSON type its `type` does not allow, or any beside another assertion."""

@@ -17,8 +17,8 @@ from ddscope.structured.constraint import Constraint, ConstraintError, first_lin
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.merge import distributed, impossible, narrowed
 from ddscope.structured.rewrite import portable
-from ddscope.structured.schema import (Gap, combined_beside, inside, is_object, loose_values, rebuild, ref_beside,
-                                       refs_alone, resources, subschemas, types)
+from ddscope.structured.schema import (Gap, combined_beside, inside, is_object, loose_values, names_refused, rebuild,
+                                       ref_beside, refs_alone, resources, subschemas, types)
 
 # Accepted by xgrammar and not enforced: an output that breaks them is served as valid.
 IGNORED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired",
@@ -40,6 +40,8 @@ def _node_gaps(node: dict[str, Any], path: str, root: Any, nested: list[str], al
     if "$ref" in node and alone:  # draft 7 and before: the $ref alone, as xgrammar reads it
         node = {"$ref": node["$ref"]}
     out = [Gap(k, path) for k in IGNORED if k in node]
+    if "propertyNames" in node and node.get("properties") and names_refused(node, "") != []:
+        out.append(Gap("propertyNames", path, "is not applied to the properties named beside it"))
     if ref_beside(node):  # xgrammar follows the $ref and drops them
         out.append(Gap("$ref", path, "beside other keywords is followed alone"))
     if (branched := combined_beside(node)) is not None:  # xgrammar reads the branches and drops the rest
