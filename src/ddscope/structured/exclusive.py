@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddscope.structured.schema import resolved, types, values_of
+from ddscope.structured.schema import checker, resolved, types, values_of
 
 
 def exclusive(branches: list[Any], root: Any, local: bool) -> bool:
@@ -50,11 +50,8 @@ def _refuses(values: dict[str, Any], other: dict[str, Any], root: Any, local: bo
     found = [values["const"]] if "const" in values else values.get("enum")
     if not isinstance(found, list) or not local:
         return False
-    import jsonschema
-
     try:
-        kind = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
-        check = kind(root).evolve(schema=other)
+        check = checker(root, root.get("$schema") if isinstance(root, dict) else None).evolve(schema=other)
         return not any(check.is_valid(v) for v in found)
     except Exception:  # noqa: BLE001 - a schema jsonschema cannot read here: not proved apart
         return False

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from ddscope.structured.exclusive import overlap
-from ddscope.structured.schema import (ASSERTIONS, combined_beside, fixed_values, pointed, subschemas, types,
+from ddscope.structured.schema import (ASSERTIONS, checker, combined_beside, fixed_values, pointed, subschemas, types,
                                        value_key)
 
 MINS = ("minimum", "minLength", "minItems", "minProperties")  # merged: the larger bound
@@ -77,11 +77,8 @@ def narrowed(node: dict[str, Any], draft: Any) -> Any:
     both = "const" in node and "enum" in node  # xgrammar would read the enum alone
     if values is None or not (rest or both) or "$ref" in json.dumps(rest):
         return node
-    import jsonschema
-
     try:
-        check = jsonschema.validators.validator_for({"$schema": draft}, default=jsonschema.Draft202012Validator)(
-            rest, format_checker=jsonschema.FormatChecker())
+        check = checker(rest, draft, formats=True)
         kept = [v for v in values if check.is_valid(v)]
     except Exception:  # noqa: BLE001 - a rest jsonschema cannot read (a bad pattern): left for the backend's reading
         return node

@@ -159,16 +159,24 @@ def pointed(ref: str, root: Any) -> Any:
     return node
 
 
+def checker(node: Any, draft: Any, formats: bool = False) -> Any:
+    """A jsonschema validator of `node` under the draft `draft` (a `$schema` URI; 2020-12 where it names none),
+    checking formats where asked."""
+    import jsonschema
+
+    kind = jsonschema.validators.validator_for({"$schema": draft} if draft else {},
+                                               default=jsonschema.Draft202012Validator)
+    return kind(node, format_checker=jsonschema.FormatChecker() if formats else None)
+
+
 def names_refused(node: dict[str, Any], draft: str) -> list[str] | None:
     """The properties a subschema names whose names its propertyNames refuses (checked by jsonschema under the
     document's draft `draft`); None where it has no propertyNames or it cannot be read here."""
     names, props = node.get("propertyNames"), node.get("properties") or {}
     if not isinstance(names, (dict, bool)) or not isinstance(props, dict) or "$ref" in json.dumps(names):
         return None
-    import jsonschema
-
     try:
-        check = jsonschema.validators.validator_for({"$schema": draft}, default=jsonschema.Draft202012Validator)(names)
+        check = checker(names, draft)
         return [k for k, v in props.items() if v is not False and not check.is_valid(k)]
     except Exception:  # noqa: BLE001 - a names schema jsonschema cannot read (a bad pattern)
         return None
@@ -214,13 +222,8 @@ ASSERTIONS = {"multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusive
 def values_of(node: dict[str, Any]) -> set[tuple[str, str]] | None:
     """The values a subschema's const or enum allows, each as (its JSON type, itself as JSON compares it: 1 ==
     1.0 == -0.0 + 1, true != 1, also inside arrays and objects); None: not bounded so."""
-    if "const" in node:
-        found = [node["const"]]
-    elif isinstance(node.get("enum"), list):
-        found = node["enum"]
-    else:
-        return None
-    return {(_kind(v), json.dumps(canonical(v), sort_keys=True)) for v in found}
+    found = fixed_values(node)
+    return None if found is None else {(_kind(v), value_key(v)) for v in found}
 
 
 def canonical(v: Any) -> Any:
