@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 
 from ddscope.cli import main
 from ddscope.engine.limits import DEMO_DIR
+from ddscope.util.process import free_port
 
 LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/opt/llama/src"))
 LLAMA_SERVER = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server") or "/opt/llama/build/bin/llama-server"
@@ -66,16 +66,10 @@ def gguf(tmp_path_factory) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def llama_server(gguf: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """llama-server on 127.0.0.1 drafting for itself; yields (url, its log file)."""
-    port, log = _free_port(), tmp_path / "llama-server.log"
+    port, log = free_port(), tmp_path / "llama-server.log"
     cmd = [LLAMA_SERVER, "-m", str(gguf), "-md", str(gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", "4",
            "--spec-synth-len", "2.5", "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
            "-t", "1", "--metrics"]

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from ddscope.engine import Engine
 from ddscope.server import cli
 from ddscope.server.app import attach_engine, create_app
 from ddscope.server.launch import serve_in_background
+from ddscope.util.process import free_port
 from support.pool_check import assert_pool_empty
 
 COUNTERS = ("verify_steps", "committed_tokens", "draft_nodes_verified", "prompt_tokens", "generation_tokens")
@@ -229,7 +229,8 @@ def test_extension_is_consistent_for_every_method(server, method):
     if method == "ar":
         assert ext["avg_commit"] == 1.0 and ext["nodes_verified"] == 0
     if method == "ddtree":
-        from ddscope.speculative.lookup import LOOKUP_MAX  # budget 8 caps the drafter's tree; a lookup branch comes on top
+        # budget 8 caps the drafter's tree; a lookup branch comes on top
+        from ddscope.speculative.lookup import LOOKUP_MAX
         assert all(x["nodes"] <= 8 + LOOKUP_MAX for x in rounds)
 
 
@@ -582,12 +583,6 @@ def run_cli(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", CLI, "serve", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_serves_then_stops_on_sigint(tiny_pair):

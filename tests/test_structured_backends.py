@@ -140,8 +140,10 @@ def test_values_the_rest_of_their_schema_refuses_are_never_served(demo, values, 
     ([{"const": True}, {"const": 1}], True),
     ([{"type": "object", "required": ["kind"], "properties": {"kind": {"const": "a"}}},
       {"type": "object", "required": ["kind", "x"], "properties": {"kind": {"enum": ["b"]}}}], True),
-    ([{"type": "object", "properties": {"kind": {"const": "a"}}},  # not required: {} matches both
-      {"type": "object", "required": ["kind"], "properties": {"kind": {"const": "b"}}}], False),
+    ([{"type": "object", "properties": {"kind": {"const": "a"}}},  # required by neither: {} matches both
+      {"type": "object", "properties": {"kind": {"const": "b"}}}], False),
+    ([{"type": "object", "properties": {"kind": {"const": "a"}}},  # required by one: present, it tells them apart
+      {"type": "object", "required": ["kind"], "properties": {"kind": {"const": "b"}}}], True),
     ([{"required": ["kind"], "properties": {"kind": {"const": "a"}}},  # not objects only: "s" matches both
       {"required": ["kind"], "properties": {"kind": {"const": "b"}}}], False),
     ([{"type": "object"}, {"const": False}], True),  # codecov's `comment`: a block, or false

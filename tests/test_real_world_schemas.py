@@ -1,0 +1,131 @@
+"""Shapes real schemas take (JSONSchemaBench's GitHub, SchemaStore, Snowplow and Washington Post subsets) that were
+refused and now compile, each exactly or narrower, never looser: oneOfs proved apart in more ways, untyped object
+branches, `not` of an allOf, oneOfs served narrower, dependencies whatever the draft, and formats."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddscope.engine import Engine
+from ddscope.structured.constraint import Constraint
+from ddscope.structured.exclusive import exclusive
+from ddscope.structured.formats import AS_PATTERN, enforced_format
+from ddscope.structured.rewrite import portable
+from ddscope.structured.schema import resources, subschemas
+
+DRAFT4 = "http://json-schema.org/draft-04/schema#"
+INSTANCES = [None, True, 0, 1, 2.5, "", "a", "x1", [], [1], {}, {"a": "x"}, {"a": "y"}, {"b": 1}, {"a": "x", "b": 1},
+             {"a": "y", "b": 1}, {"site": {}}, {"app": {}}, {"site": {}, "app": {}}, {"c": 1}, {"a": 1, "c": 2}]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return Engine.load()
+
+
+def reads(schema: object) -> jsonschema.protocols.Validator:
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+
+
+@pytest.mark.parametrize("branches, root, within, apart", [
+    ([{"minimum": 0, "maximum": 1}, {"minimum": 2}], {}, {"integer"}, True),  # zcodeformat's: the node's type
+    ([{"minimum": 0, "maximum": 1}, {"minimum": 2}], {}, None, False),  # untyped: "a" matches both
+    ([{"type": "number", "maximum": 1}, {"type": "number", "minimum": 1}], {}, None, False),  # 1 is in both
+    ([{"type": "number", "maximum": 1}, {"type": "number", "exclusiveMinimum": 1}], {}, None, True),
+    ([{"type": "number", "maximum": 1, "exclusiveMaximum": True}, {"type": "number", "minimum": 1}],
+     {"$schema": DRAFT4}, None, True),  # draft 4's boolean exclusiveMaximum
+    ([{"type": "string", "pattern": "^Abs$"}, {"type": "string", "pattern": "^Add$"}], {}, None, True),
+    ([{"type": "string", "pattern": "^Abs$"}, {"type": "string", "pattern": "^Ab"}], {}, None, False),
+    ([{"type": "object", "additionalProperties": False, "properties": {"type": {"type": "string", "pattern": "^A$"}},
+       "required": ["type"]},
+      {"type": "object", "additionalProperties": False, "properties": {"type": {"type": "string", "pattern": "^B$"}}}],
+     {}, None, True),  # a discriminator one requires and the other names
+    ([{"type": "object", "anyOf": [{"required": ["a", "b"]}, {"required": ["c", "d"]}]},
+      {"type": "object", "maxProperties": 1}], {}, None, True),  # composer's repositories: each branch too big
+    ([{"type": "object", "anyOf": [{"required": ["a", "b"]}, {"required": ["c"]}]},
+      {"type": "object", "maxProperties": 1}], {}, None, False),
+    ([{"$ref": "#/definitions/s"}, {"type": "null"}], {"$schema": DRAFT4, "definitions": {"s": {"type": "string"}}},
+     None, True),  # draft 4 reads types as later drafts do
+    ([{"type": "integer"}, {"enum": [1.0]}], {"$schema": DRAFT4}, None, False),  # 1 is an integer and 1.0
+])
+def test_more_one_of_branches_are_proved_apart_and_no_overlap_is(branches, root, within, apart):
+    assert exclusive(branches, root, not resources(root), within) is apart
+
+
+@pytest.mark.parametrize("schema", [
+    {"not": {"allOf": [{"required": ["site"]}, {"required": ["app"]}]}},  # openrtb's: not both
+    {"type": "object", "not": {"allOf": [{"required": ["site"]}, {"properties": {"app": {"type": "string"}}}]}},
+    {"oneOf": [{"properties": {"a": {"type": "string"}}, "required": ["a"]},  # no type: non-objects match both
+               {"properties": {"b": {}}, "additionalProperties": False}]},
+    {"oneOf": [{"properties": {"a": {}}}, {"required": ["b"]}, {"type": "string"}]},
+    {"type": "integer", "oneOf": [{"maximum": 0}, {"minimum": 1}]},
+    {"$schema": DRAFT4, "oneOf": [{"$ref": "#/definitions/s"}, {"type": "null"}],
+     "definitions": {"s": {"type": "string", "const": "x"}}},  # draft 4 ignores const
+])
+def test_real_world_shapes_are_written_exactly(schema):
+    given = portable(schema)
+    assert not {"not", "oneOf"} & {k for n, _ in subschemas(given) for k in n}
+    for instance in INSTANCES:
+        assert reads(given).is_valid(instance) == reads(schema).is_valid(instance), (instance, given)
+
+
+def test_a_one_of_whose_complements_cannot_be_written_is_served_narrower_never_looser(demo):
+    schema = {"type": "object", "oneOf": [{"properties": {"a": {"type": "string", "pattern": "^x"}}, "required": ["a"]},
+                                          {"required": ["b"]}]}  # tye's: open objects, each naming its own
+    given = portable(schema)
+    assert "oneOf" not in json.dumps(given)
+    served = [i for i in INSTANCES if reads(given).is_valid(i)]
+    assert all(reads(schema).is_valid(i) for i in served)
+    assert {"a": "x"} in served and {"b": 1} in served and {"a": "y", "b": 1} not in served  # the narrowing
+    assert not reads(given).is_valid({"a": "x", "b": 1}) and not reads(schema).is_valid({"a": "x", "b": 1})
+    for backend in ("xgrammar", "guidance"):
+        assert demo.grammars.compile(Constraint("json", json.dumps(schema), any_whitespace=False), backend)
+
+
+def test_property_dependencies_are_applied_whatever_the_draft():
+    schema = {"type": "object", "additionalProperties": False, "dependencies": {"cost": ["model"]},
+              "properties": {"cost": {"type": "number"}, "model": {"enum": ["cpc", "cpm"]}}}  # Snowplow's, no $schema
+    given = portable(schema)
+    draft7 = jsonschema.Draft7Validator(schema)
+    for instance in ({}, {"cost": 1}, {"cost": 1, "model": "cpc"}, {"model": "cpm"}):
+        assert reads(given).is_valid(instance) == draft7.is_valid(instance)
+        assert not reads(given).is_valid(instance) or reads(schema).is_valid(instance)  # only narrower
+
+
+def test_formats_no_draft_defines_are_left_out_and_defined_ones_kept_or_written():
+    assert enforced_format({"type": "string", "format": "ports"}, "") == {"type": "string"}
+    assert enforced_format({"type": "number", "format": "float"}, "") == {"type": "number"}  # BFCL's
+    assert enforced_format({"format": "date-time"}, "") == {"format": "date-time"}
+    assert enforced_format({"format": "iri"}, "") == {"format": "uri"}
+    assert enforced_format({"format": "host-name"}, "http://json-schema.org/draft-03/schema#") == \
+        {"format": "host-name"}  # draft 3's own: refused by the backends, not dropped
+    assert enforced_format({"format": "regex", "pattern": "^a"}, "") == {"format": "regex", "pattern": "^a"}
+    assert enforced_format({"format": "json-pointer"}, "") == {"pattern": AS_PATTERN["json-pointer"]}
+
+
+@pytest.mark.parametrize("name", sorted(AS_PATTERN))
+def test_every_string_a_format_s_pattern_matches_has_that_format(name):
+    check = jsonschema.FormatChecker()
+    assert name in check.checkers  # checked independently, by jsonschema's format extras
+
+    @settings(max_examples=300, suppress_health_check=list(HealthCheck), deadline=None, derandomize=True)
+    @given(st.from_regex(AS_PATTERN[name], fullmatch=True))
+    def holds(text: str) -> None:
+        assert check.conforms(text, name), text
+    holds()
+
+
+def test_formats_are_served_valid_by_both_backends(demo):
+    names = [*sorted(AS_PATTERN), "ports"]  # written as patterns, and one no draft defines
+    schema = {"type": "object", "additionalProperties": False, "required": names,
+              "properties": {n: {"type": "string", "format": n} for n in names}}
+    for backend in ("xgrammar", "guidance"):
+        compiled = demo.grammars.compile(Constraint("json", json.dumps(schema), any_whitespace=False), backend)
+        out = demo.generate("Write one JSON value that follows the schema.\n", max_new_tokens=300,
+                            method="ddtree", constraint=compiled, temperature=0)
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema, format_checker=jsonschema.FormatChecker())
