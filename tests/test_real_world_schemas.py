@@ -86,6 +86,29 @@ def test_a_one_of_whose_complements_cannot_be_written_is_served_narrower_never_l
         assert demo.grammars.compile(Constraint("json", json.dumps(schema), any_whitespace=False), backend)
 
 
+@pytest.mark.parametrize("pattern", ["^[\\.\\,\\*\\\\\\-\\s\\{\\}\\(\\)]+$", "^[a-z]*$", "[0-9]", "^[A-Z]", "[ab]$"])
+def test_a_not_of_a_one_class_pattern_is_served_narrower_never_looser(demo, pattern):
+    schema = {"type": "string", "minLength": 1, "not": {"pattern": pattern}}  # a company officer's name (GitHub's)
+    given = portable(schema)
+    assert "not" not in json.dumps(given)
+    words = ["", "a", "A", "..", ". a", "(-)", "x\n", "...\n", "\x1c", "ab", "b1", "Zz", "aB"]
+    assert all(reads(schema).is_valid(w) for w in words if reads(given).is_valid(w))
+    assert any(reads(given).is_valid(w) for w in words)
+    compiled = demo.grammars.compile(Constraint("json", json.dumps({"type": "object", "properties": {"n": schema},
+                                                                    "required": ["n"]}), any_whitespace=False))
+    out = demo.generate("x", max_new_tokens=60, method="ddtree", constraint=compiled, temperature=0)
+    if out.finish_reason == "stop":
+        assert reads(schema).is_valid(json.loads(out.text)["n"])
+
+
+def test_what_was_narrowed_is_never_complemented():
+    twice = {"not": {"not": {"pattern": "^[a-z]+$"}}}  # the complement of a narrowed part would be looser
+    assert "not" in portable(twice)
+    one_of = {"type": "object", "oneOf": [{"properties": {"a": {"type": "string", "pattern": "^x"}},
+                                           "required": ["a"]}, {"required": ["b"]}]}
+    assert "not" in portable({"not": one_of})
+
+
 def test_property_dependencies_are_applied_whatever_the_draft():
     schema = {"type": "object", "additionalProperties": False, "dependencies": {"cost": ["model"]},
               "properties": {"cost": {"type": "number"}, "model": {"enum": ["cpc", "cpm"]}}}  # Snowplow's, no $schema

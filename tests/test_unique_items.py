@@ -140,7 +140,33 @@ def test_a_unique_array_behind_a_ref_and_an_any_of_is_kept_and_others_are_not(de
     assert reads(demo, m, '{"a":null,"b":["x","x"]}')
 
 
+OWNERS = {"type": "array", "uniqueItems": True, "minItems": 3,  # artifacthub's owners, cryproj's console_variables
+          "items": {"type": "object", "required": ["name"], "additionalProperties": False,
+                    "properties": {"name": {"type": "string"}, "email": {"type": "string"}}}}
+
+
+def test_objects_are_kept_unique_by_a_required_open_string_narrower_never_looser(demo, backend):
+    m = compiled(demo, OWNERS, backend).matcher()
+    assert isinstance(compiled(demo, OWNERS, backend), UniqueCompiled)
+    assert reads(demo, m, '[{"name":"a"},{"name":"b","email":"x"},{"name":"ab","email":"x"}]')
+    assert not reads(demo, m, '[{"name":"a","email":"x"},{"name":"a"')  # equal names: refused, however else
+    assert not reads(demo, m, '[{"name":"a"},{"name":"\\u0061"')
+    for t in ids(demo, '[{"name":"a."},{"name":"a'):
+        assert m.accept(t)
+    allowed, refused = fill_agrees_with_accept(demo, m)
+    assert refused >= 1  # `."` closes "a." again
+
+
+def test_strings_whose_pattern_always_goes_on_are_kept_unique(demo, backend):
+    names = {"type": "array", "uniqueItems": True, "items": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}}
+    m = compiled(demo, names, backend).matcher()
+    assert reads(demo, m, '["a","ab","b_1"]') and not reads(demo, m, '["a","ab","a"')
+
+
 @pytest.mark.parametrize("items", [{"type": "object"}, {}, {"type": "string", "maxLength": 3},
+                                   {"type": "string", "pattern": "^[a-z]{2}$"},  # may stop short of a new one
+                                   {"type": "object", "properties": {"a": {"type": "string"}}},  # none required
+                                   {"type": "object", "required": ["a"], "properties": {"a": {"enum": ["x", "y"]}}},
                                    {"type": "integer", "maximum": 9}, {"type": "number", "minimum": -5},
                                    {"anyOf": [{"type": "string"}, {"type": "array"}]}])
 def test_items_a_veto_cannot_steer_keep_unique_items_refused_by_name(demo, items):

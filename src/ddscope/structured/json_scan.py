@@ -102,10 +102,23 @@ def scan(s: Scan, token: bytes, text: bytearray, plan: Plan) -> Scan:
             return
         top = frames[-1]
         if top.array and top.rule is not None:
-            key = value_key(json.loads(piece(top.start, end), parse_float=Decimal, parse_int=Decimal))
+            item = piece(top.start, end)
+            if top.rule.key is not None and item[:1] == b"{":
+                return  # kept unique by its key property (keyed)
+            key = value_key(json.loads(item, parse_float=Decimal, parse_int=Decimal))
             if key in top.used:
                 raise Veto
             frames[-1] = replace(top, used=top.used | {key})
+
+    def keyed(begun: int, end: int) -> None:
+        """A string value finished: where it is the key property of an object item, it must be a new one."""
+        if len(frames) < 2 or frames[-1].array or not frames[-2].array or frames[-2].rule is None or \
+                frames[-2].rule.key != frames[-1].key:
+            return
+        key = "key " + value_key(json.loads(piece(begun, end)))
+        if key in frames[-2].used:
+            raise Veto
+        frames[-2] = replace(frames[-2], used=frames[-2].used | {key})
 
     def here() -> Path:
         top = frames[-1] if frames else None
@@ -128,6 +141,7 @@ def scan(s: Scan, token: bytes, text: bytearray, plan: Plan) -> Scan:
                     want_key = False
                 else:
                     finish(at + 1)
+                    keyed(start, at + 1)
             continue
         if mode == SCALAR:
             if c not in ENDS:

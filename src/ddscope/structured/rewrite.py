@@ -5,18 +5,21 @@ refuse."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.formats import enforced_format
 from ddscope.structured.merge import inlined
-from ddscope.structured.schema import fixed_values, names_refused, rebuild, resources, types, value_key
+from ddscope.structured.schema import (fixed_values, names_refused, rebuild, resources, subschemas, types,
+                                       value_key)
 
 MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complements
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 TYPES = ("array", "boolean", "null", "number", "object", "string")
 OBJECT_KEYS = {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
                "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas"}
+NARROWED = "ddscope: narrowed"  # the $comment of a part served narrower than the schema, never complemented
 NOTES = {"description", "title", "$comment", "examples", "default", "markdownDescription", "deprecated"}
 
 
@@ -105,9 +108,12 @@ def _one_of_out(node: dict[str, Any], root: Any, local: bool) -> dict[str, Any]:
         others = []
         for b in branches:
             other = complement(inlined(b, root, local))
-            if other is None and (other := complement(inlined(b, root, local), narrow=True)) is False:
-                return node  # narrowed to nothing: every other branch would be refused
-            others.append(other)  # narrowed: served narrower, never looser
+            if other is None:  # served narrower, never looser
+                other = complement(inlined(b, root, local), narrow=True)
+                if other is False:
+                    return node  # narrowed to nothing: every other branch would be refused
+                other = {**other, "$comment": NARROWED} if isinstance(other, dict) else other
+            others.append(other)
         either = [{"allOf": [b, *(c for j, c in enumerate(others) if j != i)]} for i, b in enumerate(branches)]
     if "anyOf" in rest:
         return {**rest, "allOf": [*(rest.get("allOf") or []), {"anyOf": either}]}
@@ -149,6 +155,8 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     written, a part of it (never None): an object's other keywords, and what cannot be written, left out."""
     if node is True or node is False:
         return not node
+    if any(n.get("$comment") == NARROWED for n, _ in subschemas(node)):
+        return False if narrow else None  # the complement of a narrowed part would be looser than the schema
     keys = set(node) - NOTES if isinstance(node, dict) else {"?"}
     if not keys:
         return False
@@ -162,6 +170,12 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     if keys <= ({"type"} | OBJECT_KEYS if narrow else {"type", "required", "properties"}) and \
             types(node) <= {"object"}:
         return _not_object(node, within, narrow)
+    if keys <= {"type", "pattern"} and "pattern" in keys and types(node) <= {"string"}:
+        strings = _not_pattern(node["pattern"])
+        if strings is None:
+            return False if narrow else None
+        others = [{"type": [t for t in TYPES if t != "string"]}] if types(node) else []  # untyped: they match
+        return {"anyOf": [*others, strings]} if others else strings
     values = fixed_values(node) if keys in ({"enum"}, {"const"}) else None
     among = fixed_values(within) if isinstance(within, dict) else None
     if values is not None and among is not None:  # the others of `within`'s
@@ -171,6 +185,31 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     if values is not None and all(v is None or isinstance(v, (bool, str)) for v in values):
         return _not_values(values)
     return False if narrow else None
+
+
+CLASS_PATTERN = re.compile(r"(\^?)\[((?:[^\]\\^]|\\.)(?:[^\]\\]|\\.)*)\]([*+]?)(\$?)")
+
+
+def _not_pattern(pattern: Any) -> Any:
+    """The strings a pattern of one character class refuses, narrowed (marked so: `NARROWED`): their telling
+    character printable ASCII, which Python's re and the backends' regexes read alike (Python's `\\s` also takes
+    \\x1c-\\x1f, and its `$` a final newline). Shapes: `[C]` anywhere, `^[C]`, `[C]$`, `^[C]*$`, `^[C]+$`."""
+    shape = CLASS_PATTERN.fullmatch(pattern) if isinstance(pattern, str) else None
+    if shape is None:
+        return None
+    start, body, repeat, end = shape.groups()
+    try:
+        within = re.compile(f"[{body}]")
+    except re.error:
+        return None
+    other = "".join(_escaped(chr(c)) for c in range(0x21, 0x7F) if not within.fullmatch(chr(c)))
+    if not other:
+        return None
+    other, any_ = f"[{other}]", ANY_CHAR + "*"
+    found = {("", "", ""): f"^{other}*$", ("^", "", ""): f"^(?:{other}{any_})?$",
+             ("", "", "$"): f"^(?:{any_}{other})?$", ("^", "*", "$"): f"^{any_}{other}{any_}$",
+             ("^", "+", "$"): f"^(?:{any_}{other}{any_})?$"}.get((start, repeat, end))
+    return None if found is None else {"type": "string", "pattern": found, "$comment": NARROWED}
 
 
 def _not_values(values: list[Any]) -> Any:

@@ -6,8 +6,9 @@ which arrays those are and how their items must go on (`Plan`, `Rule`), read off
 A veto must never leave the output with nowhere to go, so only items that can always go on another way are taken:
 strings, numbers and integers without limits on what may follow (a repeat's end refused, the item goes on: only an
 integer's 0 cannot), and fixed values (const, enum, true, false, null), whose partial item must stay the start of
-one not used yet, a comma needing one left. Objects, arrays, limited strings, limits on the items from outside the
-node's own `items`, and $refs the plan cannot follow keep uniqueItems a gap, refused by name.
+one not used yet, a comma needing one left. Objects are kept unique by a required property that is an open string
+(narrower than uniqueItems: two that share it are refused). Other objects, arrays, limited strings, limits on the
+items from outside the node's own `items`, and $refs the plan cannot follow keep uniqueItems a gap, refused by name.
 
 The array's rule is read from the path its output reaches (`Plan.rule`), over every branch that may apply there:
 where any says unique, items are kept unique. Where another branch there takes repeats, that may strand an output
@@ -39,15 +40,18 @@ class Rule(NamedTuple):
     that is 0 so far has no other), or an unused fixed value it starts."""
     forms: dict[str, tuple[bytes, ...]]
     open: frozenset[str]
+    key: str | None = None  # object items: the required property, an open string, kept unique in their stead
 
     def __or__(self, other: Rule) -> Rule:  # type: ignore[override]
-        return Rule({**self.forms, **other.forms}, self.open | other.open)
+        return Rule({**self.forms, **other.forms}, self.open | other.open, self.key or other.key)
 
     def stuck(self, used: frozenset[str], partial: bytes | None) -> bool:
         """Whether an item that starts `partial` (None: after a comma, none begun) can only repeat one."""
         unused = {key: texts for key, texts in self.forms.items() if key not in used}
         if partial is None:
-            return not self.open and not unused
+            return not self.open and not unused and self.key is None
+        if partial[:1] == b"{" and self.key is not None:
+            return False  # its key, an open string, goes on another way
         if partial[:1] == b'"':
             text = None if "string" in self.open else _decoded(partial)
             return text is not None and not any(json.loads(k).startswith(text) for k in unused if k[:1] == '"')
@@ -90,11 +94,12 @@ class Plan:
         self._rules: dict[Path, Rule | None] = {}
 
     def item_rule(self, node: dict[str, Any]) -> Rule | None:
-        """The rule of an array subschema's items; None where their kind is not one a veto can steer (an object,
-        a string with a pattern or a length limit: a partial one may have no way on but a repeat)."""
+        """The rule of an array subschema's items; None where their kind is not one a veto can steer (an object
+        without a required open string, a string with a length limit or a pattern that may not go on: a partial
+        one may have no way on but a repeat)."""
         leaves = self._leaves(node.get("items"))
-        rules = [_leaf_rule(leaf) for leaf in leaves or ()]
-        if not rules or any(r is None for r in rules):
+        rules = [_leaf_rule(leaf) or self._keyed(leaf) for leaf in leaves or ()]
+        if not rules or any(r is None for r in rules) or len({r.key for r in rules if r.key}) > 1:
             return None
         out = Rule({}, frozenset())
         for r in rules:
@@ -132,6 +137,22 @@ class Plan:
             todo += [b for k in ("allOf", "anyOf", "oneOf") if isinstance(n.get(k), list) for b in n[k]
                      if isinstance(b, dict)]
         return list(out.values())
+
+    def _keyed(self, leaf: dict[str, Any]) -> Rule | None:
+        """An object's rule: its first required property whose value is an open string, kept unique; two objects
+        that differ there differ (narrower than uniqueItems: two that share it are refused however else they
+        differ). None where there is none, or where keywords beside may bind it (patternProperties, combinators)."""
+        props, required = leaf.get("properties"), leaf.get("required")
+        if types(leaf) != {"object"} or not isinstance(props, dict) or not isinstance(required, list) or \
+                set(leaf) & (ALONGSIDE | {"patternProperties", "propertyNames", "dependencies", "dependentSchemas"}):
+            return None
+        for name in required:
+            value = props.get(name)
+            value = self._target(value) if isinstance(value, dict) and "$ref" in value and len(value) == 1 else value
+            rule = _leaf_rule(value) if isinstance(value, dict) else None
+            if rule is not None and rule.open == {"string"} and not rule.forms:
+                return Rule({}, frozenset(), name)
+        return None
 
     def _target(self, node: dict[str, Any]) -> Any:
         return self.root if node["$ref"] == "#" else resolved(node, self.root, self.local)
@@ -208,12 +229,19 @@ def _leaf_rule(leaf: dict[str, Any]) -> Rule | None:
     named = types(leaf)
     if not named or named & {"object", "array"}:
         return None
-    if "string" in named and set(leaf) & STRING_LIMITS or named & {"number", "integer"} and (
+    limits = set(leaf) & STRING_LIMITS - ({"pattern"} if GOES_ON.fullmatch(str(leaf.get("pattern"))) else set())
+    if "string" in named and limits or named & {"number", "integer"} and (
             set(leaf) & NUMBER_LIMITS or _below_zero(leaf)):
         return None
     literals = ([True, False] if "boolean" in named else []) + ([None] if "null" in named else [])
     return Rule({value_key(v): tuple(sorted(_texts(v))) for v in literals}, frozenset(named & {"string", "number",
                                                                                               "integer"}))
+
+
+# A pattern every match of which goes on to another, one more character of its last class (a sequence that ends in
+# a repeated class, anchored; no group, alternative, anchor or word boundary before): a repeat's end refused, the
+# string goes on
+GOES_ON = re.compile(r"\^?(?:[^|()\[\\$^]|\\[^bBAZzG]|\[(?:[^\]\\]|\\.)+\])*\[(?:[^\]\\]|\\.)+\][*+]\$")
 
 
 def _below_zero(leaf: dict[str, Any]) -> bool:
