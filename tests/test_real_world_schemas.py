@@ -4,6 +4,7 @@ branches, `not` of an allOf, oneOfs served narrower, dependencies whatever the d
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddscope.engine import Engine
-from ddscope.structured.constraint import Constraint
+from ddscope.structured.constraint import Constraint, ConstraintError
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.formats import AS_PATTERN, enforced_format
 from ddscope.structured.rewrite import portable
@@ -152,3 +153,34 @@ def test_formats_are_served_valid_by_both_backends(demo):
                             method="ddtree", constraint=compiled, temperature=0)
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema, format_checker=jsonschema.FormatChecker())
+
+
+def test_a_refusal_names_the_keyword_even_where_narrowing_left_nothing(demo):
+    closed = {"type": "object", "required": ["kind"], "properties": {"kind": {"type": "string", "pattern": "^(a|b)"}}}
+    schema = {"oneOf": [closed, closed]}  # every instance matches both: nothing to serve, exactly or narrower
+    with pytest.raises(ConstraintError, match=re.escape("oneOf at $")):
+        demo.grammars.compile(Constraint("json", json.dumps(schema), any_whitespace=False))
+
+
+def test_a_recursive_ref_beside_keywords_its_draft_ignores_compiles_under_guidance(demo):
+    node = {"type": "object", "properties": {"c": {"$ref": "#/definitions/n", "type": "object"}}}
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", **node, "definitions": {"n": node}}
+    assert demo.grammars.compile(Constraint("json", json.dumps(schema), any_whitespace=False), "guidance")
+    assert portable({**schema, "$schema": "https://json-schema.org/draft/2020-12/schema"})["properties"]["c"] == \
+        {"$ref": "#/definitions/n", "type": "object"}  # later drafts apply a $ref's siblings: kept
+
+
+def test_keywords_beside_a_loop_back_to_the_root_are_written_into_its_branches(demo):
+    schema = {"$schema": "http://json-schema.org/draft-04/schema", "type": "object", "additionalProperties": {},
+              "anyOf": [{"$ref": "#/definitions/list"}, {"$ref": "#/definitions/text"}],
+              "definitions": {  # Washington Post's: "#" loops back to the root, beside its own keywords
+                  "list": {"type": "object", "additionalProperties": False, "required": ["type"],
+                           "properties": {"type": {"enum": ["list"]},
+                                          "items": {"type": "array", "items": {"$ref": "#"}}}},
+                  "text": {"type": "object", "additionalProperties": False, "required": ["type", "content"],
+                           "properties": {"type": {"enum": ["text"]}, "content": {"type": "string"}}}}}
+    compiled = demo.grammars.compile(Constraint("json", json.dumps(schema), any_whitespace=False))
+    assert compiled.backend == "xgrammar"  # additionalProperties {} merged as true, into each branch
+    out = demo.generate("x", max_new_tokens=80, method="ddtree", constraint=compiled, temperature=0)
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), schema)

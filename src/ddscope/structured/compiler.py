@@ -22,7 +22,7 @@ from ddscope.structured.constraint import Constraint, ConstraintError
 from ddscope.structured.json_scan import Tokens, UniqueCompiled
 from ddscope.structured.rewrite import portable
 from ddscope.structured.schema import MAX_NESTING, locate, nesting
-from ddscope.structured.unique import enforced
+from ddscope.structured.unique import Plan, enforced
 
 COMPILE_TIMEOUT_S = 10.0  # vLLM bounds a regex's at 5 s (VLLM_REGEX_COMPILATION_TIMEOUT_S) and nothing else
 MAX_RUNAWAY = 4  # compiles past their time still running: beyond this, new ones wait for them to end
@@ -120,35 +120,56 @@ class Grammars:
     def _first(order: list[Backend], c: Constraint, tokens: Tokens | None) -> Compiled:
         """The first backend's grammar that enforces all of `c`; else the refusal of the last one tried (the most
         capable), with the gaps of those before it. A `not` is written as what it leaves, where it can be
-        (rewrite.portable), and uniqueItems is kept beside the backend, where a scanner can (unique.enforced)."""
-        plan, given = None, c
-        if c.kind == "json":
+        (rewrite.portable), and uniqueItems is kept beside the backend, where a scanner can (unique.enforced).
+        The schema is tried as written exactly first, then narrower where a `not` or oneOf cannot be written
+        whole; a refusal is the exact reading's, which names the keyword that could not be written."""
+        given, plan = _given(c, narrowing=False)
+        try:
+            return _compiled(order, given, plan, c, tokens)
+        except ConstraintError as refusal:
+            narrower, plan = _given(c, narrowing=True)
+            if narrower.spec == given.spec:
+                raise
             try:
-                schema = json.loads(c.spec)
-            except json.JSONDecodeError as e:
-                raise ConstraintError(f"the json constraint is not JSON: {e}") from None
-            check_nesting(schema)
-            stripped, plan = enforced(portable(schema))
-            if plan is not None and c.whitespace is not None and not json_space_only(c.whitespace):
-                raise ConstraintError(f"uniqueItems at {locate(schema, 'uniqueItems')} is not enforced beside a "
-                                      "whitespace_pattern that matches more than JSON's whitespace")
-            if stripped != schema:
-                c = dataclasses.replace(c, spec=json.dumps(stripped))
-        refusals = []
-        for backend in order:
-            try:
-                gaps = backend.gaps(c)
-                if gaps:
-                    raise ConstraintError(f"{gaps[0]} by {backend.name}" + (f" (and {len(gaps) - 1} more)"
-                                                                           if len(gaps) > 1 else ""))
-                compiled = backend.compile(c)
-                if plan is None:
-                    return compiled
-                assert tokens is not None  # built wherever the parsed spec names uniqueItems
-                return UniqueCompiled(given, compiled, plan, tokens)
-            except ConstraintError as e:
-                refusals.append(str(e))
-        raise ConstraintError("; ".join(reversed(refusals)))
+                return _compiled(order, narrower, plan, c, tokens)
+            except ConstraintError:
+                raise refusal from None
+
+
+def _given(c: Constraint, narrowing: bool) -> tuple[Constraint, Plan | None]:
+    """`c` as the backends are given it: a JSON schema rewritten (portable) and without the uniqueItems a scanner
+    keeps (the plan that keeps them)."""
+    if c.kind != "json":
+        return c, None
+    try:
+        schema = json.loads(c.spec)
+    except json.JSONDecodeError as e:
+        raise ConstraintError(f"the json constraint is not JSON: {e}") from None
+    check_nesting(schema)
+    stripped, plan = enforced(portable(schema, narrowing))
+    if plan is not None and c.whitespace is not None and not json_space_only(c.whitespace):
+        raise ConstraintError(f"uniqueItems at {locate(schema, 'uniqueItems')} is not enforced beside a "
+                              "whitespace_pattern that matches more than JSON's whitespace")
+    return (dataclasses.replace(c, spec=json.dumps(stripped)) if stripped != schema else c), plan
+
+
+def _compiled(order: list[Backend], c: Constraint, plan: Plan | None, asked: Constraint,
+              tokens: Tokens | None) -> Compiled:
+    refusals = []
+    for backend in order:
+        try:
+            gaps = backend.gaps(c)
+            if gaps:
+                raise ConstraintError(f"{gaps[0]} by {backend.name}" + (f" (and {len(gaps) - 1} more)"
+                                                                       if len(gaps) > 1 else ""))
+            compiled = backend.compile(c)
+            if plan is None:
+                return compiled
+            assert tokens is not None  # built wherever the parsed spec names uniqueItems
+            return UniqueCompiled(asked, compiled, plan, tokens)
+        except ConstraintError as e:
+            refusals.append(str(e))
+    raise ConstraintError("; ".join(reversed(refusals)))
 
 
 def _names_unique(spec: str) -> bool:

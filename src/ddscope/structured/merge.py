@@ -183,6 +183,7 @@ def _closed_over(a: dict[str, Any], b: dict[str, Any], out: dict[str, Any]) -> d
     props = dict(out.get("properties") or {})
     for side, other in ((a, b), (b, a)):
         extra = side.get("additionalProperties", True)
+        extra = True if extra == {} else extra  # {} takes anything, as true does
         for name in set(other.get("properties") or {}) - set(side.get("properties") or {}):
             if extra is False:
                 props[name] = False

@@ -11,8 +11,8 @@ from typing import Any
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.formats import enforced_format
 from ddscope.structured.merge import inlined
-from ddscope.structured.schema import (fixed_values, names_refused, rebuild, resources, subschemas, types,
-                                       value_key)
+from ddscope.structured.schema import (fixed_values, names_refused, rebuild, refs_alone, resources, subschemas,
+                                       types, value_key)
 
 MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complements
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
@@ -23,30 +23,38 @@ NARROWED = "ddscope: narrowed"  # the $comment of a part served narrower than th
 NOTES = {"description", "title", "$comment", "examples", "default", "markdownDescription", "deprecated"}
 
 
-def portable(schema: Any) -> Any:
+def portable(schema: Any, narrowing: bool = True) -> Any:
     """`schema` in keywords both backends read, where they can be written: each `not` as the subschema it leaves
     (`complement`), each oneOf as an anyOf (`_one_of_out`), each if/then/else as an anyOf (`_conditions_out`),
     each property dependency (`dependencies`, `dependentRequired`, `dependentSchemas`) as an anyOf of the property
     left out or present with what it brings. A keyword the document's draft ignores (`dependencies` after draft 7,
     `if` before it) is applied too: it only narrows what is served, and it says what the author meant. What cannot
     be written stays, for the backends to refuse, and so does a document with `unevaluated*` (which reads what the
-    rewrites would add)."""
+    rewrites would add). Under drafts 4 to 7, a $ref's siblings, which they ignore, are left out. `narrowing`: a
+    `not` or oneOf that cannot be written whole is written as a part of it (`complement`'s `narrow`), served
+    narrower than the schema, never looser."""
     text = json.dumps(schema)
     if '"unevaluatedProperties"' in text or '"unevaluatedItems"' in text:
         return schema
     local, draft = not resources(schema), str(schema.get("$schema", "")) if isinstance(schema, dict) else ""
+    alone = refs_alone(schema)
 
     def one(node: dict[str, Any]) -> Any:
+        if alone and isinstance(node.get("$ref"), str):  # drafts 4-7 ignore a $ref's siblings (guidance refuses
+            node = {k: v for k, v in node.items() if k in ("$ref", "definitions", "$defs")}  # them on a loop)
         node = _one_of_out(_dependencies_out(_conditions_out(_names_out(enforced_format(node, draft), draft))),
-                           schema, local)
+                           schema, local, narrowing)
         other = complement(node["not"]) if "not" in node else None
+        if other is None and "not" in node and narrowing:
+            other = _narrowed(node["not"])
         if other is None:
             return node
         rest = {k: v for k, v in node.items() if k != "not"}
         if not set(rest) - NOTES:
             return other if not isinstance(other, dict) else {**rest, **other}
         return {**rest, "allOf": [*(rest.get("allOf") or []), other]}
-    return rebuild(schema, one)
+    out = rebuild(schema, one)
+    return {**out, "$schema": schema["$schema"]} if isinstance(out, dict) and "$schema" in schema else out
 
 
 def _names_out(node: dict[str, Any], draft: str) -> dict[str, Any]:
@@ -88,7 +96,7 @@ def _conditions_out(node: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "allOf": kept + branches}
 
 
-def _one_of_out(node: dict[str, Any], root: Any, local: bool) -> dict[str, Any]:
+def _one_of_out(node: dict[str, Any], root: Any, local: bool, narrowing: bool) -> dict[str, Any]:
     """`node` with its oneOf as an anyOf: as it is where no instance can match two branches (`exclusive`), else
     each branch with the complements of the others (exactly one of them), where those can be written, or else
     with parts of them (`complement`'s `narrow`: what is served is narrower than the oneOf, never looser)."""
@@ -108,16 +116,21 @@ def _one_of_out(node: dict[str, Any], root: Any, local: bool) -> dict[str, Any]:
         others = []
         for b in branches:
             other = complement(inlined(b, root, local))
-            if other is None:  # served narrower, never looser
-                other = complement(inlined(b, root, local), narrow=True)
-                if other is False:
-                    return node  # narrowed to nothing: every other branch would be refused
-                other = {**other, "$comment": NARROWED} if isinstance(other, dict) else other
+            if other is None and narrowing:
+                other = _narrowed(inlined(b, root, local))
+            if other is None:
+                return node
             others.append(other)
         either = [{"allOf": [b, *(c for j, c in enumerate(others) if j != i)]} for i, b in enumerate(branches)]
     if "anyOf" in rest:
         return {**rest, "allOf": [*(rest.get("allOf") or []), {"anyOf": either}]}
     return {**rest, "anyOf": either}
+
+
+def _narrowed(node: Any) -> Any:
+    """A part of `node`'s complement, marked `NARROWED`; None where it is nothing (every instance refused)."""
+    other = complement(node, narrow=True)
+    return None if other is False else {**other, "$comment": NARROWED} if isinstance(other, dict) else other
 
 
 def _as_object(branch: Any) -> Any:
@@ -170,7 +183,7 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     if keys <= ({"type"} | OBJECT_KEYS if narrow else {"type", "required", "properties"}) and \
             types(node) <= {"object"}:
         return _not_object(node, within, narrow)
-    if keys <= {"type", "pattern"} and "pattern" in keys and types(node) <= {"string"}:
+    if narrow and keys <= {"type", "pattern"} and "pattern" in keys and types(node) <= {"string"}:
         strings = _not_pattern(node["pattern"])
         if strings is None:
             return False if narrow else None
