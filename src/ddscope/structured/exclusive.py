@@ -6,7 +6,7 @@ import math
 import re
 from typing import Any
 
-from ddscope.structured.schema import canonical, checker, rebuild, resolved, types, value_key, values_of
+from ddscope.structured.schema import checker, rebuild, resolved, types, value_key, values_of
 
 LITERAL = re.compile(r"\^([^\\.^$|?*+()\[\]{}]*)\$")  # a pattern that one string matches (and it with a "\n")
 
@@ -51,7 +51,7 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any, local: bool, depth: 
     va, vb = _values(a), _values(b)
     if va is not None and vb is not None and not va & vb:
         return True
-    if ka and kb and ka | kb <= {"integer", "number"} and _bounds_apart(a, b):
+    if ka and kb and ka | kb <= {"integer", "number"} and _bounds_apart(a, b, _draft4(root)):
         return True
     if _refuses(b, a, root, local) or _refuses(a, b, root, local):
         return True
@@ -88,19 +88,24 @@ def _values(node: dict[str, Any]) -> set[tuple[str, str]] | None:
     return {("string", value_key(s)) for s in (lit.group(1), lit.group(1) + "\n")} if lit else None
 
 
-def _bounds_apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _bounds_apart(a: dict[str, Any], b: dict[str, Any], draft4: bool) -> bool:
     """Whether the numbers `a` allows and those `b` allows lie in intervals that do not meet."""
-    (alo, alo_open), (ahi, ahi_open) = _bound(a, "minimum", "exclusiveMinimum", -math.inf), \
-        _bound(a, "maximum", "exclusiveMaximum", math.inf)
-    (blo, blo_open), (bhi, bhi_open) = _bound(b, "minimum", "exclusiveMinimum", -math.inf), \
-        _bound(b, "maximum", "exclusiveMaximum", math.inf)
+    bounds = [(_bound(n, "minimum", "exclusiveMinimum", -math.inf, draft4),
+               _bound(n, "maximum", "exclusiveMaximum", math.inf, draft4)) for n in (a, b)]
+    if any(x is None for pair in bounds for x in pair):
+        return False
+    ((alo, alo_open), (ahi, ahi_open)), ((blo, blo_open), (bhi, bhi_open)) = bounds  # type: ignore[misc]
     return ahi < blo or bhi < alo or (ahi == blo and (ahi_open or blo_open)) or (bhi == alo and (bhi_open or alo_open))
 
 
-def _bound(node: dict[str, Any], inclusive: str, exclusive_key: str, none: float) -> tuple[float, bool]:
-    """(the bound, whether it is open): draft 4's boolean `exclusive*` opens the inclusive one, later drafts' is
-    a bound of its own; the tighter of both."""
+def _bound(node: dict[str, Any], inclusive: str, exclusive_key: str, none: float,
+           draft4: bool) -> tuple[float, bool] | None:
+    """(the bound, whether it is open), the tighter of both keywords; None where one is not of its draft's kind
+    (draft 4: `exclusive*` a boolean opening the inclusive bound; later drafts: a number, a bound of its own)."""
     edge, strict = node.get(inclusive), node.get(exclusive_key)
+    if edge is not None and not _number(edge) or strict is not None and (
+            not isinstance(strict, bool) if draft4 else not _number(strict)):
+        return None
     found = [(edge, strict is True)] if _number(edge) else []
     found += [(strict, True)] if _number(strict) else []
     if not found:
@@ -108,6 +113,10 @@ def _bound(node: dict[str, Any], inclusive: str, exclusive_key: str, none: float
     pick = max if none < 0 else min
     value = pick(v for v, _ in found)
     return value, any(open_ for v, open_ in found if v == value)
+
+
+def _draft4(root: Any) -> bool:
+    return isinstance(root, dict) and any(d in str(root.get("$schema", "")) for d in ("draft-03", "draft-04"))
 
 
 def _number(v: Any) -> bool:
@@ -122,9 +131,17 @@ def _refuses(values: dict[str, Any], other: dict[str, Any], root: Any, local: bo
         return False
     try:
         check = checker(root, root.get("$schema") if isinstance(root, dict) else None).evolve(schema=other)
-        return not any(check.is_valid(x) for v in found for x in (v, canonical(v)))  # 1.0 is 1 to an enum
+        return not any(check.is_valid(x) for v in found for x in _forms(v))
     except Exception:  # noqa: BLE001 - a schema jsonschema cannot read here: not proved apart
         return False
+
+
+def _forms(v: Any) -> list[Any]:
+    """A value as an instance may write it: an integral number as an integer and as a float (1 and 1.0 are one to
+    an enum, not to draft 4's integer)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and float(v).is_integer():
+        return [v, int(v), float(v)]
+    return [v]
 
 
 def _kinds(node: dict[str, Any], root: Any, local: bool, depth: int = 0) -> set[str]:

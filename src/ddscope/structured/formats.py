@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddscope.structured.drafts import NARROWED
+
 # Defined by drafts 4 to 2020-12 (validation, section 7.3); draft 3's own (host-name, ...) are only its
 DEFINED = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6",
            "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
@@ -51,9 +53,9 @@ def enforced_format(node: dict[str, Any], draft: str) -> dict[str, Any]:
         return node
     if name not in DEFINED and not (name in DRAFT3 and "draft-03" in draft):
         return {k: v for k, v in node.items() if k != "format"}
-    if name in AS_FORMAT:
-        return {**node, "format": AS_FORMAT[name]}
+    if name in AS_FORMAT:  # narrower: marked, never complemented
+        return {**node, "format": AS_FORMAT[name], "$comment": NARROWED}
     if name in AS_PATTERN and "pattern" not in node:  # two patterns do not make one
         rest = {k: v for k, v in node.items() if k != "format"}
-        return {**rest, "pattern": AS_PATTERN[name]}
+        return {**rest, "pattern": AS_PATTERN[name], "$comment": NARROWED}
     return node

@@ -103,19 +103,20 @@ def scan(s: Scan, token: bytes, text: bytearray, plan: Plan) -> Scan:
         top = frames[-1]
         if top.array and top.rule is not None:
             item = piece(top.start, end)
-            if top.rule.key is not None and item[:1] == b"{":
-                return  # kept unique by its key property (keyed)
+            if top.rule.keys and item[:1] == b"{":
+                return  # kept unique by its key properties (keyed)
             key = value_key(json.loads(item, parse_float=Decimal, parse_int=Decimal))
             if key in top.used:
                 raise Veto
             frames[-1] = replace(top, used=top.used | {key})
 
     def keyed(begun: int, end: int) -> None:
-        """A string value finished: where it is the key property of an object item, it must be a new one."""
+        """A string value finished: where it is a key property of an object item, it must be a new one (two items
+        equal hold equal values for every key: a branch's items hold its key, which no other's may repeat)."""
         if len(frames) < 2 or frames[-1].array or not frames[-2].array or frames[-2].rule is None or \
-                frames[-2].rule.key != frames[-1].key:
+                frames[-1].key not in frames[-2].rule.keys:
             return
-        key = "key " + value_key(json.loads(piece(begun, end)))
+        key = f"{frames[-1].key!r} " + value_key(json.loads(piece(begun, end)))
         if key in frames[-2].used:
             raise Veto
         frames[-2] = replace(frames[-2], used=frames[-2].used | {key})

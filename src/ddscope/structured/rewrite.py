@@ -8,6 +8,7 @@ import json
 import re
 from typing import Any
 
+from ddscope.structured.drafts import NARROWED, is_narrowed, marked
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.formats import enforced_format
 from ddscope.structured.merge import inlined
@@ -19,7 +20,6 @@ DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 TYPES = ("array", "boolean", "null", "number", "object", "string")
 OBJECT_KEYS = {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
                "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas"}
-NARROWED = "ddscope: narrowed"  # the $comment of a part served narrower than the schema, never complemented
 NOTES = {"description", "title", "$comment", "examples", "default", "markdownDescription", "deprecated"}
 
 
@@ -37,24 +37,37 @@ def portable(schema: Any, narrowing: bool = True) -> Any:
     if '"unevaluatedProperties"' in text or '"unevaluatedItems"' in text:
         return schema
     local, draft = not resources(schema), str(schema.get("$schema", "")) if isinstance(schema, dict) else ""
-    alone = refs_alone(schema)
+    alone, given = refs_alone(schema), marked(schema)
 
-    def one(node: dict[str, Any]) -> Any:
+    def one(node: dict[str, Any], original: dict[str, Any]) -> Any:
         if alone and isinstance(node.get("$ref"), str):  # drafts 4-7 ignore a $ref's siblings (guidance refuses
             node = {k: v for k, v in node.items() if k in ("$ref", "definitions", "$defs")}  # them on a loop)
-        node = _one_of_out(_dependencies_out(_conditions_out(_names_out(enforced_format(node, draft), draft))),
-                           schema, local, narrowing)
+        node = _dependencies_out(_conditions_out(_names_out(enforced_format(node, draft), draft)))
+        node = _one_of_out(node, original.get("oneOf"), schema, local, narrowing)
         other = complement(node["not"]) if "not" in node else None
         if other is None and "not" in node and narrowing:
             other = _narrowed(node["not"])
         if other is None:
-            return node
-        rest = {k: v for k, v in node.items() if k != "not"}
+            return _unnarrowed(node, original)
+        rest = _unnarrowed({k: v for k, v in node.items() if k != "not"}, original)
         if not set(rest) - NOTES:
             return other if not isinstance(other, dict) else {**rest, **other}
         return {**rest, "allOf": [*(rest.get("allOf") or []), other]}
-    out = rebuild(schema, one)
+    out = rebuild(given, one, originals=True)
     return {**out, "$schema": schema["$schema"]} if isinstance(out, dict) and "$schema" in schema else out
+
+
+def _unnarrowed(node: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
+    """`node` with each `not`, oneOf and if/then/else left unwritten as it was written, where a rewrite narrowed a
+    part inside: kept, they read that part the other way round, so narrower there would be looser."""
+    kept = [("not",), ("oneOf",), ("if", "then", "else")]
+    back = [k for keys in kept if keys[0] in node and any(_holds_narrowed(node.get(k)) for k in keys) for k in keys]
+    return {**node, **{k: original[k] for k in back if k in original}}
+
+
+def _holds_narrowed(node: Any) -> bool:
+    found = node if isinstance(node, list) else [node]
+    return any(is_narrowed(n) for x in found for n, _ in subschemas(x))
 
 
 def _names_out(node: dict[str, Any], draft: str) -> dict[str, Any]:
@@ -96,19 +109,21 @@ def _conditions_out(node: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "allOf": kept + branches}
 
 
-def _one_of_out(node: dict[str, Any], root: Any, local: bool, narrowing: bool) -> dict[str, Any]:
-    """`node` with its oneOf as an anyOf: as it is where no instance can match two branches (`exclusive`), else
-    each branch with the complements of the others (exactly one of them), where those can be written, or else
-    with parts of them (`complement`'s `narrow`: what is served is narrower than the oneOf, never looser)."""
+def _one_of_out(node: dict[str, Any], written: Any, root: Any, local: bool, narrowing: bool) -> dict[str, Any]:
+    """`node` with its oneOf as an anyOf: as it is where no instance can match two branches (`exclusive`, proved
+    on the branches as `written`, before a rewrite narrowed any), else each branch with the complements of the
+    others (exactly one of them), where those can be written, or else with parts of them (`complement`'s
+    `narrow`: what is served is narrower than the oneOf, never looser)."""
     branches = node.get("oneOf")
     if not isinstance(branches, list) or not branches:
         return node
     rest = {k: v for k, v in node.items() if k != "oneOf"}
+    proof = written if isinstance(written, list) and len(written) == len(branches) else branches
     objects = sum(isinstance(b, dict) and not types(b) and bool(set(b) - NOTES) and set(b) - NOTES <= OBJECT_KEYS
-                  for b in branches) > 1  # a non-object matches two branches: the oneOf takes only objects
+                  for b in proof) > 1  # a non-object matches two branches: the oneOf takes only objects
     if objects:
-        branches = [_as_object(inlined(b, root, local)) for b in branches]
-    if len(branches) == 1 or exclusive(branches, root, local, {"object"} if objects else types(node)):
+        branches, proof = ([_as_object(inlined(b, root, local)) for b in found] for found in (branches, proof))
+    if len(branches) == 1 or exclusive(proof, root, local, {"object"} if objects else types(node)):
         either: list[Any] = branches
     else:
         if len(branches) > MAX_ONE_OF:
@@ -168,7 +183,7 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     written, a part of it (never None): an object's other keywords, and what cannot be written, left out."""
     if node is True or node is False:
         return not node
-    if any(n.get("$comment") == NARROWED for n, _ in subschemas(node)):
+    if any(is_narrowed(n) for n, _ in subschemas(node)):
         return False if narrow else None  # the complement of a narrowed part would be looser than the schema
     keys = set(node) - NOTES if isinstance(node, dict) else {"?"}
     if not keys:
@@ -190,12 +205,13 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
         others = [{"type": [t for t in TYPES if t != "string"]}] if types(node) else []  # untyped: they match
         return {"anyOf": [*others, strings]} if others else strings
     values = fixed_values(node) if keys in ({"enum"}, {"const"}) else None
-    among = fixed_values(within) if isinstance(within, dict) else None
+    among = fixed_values(within) if isinstance(within, dict) and not is_narrowed(within) else None
     if values is not None and among is not None:  # the others of `within`'s
         shut = {value_key(v) for v in values}
         left = [v for v in among if value_key(v) not in shut]
         return {"enum": left} if left else False
-    if values is not None and all(v is None or isinstance(v, (bool, str)) for v in values):
+    if values is not None and all(v is None or isinstance(v, bool) or isinstance(v, str) and not v.endswith("\n")
+                                  for v in values):  # Python's `$` takes "a\n" as "a": jsonschema would differ
         return _not_values(values)
     return False if narrow else None
 
@@ -215,13 +231,15 @@ def _not_pattern(pattern: Any) -> Any:
         within = re.compile(f"[{body}]")
     except re.error:
         return None
+    if within.fullmatch("\n") and not start:
+        return None  # Python's `$` takes a final newline, which the class would then tell
     other = "".join(_escaped(chr(c)) for c in range(0x21, 0x7F) if not within.fullmatch(chr(c)))
     if not other:
         return None
     other, any_ = f"[{other}]", ANY_CHAR + "*"
-    found = {("", "", ""): f"^{other}*$", ("^", "", ""): f"^(?:{other}{any_})?$",
-             ("", "", "$"): f"^(?:{any_}{other})?$", ("^", "*", "$"): f"^{any_}{other}{any_}$",
-             ("^", "+", "$"): f"^(?:{any_}{other}{any_})?$"}.get((start, repeat, end))
+    found = {("", "", ""): f"^{other}*$", ("^", "", ""): f"^{other}{any_}$", ("", "", "$"): f"^(?:{any_}{other})?$",
+             ("^", "*", "$"): f"^{any_}{other}{any_}$", ("^", "+", "$"): f"^{any_}{other}{any_}$"}.get(
+                 (start, repeat, end))  # "" left out where Python's `$` would read "\n" as it
     return None if found is None else {"type": "string", "pattern": found, "$comment": NARROWED}
 
 

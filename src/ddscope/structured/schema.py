@@ -107,21 +107,22 @@ def _values(node: dict[str, Any]) -> Iterator[tuple[str, Any]]:
             yield key, node[key]
 
 
-def rebuild(node: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
-    """`node` with `fn` applied to every subschema, innermost first."""
+def rebuild(node: Any, fn: Callable[..., Any], originals: bool = False) -> Any:
+    """`node` with `fn` applied to every subschema, innermost first (`fn(rebuilt)`, or `fn(rebuilt, original)`
+    where `originals`: the subschema before its children were rebuilt)."""
     if not isinstance(node, dict):
         return node
     out = dict(node)
     for key in SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
-            out[key] = {name: rebuild(child, fn) for name, child in node[key].items()}
+            out[key] = {name: rebuild(child, fn, originals) for name, child in node[key].items()}
     for key in SCHEMA_LISTS + ("items",):
         if isinstance(node.get(key), list):
-            out[key] = [rebuild(child, fn) for child in node[key]]
+            out[key] = [rebuild(child, fn, originals) for child in node[key]]
     for key in SCHEMA_ONE:
         if isinstance(node.get(key), dict):
-            out[key] = rebuild(node[key], fn)
-    return fn(out)
+            out[key] = rebuild(node[key], fn, originals)
+    return fn(out, node) if originals else fn(out)
 
 
 def resources(root: Any) -> list[str]:

@@ -40,17 +40,17 @@ class Rule(NamedTuple):
     that is 0 so far has no other), or an unused fixed value it starts."""
     forms: dict[str, tuple[bytes, ...]]
     open: frozenset[str]
-    key: str | None = None  # object items: the required property, an open string, kept unique in their stead
+    keys: frozenset[str] = frozenset()  # object items: required open strings, each kept unique where present
 
     def __or__(self, other: Rule) -> Rule:  # type: ignore[override]
-        return Rule({**self.forms, **other.forms}, self.open | other.open, self.key or other.key)
+        return Rule({**self.forms, **other.forms}, self.open | other.open, self.keys | other.keys)
 
     def stuck(self, used: frozenset[str], partial: bytes | None) -> bool:
         """Whether an item that starts `partial` (None: after a comma, none begun) can only repeat one."""
         unused = {key: texts for key, texts in self.forms.items() if key not in used}
         if partial is None:
-            return not self.open and not unused and self.key is None
-        if partial[:1] == b"{" and self.key is not None:
+            return not self.open and not unused and not self.keys
+        if partial[:1] == b"{" and self.keys:
             return False  # its key, an open string, goes on another way
         if partial[:1] == b'"':
             text = None if "string" in self.open else _decoded(partial)
@@ -99,7 +99,7 @@ class Plan:
         one may have no way on but a repeat)."""
         leaves = self._leaves(node.get("items"))
         rules = [_leaf_rule(leaf) or self._keyed(leaf) for leaf in leaves or ()]
-        if not rules or any(r is None for r in rules) or len({r.key for r in rules if r.key}) > 1:
+        if not rules or any(r is None for r in rules) or len({k for r in rules for k in r.keys}) > 1:
             return None
         out = Rule({}, frozenset())
         for r in rules:
@@ -151,7 +151,7 @@ class Plan:
             value = self._target(value) if isinstance(value, dict) and "$ref" in value and len(value) == 1 else value
             rule = _leaf_rule(value) if isinstance(value, dict) else None
             if rule is not None and rule.open == {"string"} and not rule.forms:
-                return Rule({}, frozenset(), name)
+                return Rule({}, frozenset(), frozenset({name}))
         return None
 
     def _target(self, node: dict[str, Any]) -> Any:
