@@ -129,7 +129,8 @@ def test_formats_no_draft_defines_are_left_out_and_defined_ones_kept_or_written(
     assert enforced_format({"format": "iri"}, "") == {"format": "uri", "$comment": NARROWED}  # never complemented
     assert enforced_format({"format": "host-name"}, "http://json-schema.org/draft-03/schema#") == \
         {"format": "host-name"}  # draft 3's own: refused by the backends, not dropped
-    assert enforced_format({"format": "regex", "pattern": "^a"}, "") == {"format": "regex", "pattern": "^a"}
+    assert enforced_format({"format": "regex", "pattern": "^a"}, "") == \
+        {"pattern": "^a", "allOf": [{"pattern": AS_PATTERN["regex"]}], "$comment": NARROWED}
     assert enforced_format({"format": "json-pointer"}, "") == \
         {"pattern": AS_PATTERN["json-pointer"], "$comment": NARROWED}
 

@@ -46,8 +46,8 @@ AS_FORMAT = {"iri": "uri", "idn-email": "email"}  # their ASCII subsets, which b
 
 def enforced_format(node: dict[str, Any], draft: str) -> dict[str, Any]:
     """`node` with its format as both backends enforce it: left out where no draft defines it (draft 3's own where
-    the document is of another draft), written as a pattern or a known format where that can be done, or kept
-    (for a backend to enforce, or refuse)."""
+    the document is of another draft), written as a pattern (beside its own: in an allOf) or a known format where
+    that can be done, or kept (for a backend to enforce, or refuse)."""
     name = node.get("format")
     if not isinstance(name, str) or name in DEFINED and name not in AS_PATTERN and name not in AS_FORMAT:
         return node
@@ -55,7 +55,9 @@ def enforced_format(node: dict[str, Any], draft: str) -> dict[str, Any]:
         return {k: v for k, v in node.items() if k != "format"}
     if name in AS_FORMAT:  # narrower: marked, never complemented
         return {**node, "format": AS_FORMAT[name], "$comment": NARROWED}
-    if name in AS_PATTERN and "pattern" not in node:  # two patterns do not make one
+    if name in AS_PATTERN:
         rest = {k: v for k, v in node.items() if k != "format"}
+        if "pattern" in rest:  # two patterns, both: guidance intersects them
+            return {**rest, "allOf": [*(rest.get("allOf") or []), {"pattern": AS_PATTERN[name]}], "$comment": NARROWED}
         return {**rest, "pattern": AS_PATTERN[name], "$comment": NARROWED}
     return node

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddscope.structured.backend import Backend, Compiled, Matcher
 from ddscope.structured.constraint import Constraint, ConstraintError, first_line
-from ddscope.structured.schema import Gap, locate
+from ddscope.structured.schema import Gap, locate, subschemas
 
 SPACE = "[\\x20\\x0A\\x0D\\x09]"  # JSON's whitespace
 
@@ -120,8 +120,10 @@ class GuidanceBackend(Backend):
     def _explain(self, c: Constraint, message: str) -> str:
         """llguidance's error, with the keyword and path it is about where it names one."""
         text = first_line(ValueError(message))
-        keyword = _keyword(message)
-        path = locate(json.loads(c.spec), keyword) if keyword and c.kind == "json" else None
+        keyword, schema = _keyword(message), json.loads(c.spec) if c.kind == "json" else None
+        named = re.search(r"Unknown format: (\S+)", message)
+        path = next((p for n, p in subschemas(schema) if n.get("format") == named.group(1)), None) if named else \
+            locate(schema, keyword) if keyword and schema is not None else None
         where = f"{keyword} at {path}: " if path else ""
         return f"the {c.kind} constraint does not compile under guidance: {where}{text}"
 
