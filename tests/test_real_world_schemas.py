@@ -223,3 +223,15 @@ def test_keyed_arrays_of_two_branches_keep_both_keys():
           for k in ("id", "name")]
     plan = enforced({"anyOf": by})[1]
     assert plan is not None and plan.rule(()).keys == {"id", "name"}
+
+
+def test_a_one_of_of_arrays_overlapping_only_when_empty_is_served_without_the_empty_one(demo):
+    schema = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "number"}},  # a Vega-Lite domain
+                        {"type": "array", "items": {"type": "string"}}]}
+    given = portable(schema)
+    assert "oneOf" not in json.dumps(given)
+    for instance in ("x", [1], ["a"], [], [1, "a"], None):
+        assert not reads(given).is_valid(instance) or reads(schema).is_valid(instance), instance
+    assert all(reads(given).is_valid(i) for i in ("x", [1, 2], ["a"]))
+    assert demo.grammars.compile(Constraint("json", json.dumps({"type": "object", "properties": {"d": schema},
+                                                                "required": ["d"]}), any_whitespace=False))

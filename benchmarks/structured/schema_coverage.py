@@ -83,23 +83,24 @@ def compile_one(engine: Any, schema: Any, backend: str) -> tuple[Any, str | None
         return None, f"not a schema: {e}"
 
 
-def comply(engine: Any, compiled: Any, schema: Any, max_tokens: int) -> tuple[bool, bool]:
-    """(finished, valid): a greedy ddtree generation under the grammar, checked independently."""
+def comply(engine: Any, compiled: Any, schema: Any, max_tokens: int) -> dict[str, Any]:
+    """A greedy ddtree generation under the grammar, checked independently (`checked`)."""
     out = engine.generate(PROMPT, max_new_tokens=max_tokens, method="ddtree", constraint=compiled, temperature=0)
     return checked(out.finish_reason, out.text, schema)
 
 
-def checked(finish_reason: str | None, text: str, schema: Any) -> tuple[bool, bool]:
-    """(finished, valid) of one output, validated by `jsonschema` with its format checker."""
+def checked(finish_reason: str | None, text: str, schema: Any) -> dict[str, Any]:
+    """One output's row fields: `finished`, `valid` (by `jsonschema`, its format checker on), and where it is not,
+    `why` and the `text`."""
     import jsonschema
 
     if finish_reason != "stop":
-        return False, False
+        return {"finished": False, "valid": False}
     try:
         jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
-        return True, True
-    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
-        return True, False
+        return {"finished": True, "valid": True}
+    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError) as e:
+        return {"finished": True, "valid": False, "why": str(e).splitlines()[0][:300], "text": text[:2000]}
 
 
 def measure_vllm(url: str, model: str, schemas: list[tuple[str, Any]], sample: set[str],
@@ -123,14 +124,14 @@ def measure_vllm(url: str, model: str, schemas: list[tuple[str, Any]], sample: s
             row: dict[str, Any] = {"backend": "vllm", "schema": name, "compiled": r.status_code == 200, "by": None,
                                    "refused": None if r.status_code == 200 else _error(r)}
             if row["compiled"] and name in sample:
-                row["finished"], row["valid"] = False, False  # unless an answer says otherwise
+                row |= {"finished": False, "valid": False}  # unless an answer says otherwise
                 try:
                     answer = ask(schema, max_tokens)
                     choice = answer.json()["choices"][0] if answer.status_code == 200 else None
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     choice = None
                 if choice is not None:
-                    row["finished"], row["valid"] = checked(choice.get("finish_reason"), choice.get("text", ""), schema)
+                    row |= checked(choice.get("finish_reason"), choice.get("text", ""), schema)
             rows.append(row)
     return rows
 
@@ -202,7 +203,7 @@ def measure(engine: Any, schemas: list[tuple[str, Any]], backend: str, sample: s
         row: dict[str, Any] = {"backend": backend, "schema": name, "compiled": compiled is not None,
                                "by": getattr(compiled, "backend", None), "refused": why}
         if compiled is not None and name in sample:
-            row["finished"], row["valid"] = comply(engine, compiled, schema, max_tokens)
+            row |= comply(engine, compiled, schema, max_tokens)
         rows.append(row)
     return rows
 

@@ -5,7 +5,6 @@ refuse."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from ddscope.structured.drafts import NARROWED, is_narrowed, marked
@@ -14,10 +13,10 @@ from ddscope.structured.formats import enforced_format
 from ddscope.structured.merge import inlined
 from ddscope.structured.schema import (fixed_values, names_refused, rebuild, refs_alone, resources, subschemas,
                                        types, value_key)
+from ddscope.structured.strings import TYPES, not_pattern, not_values
 
 MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complements
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
-TYPES = ("array", "boolean", "null", "number", "object", "string")
 OBJECT_KEYS = {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
                "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas"}
 NOTES = {"description", "title", "$comment", "examples", "default", "markdownDescription", "deprecated"}
@@ -198,8 +197,14 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     if keys <= ({"type"} | OBJECT_KEYS if narrow else {"type", "required", "properties"}) and \
             types(node) <= {"object"}:
         return _not_object(node, within, narrow)
+    if narrow and keys <= {"type", "items", "minItems", "maxItems", "uniqueItems"} and types(node) <= {"array"} and \
+            isinstance(node.get("items"), dict):  # a part: arrays of one item or more, each one `items` refuses
+        inner = complement(node["items"], narrow=True)
+        parts = ([{"type": [t for t in TYPES if t != "array"]}] if types(node) else []) + \
+            ([{"type": "array", "minItems": 1, "items": inner}] if inner is not False else [])
+        return {"anyOf": parts} if parts else False
     if narrow and keys <= {"type", "pattern"} and "pattern" in keys and types(node) <= {"string"}:
-        strings = _not_pattern(node["pattern"])
+        strings = not_pattern(node["pattern"])
         if strings is None:
             return False if narrow else None
         others = [{"type": [t for t in TYPES if t != "string"]}] if types(node) else []  # untyped: they match
@@ -212,72 +217,8 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
         return {"enum": left} if left else False
     if values is not None and all(v is None or isinstance(v, bool) or isinstance(v, str) and not v.endswith("\n")
                                   for v in values):  # Python's `$` takes "a\n" as "a": jsonschema would differ
-        return _not_values(values)
+        return not_values(values)
     return False if narrow else None
-
-
-CLASS_PATTERN = re.compile(r"(\^?)\[((?:[^\]\\^]|\\.)(?:[^\]\\]|\\.)*)\]([*+]?)(\$?)")
-
-
-def _not_pattern(pattern: Any) -> Any:
-    """The strings a pattern of one character class refuses, narrowed (marked so: `NARROWED`): their telling
-    character printable ASCII, which Python's re and the backends' regexes read alike (Python's `\\s` also takes
-    \\x1c-\\x1f, and its `$` a final newline). Shapes: `[C]` anywhere, `^[C]`, `[C]$`, `^[C]*$`, `^[C]+$`."""
-    shape = CLASS_PATTERN.fullmatch(pattern) if isinstance(pattern, str) else None
-    if shape is None:
-        return None
-    start, body, repeat, end = shape.groups()
-    try:
-        within = re.compile(f"[{body}]")
-    except re.error:
-        return None
-    if within.fullmatch("\n") and not start:
-        return None  # Python's `$` takes a final newline, which the class would then tell
-    other = "".join(_escaped(chr(c)) for c in range(0x21, 0x7F) if not within.fullmatch(chr(c)))
-    if not other:
-        return None
-    other, any_ = f"[{other}]", ANY_CHAR + "*"
-    found = {("", "", ""): f"^{other}*$", ("^", "", ""): f"^{other}{any_}$", ("", "", "$"): f"^(?:{any_}{other})?$",
-             ("^", "*", "$"): f"^{any_}{other}{any_}$", ("^", "+", "$"): f"^{any_}{other}{any_}$"}.get(
-                 (start, repeat, end))  # "" left out where Python's `$` would read "\n" as it
-    return None if found is None else {"type": "string", "pattern": found, "$comment": NARROWED}
-
-
-def _not_values(values: list[Any]) -> Any:
-    """Anything but `values` (strings, true, false, null): another type, another literal, or a string none of them
-    is (`not_strings`)."""
-    literals = [v for v in (True, False, None) if not any(v is x for x in values)]
-    words = [v for v in values if isinstance(v, str)]
-    kinds = ("boolean", "null") + (("string",) if words else ())
-    branches: list[Any] = [{"type": [t for t in TYPES if t not in kinds]}]
-    branches += [{"enum": literals}] if literals else []
-    branches += [{"type": "string", "pattern": not_strings(words)}] if words else []
-    return {"anyOf": branches}
-
-
-def not_strings(words: list[str]) -> str:
-    """A regex (anchored, no lookaround: both backends read it) matching every string but `words`: by their trie,
-    a string that stops short of a word, leaves the trie at some character, or goes on past a word's end."""
-    trie: dict[str, Any] = {}
-    for w in words:
-        node = trie
-        for ch in w:
-            node = node.setdefault(ch, {})
-        node[""] = {}  # a word ends here
-
-    def rest(node: dict[str, Any]) -> str:
-        kids = sorted(k for k in node if k)
-        other = "[^" + "".join(_escaped(k) for k in kids) + "]" if kids else ANY_CHAR
-        parts = ([] if "" in node else [""]) + [other + ANY_CHAR + "*"] + [_escaped(k) + rest(node[k]) for k in kids]
-        return "(?:" + "|".join(parts) + ")"
-    return "^" + rest(trie) + "$"
-
-
-ANY_CHAR = "[\\s\\S]"
-
-
-def _escaped(ch: str) -> str:
-    return "\\" + ch if ch in "\\^-]$.|?*+()[]{}/" else ch
 
 
 def _not_object(node: dict[str, Any], within: Any, narrow: bool) -> Any:
