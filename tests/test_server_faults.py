@@ -75,7 +75,7 @@ def test_kv_cache_exhaustion_is_503_with_retry_after_and_the_worker_goes_on(tiny
 
     monkeypatch.setattr(engine.runner, "step", step)
     with serve_in_background(engine=engine) as url:
-        body = {"prompt": list(range(5, 25)), "max_tokens": 4}
+        body = {"prompt": list(range(5, 25)), "max_tokens": 4, "ignore_eos": True}  # 4 whatever is sampled
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         again = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 503, r.text
@@ -182,7 +182,7 @@ def test_a_bug_around_one_request_fails_it_and_the_worker_goes_on(tiny_engine, m
         failed = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
         assert client.get(f"{url}/health").status_code == 200
-        ok = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+        ok = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
