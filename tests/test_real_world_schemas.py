@@ -66,6 +66,7 @@ def test_more_one_of_branches_are_proved_apart_and_no_overlap_is(branches, root,
                {"properties": {"b": {}}, "additionalProperties": False}]},
     {"oneOf": [{"properties": {"a": {}}}, {"required": ["b"]}, {"type": "string"}]},
     {"type": "integer", "oneOf": [{"maximum": 0}, {"minimum": 1}]},
+    {"type": "string", "oneOf": [{"enum": [""]}, {"_format": "email"}]},  # an unknown keyword: a note, any string
     {"$schema": DRAFT4, "oneOf": [{"$ref": "#/definitions/s"}, {"type": "null"}],
      "definitions": {"s": {"type": "string", "const": "x"}}},  # draft 4 ignores const
 ])

@@ -11,8 +11,8 @@ from ddscope.structured.drafts import NARROWED, is_narrowed, marked
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.formats import enforced_format
 from ddscope.structured.merge import inlined
-from ddscope.structured.schema import (fixed_values, names_refused, rebuild, refs_alone, resources, subschemas,
-                                       types, value_key)
+from ddscope.structured.schema import (ASSERTIONS, fixed_values, names_refused, rebuild, refs_alone, resources,
+                                       subschemas, types, value_key)
 from ddscope.structured.strings import TYPES, not_pattern, not_values
 
 MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complements
@@ -184,7 +184,7 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
         return not node
     if any(is_narrowed(n) for n, _ in subschemas(node)):
         return False if narrow else None  # the complement of a narrowed part would be looser than the schema
-    keys = set(node) - NOTES if isinstance(node, dict) else {"?"}
+    keys = set(node) & (ASSERTIONS | {"type", "const", "enum"}) if isinstance(node, dict) else {"?"}  # the rest: notes
     if not keys:
         return False
     if keys <= {"type"} and not ("integer" in types(node) and "number" not in types(node)):  # no type: non-integers
