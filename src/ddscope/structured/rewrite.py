@@ -11,7 +11,7 @@ from ddscope.structured.drafts import NARROWED, is_narrowed, marked
 from ddscope.structured.exclusive import exclusive
 from ddscope.structured.formats import enforced_format
 from ddscope.structured.merge import inlined
-from ddscope.structured.schema import (ASSERTIONS, fixed_values, names_refused, rebuild, refs_alone, resources,
+from ddscope.structured.schema import (asserted, fixed_values, names_refused, rebuild, refs_alone, resources,
                                        subschemas, types, value_key)
 from ddscope.structured.strings import TYPES, not_pattern, not_values
 
@@ -19,7 +19,6 @@ MAX_ONE_OF = 8  # branches of a oneOf written as each with the others' complemen
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 OBJECT_KEYS = {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
                "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas"}
-NOTES = {"description", "title", "$comment", "examples", "default", "markdownDescription", "deprecated"}
 
 
 def portable(schema: Any, narrowing: bool = True) -> Any:
@@ -49,7 +48,7 @@ def portable(schema: Any, narrowing: bool = True) -> Any:
         if other is None:
             return _unnarrowed(node, original)
         rest = _unnarrowed({k: v for k, v in node.items() if k != "not"}, original)
-        if not set(rest) - NOTES:
+        if not asserted(rest):
             return other if not isinstance(other, dict) else {**rest, **other}
         return {**rest, "allOf": [*(rest.get("allOf") or []), other]}
     out = rebuild(given, one, originals=True)
@@ -82,7 +81,7 @@ def _names_out(node: dict[str, Any], draft: str) -> dict[str, Any]:
     extra, rest = node.get("additionalProperties", True), {k: v for k, v in node.items() if k != "propertyNames"}
     if names is True or names == {} or extra is False and not node.get("patternProperties"):
         return rest
-    if isinstance(names, dict) and set(names) - NOTES <= {"pattern", "type"} and types(names) <= {"string"} and \
+    if isinstance(names, dict) and asserted(names) <= {"pattern", "type"} and types(names) <= {"string"} and \
             isinstance(names.get("pattern"), str) and extra in (True, {}) and "patternProperties" not in node:
         return {**rest, "patternProperties": {names["pattern"]: {}}, "additionalProperties": False}
     return node
@@ -118,7 +117,7 @@ def _one_of_out(node: dict[str, Any], written: Any, root: Any, local: bool, narr
         return node
     rest = {k: v for k, v in node.items() if k != "oneOf"}
     proof = written if isinstance(written, list) and len(written) == len(branches) else branches
-    objects = sum(isinstance(b, dict) and not types(b) and bool(set(b) - NOTES) and set(b) - NOTES <= OBJECT_KEYS
+    objects = sum(isinstance(b, dict) and not types(b) and bool(asserted(b)) and asserted(b) <= OBJECT_KEYS
                   for b in proof) > 1  # a non-object matches two branches: the oneOf takes only objects
     if objects:
         branches, proof = ([_as_object(inlined(b, root, local)) for b in found] for found in (branches, proof))
@@ -182,9 +181,9 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     written, a part of it (never None): an object's other keywords, and what cannot be written, left out."""
     if node is True or node is False:
         return not node
-    if any(is_narrowed(n) for n, _ in subschemas(node)):
+    if not isinstance(node, dict) or any(is_narrowed(n) for n, _ in subschemas(node)):
         return False if narrow else None  # the complement of a narrowed part would be looser than the schema
-    keys = set(node) & (ASSERTIONS | {"type", "const", "enum"}) if isinstance(node, dict) else {"?"}  # the rest: notes
+    keys = asserted(node)
     if not keys:
         return False
     if keys <= {"type"} and not ("integer" in types(node) and "number" not in types(node)):  # no type: non-integers
@@ -206,7 +205,7 @@ def complement(node: Any, within: Any = None, narrow: bool = False) -> Any:
     if narrow and keys <= {"type", "pattern"} and "pattern" in keys and types(node) <= {"string"}:
         strings = not_pattern(node["pattern"])
         if strings is None:
-            return False if narrow else None
+            return False
         others = [{"type": [t for t in TYPES if t != "string"]}] if types(node) else []  # untyped: they match
         return {"anyOf": [*others, strings]} if others else strings
     values = fixed_values(node) if keys in ({"enum"}, {"const"}) else None

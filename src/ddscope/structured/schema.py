@@ -223,6 +223,11 @@ ASSERTIONS = {"multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusive
               "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef"}
 
 
+def asserted(node: dict[str, Any]) -> set[str]:
+    """The keywords of a subschema that can refuse an instance; the rest (titles, unknown keywords) are notes."""
+    return set(node) & (ASSERTIONS | {"type", "const", "enum"})
+
+
 def values_of(node: dict[str, Any]) -> set[tuple[str, str]] | None:
     """The values a subschema's const or enum allows, each as (its JSON type, itself as JSON compares it: 1 ==
     1.0 == -0.0 + 1, true != 1, also inside arrays and objects); None: not bounded so."""
