@@ -157,6 +157,14 @@ def test_objects_are_kept_unique_by_a_required_open_string_narrower_never_looser
     assert refused >= 1  # `."` closes "a." again
 
 
+def test_keyed_objects_under_the_tree_equal_ar_with_drafts_accepted(demo):
+    c = compiled(demo, OWNERS)
+    ar = demo.generate("x", max_new_tokens=40, method="ar", constraint=c, temperature=0)
+    tree = demo.generate("x", max_new_tokens=40, method="ddtree", constraint=c, temperature=0)
+    assert tree.text == ar.text and tree.token_ids == ar.token_ids
+    assert any(r.drafted and r.committed > 1 for r in tree.stats.rounds)  # drafts were accepted
+
+
 def test_strings_whose_pattern_always_goes_on_are_kept_unique(demo, backend):
     names = {"type": "array", "uniqueItems": True, "items": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}}
     m = compiled(demo, names, backend).matcher()
